@@ -1,0 +1,73 @@
+# megagspo: every target installs what it needs, by dependency, into $(VENV).
+#   make train       the main job: GSPO on a tiny Qwen3-MoE, CPU, embedded defaults
+#   make test        install everything, then run the whole test suite
+#   make cuda-check  compile every csrc/**/*.cu for sm_90 with nvcc against torch's headers (no GPU needed)
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip
+PY := $(BIN)/python
+# torch is installed first and pinned; on a GPU host set TORCH_SPEC to the CUDA build you use
+# (or TORCH_SPEC= to keep a preinstalled one) and CONSTRAINTS= to drop the CPU pin.
+TORCH_SPEC ?= torch==2.13.0
+CONSTRAINTS ?= -c requirements/cpu-constraints.txt
+PYTEST_ARGS ?=
+CUDA_ARCH ?= 90
+NVCC ?= nvcc
+
+INSTALLED := $(VENV)/.installed
+EXT_STAMP := $(VENV)/.ext-built
+CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+CU_SOURCES := $(shell find csrc -name '*.cu' 2>/dev/null)
+
+.PHONY: install ext train smoke test test-fast cuda-check clean
+
+install: $(INSTALLED) $(EXT_STAMP)
+
+$(INSTALLED): requirements/base.txt requirements/cpu-constraints.txt setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --disable-pip-version-check -q --upgrade pip setuptools wheel $(CONSTRAINTS)
+	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install --disable-pip-version-check -q "$(TORCH_SPEC)"; fi
+	$(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) -r requirements/base.txt
+	$(PY) -c "import torch, megatron.core, transformers; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)"
+	touch $@
+
+# The editable install builds megagspo._C in place; rebuilt whenever a csrc/ file changes.
+$(EXT_STAMP): $(INSTALLED) $(CSRC)
+	MEGAGSPO_NO_EXT=1 $(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) --no-build-isolation --no-deps -e .
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -c "import torch, megagspo._C as C; print('megagspo._C built; CUDA kernels:', C.built_with_cuda())"
+	touch $@
+
+ext: $(EXT_STAMP)
+
+train: install
+	$(BIN)/megagspo train --config configs/tiny_cpu.yaml $(ARGS)
+
+smoke: install
+	$(PY) -m moe.smoke
+
+test: install
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+cuda-check: $(INSTALLED)
+	@if [ -z "$(CU_SOURCES)" ]; then echo "cuda-check: no .cu sources under csrc/"; exit 0; fi
+	@command -v $(NVCC) >/dev/null || { echo "cuda-check: nvcc not found"; exit 1; }
+	@mkdir -p .cuda-check
+	@set -e; inc=$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths()))"); \
+	pyinc=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
+	for f in $(CU_SOURCES); do \
+	  echo "nvcc sm_$(CUDA_ARCH): $$f"; \
+	  $(NVCC) -c $$f -o .cuda-check/$$(basename $$f).o -std=c++20 -O3 \
+	    -gencode=arch=compute_$(CUDA_ARCH),code=sm_$(CUDA_ARCH) \
+	    -Icsrc $$inc -I$$pyinc -DTORCH_EXTENSION_NAME=_C -DMEGAGSPO_WITH_CUDA=1 \
+	    -D_GLIBCXX_USE_CXX11_ABI=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))") \
+	    -Xcompiler -fPIC --expt-relaxed-constexpr; \
+	done; echo "cuda-check: compiled $(words $(CU_SOURCES)) file(s) for sm_$(CUDA_ARCH)"
+
+clean:
+	rm -rf build .cuda-check megagspo/_C*.so *.egg-info

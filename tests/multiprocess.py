@@ -1,0 +1,140 @@
+"""Run a test body in N spawned gloo processes and bring back each rank's result or traceback.
+
+    from multiprocess import run_distributed
+
+    def _body(rank, world_size, scale):          # module level, so `spawn` can pickle it
+        t = torch.full((2,), float(rank)) * scale
+        torch.distributed.all_reduce(t)
+        return t
+
+    def test_allreduce():
+        results = run_distributed(_body, world_size=2, args=(3.0,))
+        assert torch.equal(results[0], results[1])
+
+Each child gets MASTER_ADDR/MASTER_PORT (a free port chosen by the parent), RANK, WORLD_SIZE,
+LOCAL_RANK, one intra-op thread (N processes share the CI box's 2 cores), and an initialised gloo
+process group that is destroyed after the body returns. The body's return value (tensors are moved to
+CPU) comes back in rank order. A failing child's full traceback is raised in the parent; a body that
+runs past `timeout_s` has every child killed and the test fails naming the ranks still running.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+class DistributedTestError(AssertionError):
+    """A child rank failed, hung or died; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _child(fn, rank, world_size, port, args, kwargs, env, queue):
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+        finally:
+            torch.distributed.destroy_process_group()
+        queue.put((rank, True, _to_cpu(result)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict | None = None,
+    timeout_s: float = 300.0,
+    env: dict | None = None,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), dict(env or {}), queue),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                running = sorted(set(range(world_size)) - set(results) - set(failures))
+                detail = "".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in failures.items())
+                raise DistributedTestError(
+                    f"{fn.__name__}: ranks {running} still running after {timeout_s:.0f} s; killed{detail}"
+                )
+            try:
+                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [
+                    r for r, p in enumerate(procs)
+                    if not p.is_alive() and p.exitcode not in (0, None) and r not in results and r not in failures
+                ]
+                if dead and queue.empty():
+                    # A rank died without reporting (segfault, OOM kill): its peers would hang on it.
+                    codes = {r: procs[r].exitcode for r in dead}
+                    detail = "".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in failures.items())
+                    raise DistributedTestError(f"{fn.__name__}: ranks died without a result, exit codes {codes}{detail}")
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                failures[rank] = payload
+                # The first failure usually leaves its peers blocked in a collective: stop waiting for them.
+                break
+        if failures:
+            detail = "".join(f"\n--- rank {r} traceback ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise DistributedTestError(f"{fn.__name__} failed on rank(s) {sorted(failures)}:{detail}")
+        return [results[r] for r in range(world_size)]
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not failures and len(results) == world_size else 0.5)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        queue.close()
