@@ -20,6 +20,7 @@ runs past `timeout_s` has every child killed and the test fails naming the ranks
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -65,7 +66,11 @@ def _child(fn, rank, world_size, port, args, kwargs, env, queue):
             result = fn(rank, world_size, *args, **kwargs)
         finally:
             torch.distributed.destroy_process_group()
-        queue.put((rank, True, _to_cpu(result)))
+        # Plain bytes: torch's queue pickler would share tensor storage through file descriptors that
+        # die with this process before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(_to_cpu(result), buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
         queue.put((rank, False, traceback.format_exc()))
 
@@ -121,7 +126,7 @@ def run_distributed(
                     raise DistributedTestError(f"{fn.__name__}: ranks died without a result, exit codes {codes}{detail}")
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 failures[rank] = payload
                 # The first failure usually leaves its peers blocked in a collective: stop waiting for them.

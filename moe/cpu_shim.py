@@ -1,0 +1,279 @@
+"""Make Megatron-Core 0.16.1 run MoE models on a host without CUDA.
+
+Applied by an explicit call, `apply_cpu_shim()`, never on import, and only when CUDA is absent. It changes
+exactly five things (shared/notes/platform.md lists the failures they answer) and logs each one:
+
+1. `torch.cuda.current_device()` is passed as `device=` in ~175 places in Megatron: it returns "cpu".
+2. `moe_utils.te_general_gemm` is referenced although Transformer Engine is absent (a NameError in
+   Megatron): it is bound to None, which selects the torch router GEMM.
+3. The alltoall token dispatcher builds `torch.cuda.Stream()` and records events on it: stand-ins with
+   no-op synchronisation (CPU ops are synchronous, so the ordering they guard is already given).
+4. EP>1 with the alltoall dispatcher: `maybe_move_tensor_to_cpu` only converts CUDA tensors, so split
+   sizes stay tensors and `all_to_all_single` rejects them: CPU tensors asked for "as numpy" become
+   numpy arrays, as CUDA tensors do.
+5. TP>1 in training demands sequence parallelism, which the torch-norm fallback refuses: it accepts SP and
+   marks its parameters `sequence_parallel` (as TE's norms do), so `finalize_model_grads` all-reduces them.
+
+Every patched symbol is checked against the signature it had when this shim was written
+(`verify_patch_targets`), so a Megatron upgrade that moves or reshapes one fails loudly here instead of
+misbehaving later. The settings a CPU run needs besides the patches are in `CPU_TRANSFORMER_SETTINGS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MEGATRON_VERSION = "0.16.1"
+
+# TransformerConfig values a CPU run needs (platform.md): CPU weight init, no grouped GEMM (needs the
+# grouped_gemm package), no fused kernels (all CUDA/TE/apex-only).
+CPU_TRANSFORMER_SETTINGS: dict = {
+    "use_cpu_initialization": True,
+    "moe_grouped_gemm": False,
+    "gradient_accumulation_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "apply_rope_fusion": False,
+    "persist_layer_norm": False,
+    "moe_permute_fusion": False,
+    "moe_router_fusion": False,
+    "cross_entropy_loss_fusion": False,
+}
+
+
+class MegatronShimError(RuntimeError):
+    """A symbol the CPU shim patches is missing or changed shape: Megatron-Core was upgraded."""
+
+
+@dataclass(frozen=True)
+class PatchTarget:
+    module: str
+    attribute: str  # dotted path inside the module, e.g. "WrappedTorchNorm.__new__"
+    signature: str | None  # str(inspect.signature(...)) at Megatron-Core 0.16.1; None: only existence
+    why: str
+
+
+PATCH_TARGETS: tuple[PatchTarget, ...] = (
+    PatchTarget("torch.cuda", "current_device", "() -> int", "(1) device= argument throughout Megatron"),
+    PatchTarget("torch.cuda", "Stream", None, "(3) dispatcher's device-to-host stream"),
+    PatchTarget("torch.cuda", "current_stream",
+                "(device: torch.device | str | int | None = None) -> torch.cuda.streams.Stream",
+                "(3) dispatcher compares and waits on the current stream"),
+    PatchTarget("torch.cuda", "stream", "(stream: Optional[ForwardRef('torch.cuda.Stream')]) -> torch.cuda.StreamContext",
+                "(3) dispatcher enters the side stream"),
+    PatchTarget("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction.forward", None,
+                "(2) references te_general_gemm"),
+    PatchTarget("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+                "(tensor: torch.Tensor, as_numpy: bool = False, record_stream: bool = False) -> torch.Tensor",
+                "(4) split sizes for all_to_all_single"),
+    PatchTarget("megatron.core.transformer.moe.token_dispatcher",
+                "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+                "(self, point: str, tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor",
+                "(3, 4) the only caller of the stream stand-ins and of maybe_move_tensor_to_cpu"),
+    PatchTarget("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
+                "(cls, config: megatron.core.transformer.transformer_config.TransformerConfig, "
+                "hidden_size: int, eps: float = 1e-05, persist_layer_norm: bool = False, "
+                "zero_centered_gamma: bool = False, normalization: str = 'LayerNorm')",
+                "(5) torch norm refuses sequence parallelism"),
+)
+
+
+def _resolve(target: PatchTarget):
+    obj = importlib.import_module(target.module)
+    for part in target.attribute.split("."):
+        if not hasattr(obj, part):
+            raise MegatronShimError(
+                f"CPU shim: {target.module}.{target.attribute} no longer exists ({target.why}); "
+                f"the shim was written for Megatron-Core {MEGATRON_VERSION} — review moe/cpu_shim.py"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def verify_patch_targets() -> None:
+    """Raise MegatronShimError if any patched symbol is missing or its signature changed."""
+    for target in PATCH_TARGETS:
+        obj = _resolve(target)
+        original = getattr(obj, "__megagspo_original__", obj)
+        if target.signature is None:
+            continue
+        actual = str(inspect.signature(original))
+        if actual != target.signature:
+            raise MegatronShimError(
+                f"CPU shim: {target.module}.{target.attribute} changed signature ({target.why}):\n"
+                f"  expected {target.signature}\n  found    {actual}\n"
+                f"the shim was written for Megatron-Core {MEGATRON_VERSION} — review moe/cpu_shim.py"
+            )
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    src = inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
+    if "te_general_gemm" not in src:
+        raise MegatronShimError(
+            "CPU shim: moe_utils.RouterGatingLinearFunction no longer references te_general_gemm; patch (2) "
+            "may be obsolete — review moe/cpu_shim.py"
+        )
+
+
+class _CpuEvent:
+    """Stand-in for torch.cuda.Event: CPU work is complete when the call that queued it returns."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream with the methods Megatron's alltoall dispatcher calls."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _CpuStream()
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def _cpu_current_stream(device=None) -> _CpuStream:
+    return _CURRENT_STREAM
+
+
+def _cpu_stream_context(stream=None):
+    return contextlib.nullcontext()
+
+
+def _mark_original(new: Callable, original: Callable) -> Callable:
+    new.__megagspo_original__ = original  # type: ignore[attr-defined]
+    return new
+
+
+_APPLIED: list[str] = []
+
+
+def is_applied() -> bool:
+    return bool(_APPLIED)
+
+
+def apply_cpu_shim(force: bool = False) -> list[str]:
+    """Patch Megatron-Core for a CUDA-less host; return (and log) a line per change.
+
+    Does nothing when CUDA is available (unless `force`, for tests of the shim itself), and nothing the
+    second time. Raises MegatronShimError if Megatron-Core's patched symbols changed.
+    """
+    if _APPLIED:
+        return list(_APPLIED)
+    if torch.cuda.is_available() and not force:
+        logger.info("CPU shim not applied: CUDA is available")
+        return []
+    verify_patch_targets()
+
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    import megatron.core.transformer.torch_norm as torch_norm
+
+    changes: list[str] = []
+
+    # (1)
+    torch.cuda.current_device = _mark_original(_cpu_current_device, torch.cuda.current_device)
+    changes.append("torch.cuda.current_device() -> 'cpu' (Megatron passes it as device=)")
+
+    # (2)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        changes.append("megatron moe_utils.te_general_gemm = None (Transformer Engine absent)")
+
+    # (3)
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = _mark_original(_cpu_current_stream, torch.cuda.current_stream)
+    torch.cuda.stream = _mark_original(_cpu_stream_context, torch.cuda.stream)
+    changes.append("torch.cuda.Stream / current_stream / stream -> synchronous CPU stand-ins")
+
+    # (4)
+    original_move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            # What the GPU path returns (a host numpy array; Megatron calls .tolist() on some of them),
+            # so that all_to_all_single receives plain split sizes instead of a tensor.
+            return tensor.numpy()
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _mark_original(maybe_move_tensor_to_cpu, original_move)
+    changes.append("megatron token_dispatcher.maybe_move_tensor_to_cpu: CPU split sizes -> numpy, as on GPU")
+
+    # (5)
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def wrapped_torch_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                               zero_centered_gamma=False, normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, persist_layer_norm,
+                                zero_centered_gamma, normalization)
+        # Build without SP (the norm itself is elementwise over tokens, so SP changes nothing in its
+        # math), then mark the params so their gradients are all-reduced over the TP group.
+        config_no_sp = _config_without_sequence_parallel(config)
+        norm = original_new(cls, config_no_sp, hidden_size, eps, persist_layer_norm,
+                            zero_centered_gamma, normalization)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = _mark_original(wrapped_torch_norm_new, original_new)
+    changes.append("megatron WrappedTorchNorm accepts sequence_parallel and marks its params")
+
+    for line in changes:
+        logger.warning("megagspo CPU shim: %s", line)
+    _APPLIED.extend(changes)
+    return list(changes)
+
+
+def _config_without_sequence_parallel(config):
+    import copy
+
+    clone = copy.copy(config)
+    clone.sequence_parallel = False
+    return clone
+
+
+def initialize_cpu_rng(seed: int) -> None:
+    """Seed torch and install Megatron's RNG tracker in the form that works without CUDA.
+
+    `model_parallel_cuda_manual_seed` needs CUDA; a CPU RNG-state tracker makes DP-replicated weights
+    differ between EP ranks, the inference (no-op) tracker keeps them identical (platform.md).
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

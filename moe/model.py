@@ -1,0 +1,98 @@
+"""Build a Megatron-Core GPTModel for the Qwen3-MoE architecture, and run its forward pass.
+
+Shape legend: B batch, S sequence length, V vocabulary (V/TP per rank with tensor parallelism), H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.architecture import Qwen3MoeArchitecture, transformer_config
+from moe.parallel import ParallelLayout
+
+
+def transformer_engine_available() -> bool:
+    """True when TE imports cleanly (a GPU host); a broken TE install raises, it is not hidden."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(config, use_transformer_engine: bool | None = None):
+    """Layer specs per decoder layer: local (torch) modules on CPU, Transformer Engine when available."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if use_transformer_engine is None:
+        use_transformer_engine = torch.cuda.is_available() and transformer_engine_available()
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
+                                      normalization="RMSNorm")
+
+
+def build_model(
+    arch: Qwen3MoeArchitecture,
+    layout: ParallelLayout = ParallelLayout(),
+    *,
+    token_dispatcher: str = "alltoall",
+    params_dtype: torch.dtype = torch.float32,
+    routing_replay: bool = False,
+    use_transformer_engine: bool | None = None,
+    **config_overrides,
+):
+    """A GPTModel for this rank of `layout`; model-parallel groups must already exist."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    layout.check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
+                       arch.num_key_value_heads, arch.vocab_size)
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        from moe.cpu_shim import is_applied
+
+        if not is_applied():
+            raise RuntimeError("build_model on a host without CUDA: call moe.cpu_shim.apply_cpu_shim() first")
+    config = transformer_config(
+        arch,
+        tensor_parallel=layout.tensor_parallel,
+        expert_parallel=layout.expert_parallel,
+        pipeline_parallel=layout.pipeline_parallel,
+        expert_tensor_parallel=layout.expert_tensor_parallel,
+        token_dispatcher=token_dispatcher,
+        params_dtype=params_dtype,
+        cpu=cpu,
+        routing_replay=routing_replay,
+        **config_overrides,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, use_transformer_engine),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+    )
+    if not cpu:
+        model = model.cuda(torch.cuda.current_device())
+    return model
+
+
+def causal_attention_mask(seq_len: int, device=None) -> torch.Tensor:
+    """[1, 1, S, S] bool, True where attention is masked out (Megatron's convention).
+
+    Passed explicitly because Megatron's default mask is built on "cuda".
+    """
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def forward_logits(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, S, V/TP] (vocab-parallel shard) of a padded batch of causal sequences."""
+    batch, seq_len = input_ids_BS.shape
+    if position_ids_BS is None:
+        position_ids_BS = torch.arange(seq_len, device=input_ids_BS.device).expand(batch, seq_len)
+    mask = causal_attention_mask(seq_len, device=input_ids_BS.device)
+    return model(input_ids=input_ids_BS, position_ids=position_ids_BS, attention_mask=mask)
