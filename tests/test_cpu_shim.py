@@ -1,0 +1,81 @@
+"""The Megatron-Core CPU shim: explicit, CUDA-gated, logged, and loud when Megatron changes under it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=180)
+
+
+def test_every_patched_symbol_exists_with_the_recorded_signature():
+    from moe.cpu_shim import PATCH_TARGETS, verify_patch_targets
+
+    assert len(PATCH_TARGETS) >= 5
+    verify_patch_targets()
+
+
+def test_a_changed_signature_fails_loudly(monkeypatch):
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    from moe.cpu_shim import MegatronShimError, verify_patch_targets
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False):  # an "upgraded" Megatron lost an argument
+        return tensor
+
+    monkeypatch.setattr(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    with pytest.raises(MegatronShimError, match="maybe_move_tensor_to_cpu changed signature"):
+        verify_patch_targets()
+
+
+def test_a_missing_symbol_fails_loudly(monkeypatch):
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    from moe.cpu_shim import MegatronShimError, verify_patch_targets
+
+    monkeypatch.delattr(moe_utils, "RouterGatingLinearFunction")
+    with pytest.raises(MegatronShimError, match="RouterGatingLinearFunction.forward no longer exists"):
+        verify_patch_targets()
+
+
+def test_import_changes_nothing_and_apply_logs_each_change_once():
+    result = _run_python(
+        """
+        import logging, torch
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        import moe.cpu_shim as shim
+        try:
+            torch.cuda.current_device()
+            raise SystemExit("torch.cuda.current_device() worked before the shim was applied")
+        except (AssertionError, RuntimeError):
+            pass
+        assert not shim.is_applied()
+        changes = shim.apply_cpu_shim()
+        assert len(changes) == 5, changes
+        assert torch.cuda.current_device() == "cpu"
+        assert shim.apply_cpu_shim() == changes  # idempotent
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        assert moe_utils.te_general_gemm is None
+        print("OK")
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("OK")
+    logged = [line for line in result.stderr.splitlines() if line.startswith("megagspo CPU shim:")]
+    assert len(logged) == 5, result.stderr[-3000:]
+
+
+def test_cuda_host_is_left_alone(monkeypatch):
+    import torch
+
+    import moe.cpu_shim as shim
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(shim, "_APPLIED", [])
+    assert shim.apply_cpu_shim() == []
+    assert not shim.is_applied()

@@ -1,0 +1,50 @@
+"""The gloo multi-process harness: results by rank, child tracebacks surfaced, hangs killed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from multiprocess import DistributedTestError, run_distributed
+
+
+def _allreduce_body(rank, world_size, scale):
+    tensor = torch.full((3,), float(rank + 1)) * scale
+    torch.distributed.all_reduce(tensor)
+    return {"rank": rank, "sum": tensor}
+
+
+def _failing_body(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    return rank
+
+
+def _hanging_body(rank, world_size):
+    if rank == 0:
+        time.sleep(600)
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_results_come_back_in_rank_order():
+    results = run_distributed(_allreduce_body, world_size=3, args=(2.0,))
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    for r in results:
+        torch.testing.assert_close(r["sum"], torch.full((3,), 12.0), rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+def test_child_traceback_is_raised_in_parent():
+    with pytest.raises(DistributedTestError, match=r"(?s)rank\(s\) \[1\].*ValueError: rank one refuses"):
+        run_distributed(_failing_body, world_size=2)
+
+
+@pytest.mark.multiprocess
+def test_hanging_rank_is_killed_after_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match=r"ranks \[0\] still running"):
+        run_distributed(_hanging_body, world_size=2, timeout_s=10)
+    assert time.monotonic() - start < 60
