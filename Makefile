@@ -55,19 +55,21 @@ test-fast: install
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
 cuda-check: $(INSTALLED)
-	@if [ -z "$(CU_SOURCES)" ]; then echo "cuda-check: no .cu sources under csrc/"; exit 0; fi
-	@command -v $(NVCC) >/dev/null || { echo "cuda-check: nvcc not found"; exit 1; }
-	@mkdir -p .cuda-check
-	@set -e; inc=$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths()))"); \
+	@set -e; \
+	if [ -z "$(CU_SOURCES)" ]; then echo "cuda-check: no .cu sources under csrc/"; exit 0; fi; \
+	command -v $(NVCC) >/dev/null || { echo "cuda-check: nvcc not found"; exit 1; }; \
+	mkdir -p .cuda-check; \
+	inc=$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths()))"); \
 	pyinc=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
+	abi=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"); \
 	for f in $(CU_SOURCES); do \
 	  echo "nvcc sm_$(CUDA_ARCH): $$f"; \
 	  $(NVCC) -c $$f -o .cuda-check/$$(basename $$f).o -std=c++20 -O3 \
 	    -gencode=arch=compute_$(CUDA_ARCH),code=sm_$(CUDA_ARCH) \
 	    -Icsrc $$inc -I$$pyinc -DTORCH_EXTENSION_NAME=_C -DMEGAGSPO_WITH_CUDA=1 \
-	    -D_GLIBCXX_USE_CXX11_ABI=$$($(PY) -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))") \
-	    -Xcompiler -fPIC --expt-relaxed-constexpr; \
-	done; echo "cuda-check: compiled $(words $(CU_SOURCES)) file(s) for sm_$(CUDA_ARCH)"
+	    -D_GLIBCXX_USE_CXX11_ABI=$$abi -Xcompiler -fPIC --expt-relaxed-constexpr; \
+	done; \
+	echo "cuda-check: compiled $(words $(CU_SOURCES)) file(s) for sm_$(CUDA_ARCH)"
 
 clean:
 	rm -rf build .cuda-check megagspo/_C*.so *.egg-info
