@@ -1,0 +1,757 @@
+"""Hugging Face Qwen3-MoE safetensors <-> Megatron-Core GPTModel parameters, at any TP / EP / ETP / PP layout.
+
+One table drives both directions: every full-model (TP=EP=PP=1) Megatron tensor is a stack, along its
+dim 0, of row ranges of HF tensors (`Segment`s). Examples, for layer i (HF prefix `model.layers.i.`):
+
+    decoder.layers.i.self_attention.linear_qkv.weight  [(nh + 2 nkv) d, H]
+        = for each KV group g: [q_proj rows of g's heads (nh/nkv * d); k_proj rows g*d..; v_proj rows g*d..]
+    decoder.layers.i.mlp.linear_fc1.weight (dense)      [2 F, H] = [mlp.gate_proj; mlp.up_proj]
+    ...mlp.experts.local_experts.e.linear_fc1.weight    [2 I, H] = mlp.experts.gate_up_proj[e]  (5.x fused:
+        [E, 2I, H], gate rows first — transformers' own per-expert -> fused converter concatenates
+        gate then up) or [mlp.experts.e.gate_proj; mlp.experts.e.up_proj] (per-expert layout)
+    ...mlp.experts.local_experts.e.linear_fc2.weight    [H, I]  = mlp.experts.down_proj[e] ([E, H, I]) or
+        mlp.experts.e.down_proj
+    decoder.layers.i.mlp.router.weight [E, H] = mlp.gate.weight; pre_mlp_layernorm = post_attention_layernorm
+
+Import (`load_hf_checkpoint`): each rank works out, for each of its parameters, which rows and columns
+of the full Megatron tensor it owns (TP rows or columns; the SwiGLU fc1 shard is [gate_r; up_r]; its
+experts; its pipeline stage's layers), maps them through the segments, and reads exactly those slices
+with `safe_open(...).get_slice(...)`. Peak memory: the rank's shard plus one slice. The whole key set
+and every full shape are validated from the safetensors headers first, before any data is read.
+
+Export (`save_hf_checkpoint`): all ranks walk the same plan; the shards of each "unit" (the Megatron
+tensors that make up a group of HF tensors, e.g. one layer's experts for a fused `gate_up_proj`) are sent
+to the writer rank, reassembled, converted, and appended to the current safetensors shard; the writer
+holds one unit plus one output shard. Output: `model.safetensors` or `model-0000k-of-0000n.safetensors`
+with `model.safetensors.index.json`, plus `config.json`; experts per-expert by default (as transformers'
+`save_pretrained` writes them), fused on request.
+
+Usage (every rank, after `initialize_model_parallel`):
+
+    arch = architecture_from_hf_config(hf_dir)             # moe.hf_config; strict about keys
+    model = build_model(arch, layout)                       # moe.model
+    load_hf_checkpoint(model, hf_dir)                       # reads this rank's slices only
+    ...
+    save_hf_checkpoint(model, out_dir, arch)                # collective; rank 0 writes
+
+Shape legend: E experts, H hidden, I moe_intermediate_size, F intermediate_size (dense layers),
+d head_dim, nh / nkv query / KV heads, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from moe.architecture import Qwen3MoeArchitecture
+from moe.sharding import RankCoordinates
+
+FUSED = "fused"  # transformers 5.x: mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]
+PER_EXPERT = "per_expert"  # transformers 4.x / hub checkpoints: mlp.experts.{e}.{gate,up,down}_proj.weight
+EXPERT_LAYOUTS = (FUSED, PER_EXPERT)
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the architecture or the model: the message names each tensor and shape."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# The table: full Megatron tensors as row segments of HF tensors
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [start, stop) of an HF tensor (of expert `expert` of a fused [E, ...] tensor, if set)."""
+
+    hf_key: str
+    start: int
+    stop: int
+    expert: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class MegatronTensor:
+    name: str  # full-model Megatron name (global layer and expert indices)
+    shape: tuple[int, ...]
+    segments: tuple[Segment, ...]
+
+
+def _whole(key: str, rows: int) -> tuple[Segment, ...]:
+    return (Segment(key, 0, rows),)
+
+
+def hf_tensor_shapes(arch: Qwen3MoeArchitecture, expert_layout: str = FUSED) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Qwen3MoeForCausalLM checkpoint and its shape, in HF state-dict order."""
+    _check_layout(expert_layout)
+    H, d, E, I = arch.hidden_size, arch.head_dim, arch.num_experts, arch.moe_intermediate_size
+    nh, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, H)}
+    for i, is_moe in enumerate(arch.moe_layer_pattern):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (nh * d, H),
+            p + "self_attn.k_proj.weight": (nkv * d, H),
+            p + "self_attn.v_proj.weight": (nkv * d, H),
+            p + "self_attn.o_proj.weight": (H, nh * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+        })
+        if is_moe:
+            if expert_layout == FUSED:
+                shapes[p + "mlp.experts.gate_up_proj"] = (E, 2 * I, H)
+                shapes[p + "mlp.experts.down_proj"] = (E, H, I)
+            else:
+                for e in range(E):
+                    shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (I, H)
+                    shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (I, H)
+                    shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (H, I)
+            shapes[p + "mlp.gate.weight"] = (E, H)
+        else:
+            F = arch.intermediate_size
+            shapes[p + "mlp.gate_proj.weight"] = (F, H)
+            shapes[p + "mlp.up_proj.weight"] = (F, H)
+            shapes[p + "mlp.down_proj.weight"] = (H, F)
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+    shapes["model.norm.weight"] = (H,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, H)
+    return shapes
+
+
+def megatron_plan(arch: Qwen3MoeArchitecture, expert_layout: str = FUSED) -> dict[str, MegatronTensor]:
+    """Every full-model Megatron parameter (local layer spec names), its shape and its HF segments.
+
+    With tied embeddings `output_layer.weight` (a parameter only on the last stage of PP>1) maps to
+    `model.embed_tokens.weight`.
+    """
+    _check_layout(expert_layout)
+    H, d, E, I = arch.hidden_size, arch.head_dim, arch.num_experts, arch.moe_intermediate_size
+    nh, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    heads_per_group = nh // nkv
+    plan: dict[str, MegatronTensor] = {}
+
+    def add(name, shape, segments):
+        assert sum(s.rows for s in segments) == shape[0], name
+        plan[name] = MegatronTensor(name, tuple(shape), tuple(segments))
+
+    add("embedding.word_embeddings.weight", (arch.vocab_size, H), _whole("model.embed_tokens.weight", arch.vocab_size))
+    for i, is_moe in enumerate(arch.moe_layer_pattern):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        add(m + "input_layernorm.weight", (H,), _whole(p + "input_layernorm.weight", H))
+        qkv = []
+        for g in range(nkv):
+            qkv.append(Segment(p + "self_attn.q_proj.weight", g * heads_per_group * d, (g + 1) * heads_per_group * d))
+            qkv.append(Segment(p + "self_attn.k_proj.weight", g * d, (g + 1) * d))
+            qkv.append(Segment(p + "self_attn.v_proj.weight", g * d, (g + 1) * d))
+        add(m + "self_attention.linear_qkv.weight", ((nh + 2 * nkv) * d, H), qkv)
+        add(m + "self_attention.linear_proj.weight", (H, nh * d), _whole(p + "self_attn.o_proj.weight", H))
+        add(m + "self_attention.q_layernorm.weight", (d,), _whole(p + "self_attn.q_norm.weight", d))
+        add(m + "self_attention.k_layernorm.weight", (d,), _whole(p + "self_attn.k_norm.weight", d))
+        add(m + "pre_mlp_layernorm.weight", (H,), _whole(p + "post_attention_layernorm.weight", H))
+        if is_moe:
+            add(m + "mlp.router.weight", (E, H), _whole(p + "mlp.gate.weight", E))
+            for e in range(E):
+                fc1, fc2 = m + f"mlp.experts.local_experts.{e}.linear_fc1.weight", \
+                    m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"
+                if expert_layout == FUSED:
+                    add(fc1, (2 * I, H), (Segment(p + "mlp.experts.gate_up_proj", 0, 2 * I, e),))
+                    add(fc2, (H, I), (Segment(p + "mlp.experts.down_proj", 0, H, e),))
+                else:
+                    q = p + f"mlp.experts.{e}."
+                    add(fc1, (2 * I, H), (Segment(q + "gate_proj.weight", 0, I), Segment(q + "up_proj.weight", 0, I)))
+                    add(fc2, (H, I), _whole(q + "down_proj.weight", H))
+        else:
+            F = arch.intermediate_size
+            add(m + "mlp.linear_fc1.weight", (2 * F, H),
+                (Segment(p + "mlp.gate_proj.weight", 0, F), Segment(p + "mlp.up_proj.weight", 0, F)))
+            add(m + "mlp.linear_fc2.weight", (H, F), _whole(p + "mlp.down_proj.weight", H))
+    add("decoder.final_layernorm.weight", (H,), _whole("model.norm.weight", H))
+    head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    add("output_layer.weight", (arch.vocab_size, H), _whole(head, arch.vocab_size))
+    return plan
+
+
+def _check_layout(expert_layout: str) -> None:
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+
+
+_FUSED_KEY = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_PER_EXPERT_KEY = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
+def detect_expert_layout(keys: Iterable[str]) -> str:
+    """FUSED or PER_EXPERT from checkpoint key names (FUSED when there are no expert tensors)."""
+    keys = list(keys)
+    fused = [k for k in keys if _FUSED_KEY.search(k)]
+    per_expert = [k for k in keys if _PER_EXPERT_KEY.search(k)]
+    if fused and per_expert:
+        raise CheckpointError(
+            f"checkpoint mixes fused expert tensors ({fused[0]!r}...) and per-expert tensors ({per_expert[0]!r}...)"
+        )
+    return PER_EXPERT if per_expert else FUSED
+
+
+def validate_hf_tensors(actual: Mapping[str, tuple[int, ...]], arch: Qwen3MoeArchitecture,
+                        expert_layout: str) -> None:
+    """Raise CheckpointError listing every missing, wrongly shaped or unexpected tensor with both shapes."""
+    expected = hf_tensor_shapes(arch, expert_layout)
+    problems = []
+    for key, shape in expected.items():
+        if key not in actual:
+            problems.append(f"{key}: expected shape {shape}, missing from the checkpoint (shape: none)")
+        elif tuple(actual[key]) != shape:
+            problems.append(f"{key}: expected shape {shape}, checkpoint has shape {tuple(actual[key])}")
+    for key, shape in actual.items():
+        if key in expected:
+            continue
+        if key == "lm_head.weight" and arch.tie_word_embeddings and tuple(shape) == expected["model.embed_tokens.weight"]:
+            continue  # some tied checkpoints store the head anyway; the embedding is authoritative
+        problems.append(f"{key}: unexpected tensor of shape {tuple(shape)} (expected: no such tensor "
+                        f"for this architecture, {expert_layout} expert layout)")
+    if problems:
+        shown = problems[:40] + ([f"... and {len(problems) - 40} more"] if len(problems) > 40 else [])
+        raise CheckpointError(f"checkpoint does not match the architecture ({len(problems)} problem(s)):\n  "
+                              + "\n  ".join(shown))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Tensor sources: a directory of safetensors files, or an in-memory HF state dict
+# --------------------------------------------------------------------------------------------------------
+
+
+class _Source:
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def read(self, key: str, expert: int | None, rows: tuple[int, int], cols: tuple[int, int] | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _DictSource(_Source):
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def shapes(self):
+        return {k: tuple(v.shape) for k, v in self.tensors.items()}
+
+    def read(self, key, expert, rows, cols):
+        t = self.tensors[key]
+        if expert is not None:
+            t = t[expert]
+        t = t[rows[0]:rows[1]]
+        return t if cols is None else t[:, cols[0]:cols[1]]
+
+
+class SafetensorsSource(_Source):
+    """The tensors of a checkpoint directory (single `model.safetensors`, or sharded with its index).
+
+    Only headers are read on construction; `read` loads one slice through `get_slice`.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / SAFE_INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map' mapping")
+            files = sorted(set(weight_map.values()))
+        elif (self.path / SAFE_WEIGHTS).is_file():
+            weight_map, files = None, [SAFE_WEIGHTS]
+        else:
+            raise CheckpointError(f"{self.path}: neither {SAFE_WEIGHTS} nor {SAFE_INDEX} found")
+        self._handles = {}
+        self._file_of: dict[str, str] = {}
+        for name in files:
+            file = self.path / name
+            if not file.is_file():
+                raise CheckpointError(f"{index}: names shard {name!r}, which does not exist")
+            handle = safe_open(str(file), framework="pt", device="cpu")
+            self._handles[name] = handle
+            for key in handle.keys():
+                if key in self._file_of:
+                    raise CheckpointError(f"tensor {key!r} is stored twice ({self._file_of[key]} and {name})")
+                self._file_of[key] = name
+        if weight_map is not None:
+            for key, name in weight_map.items():
+                if self._file_of.get(key) != name:
+                    raise CheckpointError(f"{SAFE_INDEX} maps {key!r} to {name!r}, but that shard does not hold it")
+            for key, name in self._file_of.items():
+                if key not in weight_map:
+                    raise CheckpointError(f"shard {name!r} holds {key!r}, which {SAFE_INDEX} does not list")
+
+    def shapes(self):
+        return {k: tuple(self._handles[f].get_slice(k).get_shape()) for k, f in self._file_of.items()}
+
+    def read(self, key, expert, rows, cols):
+        view = self._handles[self._file_of[key]].get_slice(key)
+        rank = len(view.get_shape())
+        index = [] if expert is None else [expert]
+        index.append(slice(*rows))
+        if rank - len(index) == 1:
+            index.append(slice(None) if cols is None else slice(*cols))
+        return view[tuple(index)]
+
+    def close(self):
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _read_rows_cols(entry: MegatronTensor, source: _Source, row_ranges, cols) -> torch.Tensor:
+    """Rows `row_ranges` (list of [a, b) of the full Megatron tensor) and columns `cols` of `entry`."""
+    pieces = []
+    for a, b in row_ranges:
+        offset = 0
+        for seg in entry.segments:
+            lo, hi = max(a, offset), min(b, offset + seg.rows)
+            if lo < hi:
+                pieces.append(source.read(seg.hf_key, seg.expert, (seg.start + lo - offset, seg.start + hi - offset), cols))
+            offset += seg.rows
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Local (rank) parameters <-> full Megatron names and the slice of the full tensor each owns
+# --------------------------------------------------------------------------------------------------------
+
+# Transformer Engine spec aliases of the local-spec names (the norm fused into the next linear, grouped experts).
+_TE_ALIASES = (
+    (re.compile(r"^(.*)\.self_attention\.linear_qkv\.layer_norm_weight$"), r"\1.input_layernorm.weight"),
+    (re.compile(r"^(.*)\.mlp\.linear_fc1\.layer_norm_weight$"), r"\1.pre_mlp_layernorm.weight"),
+    (re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$"), r"\1.local_experts.\3.\2.weight"),
+)
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    local_name: str
+    full_name: str
+    param: torch.Tensor
+    expert: bool
+    split_dim: int | None  # the TP / ETP partition dim, None when this rank holds the whole tensor
+    rank: int  # position in the TP (or ETP for experts) group
+    size: int  # TP (or ETP) group size
+    glu: bool  # SwiGLU fc1: the shard is [gate_r; up_r]
+
+
+def _unwrap(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder") and not hasattr(model, "embedding"):
+        model = model.module
+    return model
+
+
+def _chunks(model) -> list:
+    return [_unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
+
+
+def local_params(model, arch: Qwen3MoeArchitecture, coords: RankCoordinates | None = None) -> list[LocalParam]:
+    """This rank's parameters with their full-model names and how each is split (all model chunks)."""
+    coords = coords or RankCoordinates.current()
+    if arch.num_experts % coords.ep_size:
+        raise CheckpointError(f"num_experts={arch.num_experts} is not divisible by EP size {coords.ep_size}")
+    num_local_experts = arch.num_experts // coords.ep_size
+    out = []
+    for chunk in _chunks(model):
+        layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+        global_layer = [int(layer.layer_number) - 1 for layer in layers]
+        for local_name, param in chunk.named_parameters():
+            name = local_name
+            for pattern, repl in _TE_ALIASES:
+                name = pattern.sub(repl, name)
+            match = _LOCAL_LAYER.match(name)
+            if match:
+                name = f"decoder.layers.{global_layer[int(match[1])]}.{match[2]}"
+            match = _LOCAL_EXPERT.match(name)
+            if match:
+                name = f"{match[1]}{coords.ep_rank * num_local_experts + int(match[2])}{match[3]}"
+            expert = match is not None
+            rank, size = (coords.etp_rank, coords.etp_size) if expert else (coords.tp_rank, coords.tp_size)
+            split = getattr(param, "tensor_model_parallel", False) and size > 1
+            out.append(LocalParam(local_name, name, param, expert, int(param.partition_dim) if split else None,
+                                  rank if split else 0, size if split else 1, name.endswith("linear_fc1.weight")))
+    return out
+
+
+def _owned_ranges(lp: LocalParam, full_shape: tuple[int, ...]):
+    """(row ranges, column range or None) of the full tensor that `lp` holds."""
+    rows = full_shape[0]
+    if lp.split_dim is None:
+        return [(0, rows)], None
+    if lp.split_dim == 0:
+        if lp.glu:
+            half = rows // 2
+            step = half // lp.size
+            return [(lp.rank * step, (lp.rank + 1) * step), (half + lp.rank * step, half + (lp.rank + 1) * step)], None
+        step = rows // lp.size
+        return [(lp.rank * step, (lp.rank + 1) * step)], None
+    if lp.split_dim == 1:
+        step = full_shape[1] // lp.size
+        return [(0, rows)], (lp.rank * step, (lp.rank + 1) * step)
+    raise CheckpointError(f"{lp.local_name}: partition_dim {lp.split_dim} is not supported")
+
+
+def _split_is_exact(lp: LocalParam, full_shape) -> bool:
+    if lp.split_dim is None:
+        return True
+    extent = full_shape[lp.split_dim] // (2 if lp.glu and lp.split_dim == 0 else 1)
+    return extent % lp.size == 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# Import
+# --------------------------------------------------------------------------------------------------------
+
+_COMPARED_FIELDS_EXCLUDED = {"initializer_range", "router_aux_loss_coef", "max_position_embeddings"}
+
+
+def _check_config_matches(path: Path, arch: Qwen3MoeArchitecture) -> None:
+    from moe.hf_config import architecture_from_hf_config
+
+    if not (path / "config.json").is_file():
+        return
+    stored = architecture_from_hf_config(path)
+    diffs = [f"{f}: model {getattr(arch, f)!r}, checkpoint config.json {getattr(stored, f)!r}"
+             for f in Qwen3MoeArchitecture.field_names()
+             if f not in _COMPARED_FIELDS_EXCLUDED and getattr(arch, f) != getattr(stored, f)]
+    if diffs:
+        raise CheckpointError(f"{path}/config.json describes another architecture:\n  " + "\n  ".join(diffs))
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model, path: str | os.PathLike, arch: Qwen3MoeArchitecture | None = None,
+                       coords: RankCoordinates | None = None) -> dict:
+    """Copy this rank's slices of the HF checkpoint at `path` into `model` (a GPTModel or its PP chunks).
+
+    `arch` defaults to the checkpoint's config.json (when given, config.json must agree with it). Every
+    rank validates the full key set and shapes from the headers (CheckpointError naming each tensor and
+    both shapes), then reads only the slices it owns. Returns a small report (layout, tensors, bytes read).
+    """
+    from moe.hf_config import architecture_from_hf_config
+
+    path = Path(path)
+    if arch is None:
+        arch = architecture_from_hf_config(path)
+    else:
+        _check_config_matches(path, arch)
+    with SafetensorsSource(path) as source:
+        return _load_from_source(model, source, arch, coords)
+
+
+@torch.no_grad()
+def load_hf_state_dict(model, hf_state_dict: Mapping[str, torch.Tensor], arch: Qwen3MoeArchitecture,
+                       coords: RankCoordinates | None = None) -> dict:
+    """`load_hf_checkpoint` from an in-memory HF state dict (e.g. `Qwen3MoeForCausalLM.state_dict()`)."""
+    return _load_from_source(model, _DictSource(hf_state_dict), arch, coords)
+
+
+def inspect_hf_checkpoint(path: str | os.PathLike, arch: Qwen3MoeArchitecture) -> tuple[str, dict]:
+    """(expert layout, {key: shape}) of the checkpoint at `path`, from headers only; raises CheckpointError
+    naming every missing, wrongly shaped or unexpected tensor with both shapes."""
+    with SafetensorsSource(path) as source:
+        shapes = source.shapes()
+    layout = detect_expert_layout(shapes)
+    validate_hf_tensors(shapes, arch, layout)
+    return layout, shapes
+
+
+def _load_from_source(model, source: _Source, arch, coords) -> dict:
+    shapes = source.shapes()
+    layout = detect_expert_layout(shapes)
+    validate_hf_tensors(shapes, arch, layout)
+    plan = megatron_plan(arch, layout)
+    params = local_params(model, arch, coords)
+    bytes_read = elements_read = 0
+    for lp in params:
+        entry = plan.get(lp.full_name)
+        if entry is None:
+            raise CheckpointError(f"model parameter {lp.local_name!r} (full name {lp.full_name!r}, shape "
+                                  f"{tuple(lp.param.shape)}) has no counterpart in a Qwen3-MoE checkpoint")
+        if not _split_is_exact(lp, entry.shape):
+            raise CheckpointError(f"{lp.full_name}: full shape {entry.shape} does not split {lp.size} ways "
+                                  f"on dim {lp.split_dim}")
+        rows, cols = _owned_ranges(lp, entry.shape)
+        piece = _read_rows_cols(entry, source, rows, cols)
+        if tuple(piece.shape) != tuple(lp.param.shape):
+            raise CheckpointError(
+                f"{lp.full_name}: checkpoint slice has shape {tuple(piece.shape)}, local parameter "
+                f"{lp.local_name} has shape {tuple(lp.param.shape)} (full tensor {entry.shape})"
+            )
+        lp.param.copy_(piece)
+        bytes_read += piece.numel() * piece.element_size()
+        elements_read += piece.numel()
+        del piece
+    return {"expert_layout": layout, "parameters": len(params), "elements_read": elements_read,
+            "bytes_read": bytes_read}
+
+
+def megatron_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], arch: Qwen3MoeArchitecture) -> dict:
+    """The full (TP=EP=PP=1) Megatron state dict of an in-memory HF state dict (validated first)."""
+    source = _DictSource(hf_state_dict)
+    shapes = source.shapes()
+    layout = detect_expert_layout(shapes)
+    validate_hf_tensors(shapes, arch, layout)
+    plan = megatron_plan(arch, layout)
+    if arch.tie_word_embeddings:
+        plan.pop("output_layer.weight")
+    return {name: _read_rows_cols(e, source, [(0, e.shape[0])], None).clone() for name, e in plan.items()}
+
+
+def hf_state_dict_from_megatron(full: Mapping[str, torch.Tensor], arch: Qwen3MoeArchitecture,
+                                expert_layout: str = FUSED) -> dict[str, torch.Tensor]:
+    """The HF state dict of a full (TP=EP=PP=1) Megatron state dict."""
+    plan = megatron_plan(arch, expert_layout)
+    if arch.tie_word_embeddings:
+        plan.pop("output_layer.weight")
+    hf_shapes = hf_tensor_shapes(arch, expert_layout)
+    out: dict[str, torch.Tensor] = {}
+    for unit in _units(plan, hf_shapes):
+        out.update(_unit_to_hf(unit, {n: full[n] for n in unit.megatron}, plan, hf_shapes))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Unit:
+    hf: tuple[str, ...]  # HF tensors produced together
+    megatron: tuple[str, ...]  # the Megatron tensors they are made of
+
+
+def _units(plan: dict[str, MegatronTensor], hf_shapes: dict[str, tuple]) -> list[_Unit]:
+    """Connected groups of (HF tensors, Megatron tensors), in HF state-dict order."""
+    users: dict[str, list[str]] = {}
+    for name, entry in plan.items():
+        for seg in entry.segments:
+            users.setdefault(seg.hf_key, [])
+            if name not in users[seg.hf_key]:
+                users[seg.hf_key].append(name)
+    done: set[str] = set()
+    units = []
+    for key in hf_shapes:
+        if key in done:
+            continue
+        hf_keys, mg_names, stack = [], [], [key]
+        while stack:
+            k = stack.pop()
+            if k in done:
+                continue
+            done.add(k)
+            hf_keys.append(k)
+            for name in users.get(k, []):
+                if name in mg_names:
+                    continue
+                mg_names.append(name)
+                stack.extend(s.hf_key for s in plan[name].segments if s.hf_key not in done)
+        order = {k: i for i, k in enumerate(hf_shapes)}
+        units.append(_Unit(tuple(sorted(hf_keys, key=order.__getitem__)), tuple(mg_names)))
+    return units
+
+
+def _unit_to_hf(unit: _Unit, tensors: Mapping[str, torch.Tensor], plan, hf_shapes) -> dict[str, torch.Tensor]:
+    dtype = next(iter(tensors.values())).dtype
+    out = {k: torch.empty(hf_shapes[k], dtype=dtype) for k in unit.hf}
+    filled = {k: 0 for k in unit.hf}
+    for name in unit.megatron:
+        full = tensors[name]
+        entry = plan[name]
+        if tuple(full.shape) != entry.shape:
+            raise CheckpointError(f"{name}: gathered shape {tuple(full.shape)}, architecture expects {entry.shape}")
+        offset = 0
+        for seg in entry.segments:
+            target = out[seg.hf_key] if seg.expert is None else out[seg.hf_key][seg.expert]
+            target[seg.start:seg.stop].copy_(full[offset:offset + seg.rows])
+            filled[seg.hf_key] += seg.rows * (full[0].numel() if full.dim() > 1 else 1)
+            offset += seg.rows
+    for key, count in filled.items():
+        if count != out[key].numel():
+            raise CheckpointError(f"{key}: export covered {count} of {out[key].numel()} elements")
+    return out
+
+
+class _ShardWriter:
+    """Appends tensors to safetensors shards of at most `max_shard_bytes` (a bigger tensor gets its own)."""
+
+    def __init__(self, path: Path, max_shard_bytes: int):
+        self.path, self.max = path, max_shard_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.total = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + nbytes > self.max:
+            self._flush()
+        self.current[key] = tensor.contiguous()
+        self.current_bytes += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        name = f".tmp-shard-{len(self.files):05d}.safetensors"
+        save_file(self.current, str(self.path / name), metadata={"format": "pt"})
+        self.files.append((name, list(self.current)))
+        self.current, self.current_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        if self.current or not self.files:
+            self._flush()
+        n = len(self.files)
+        if n == 1:
+            os.replace(self.path / self.files[0][0], self.path / SAFE_WEIGHTS)
+            return [SAFE_WEIGHTS]
+        weight_map, names = {}, []
+        for i, (tmp, keys) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.path / tmp, self.path / final)
+            names.append(final)
+            weight_map.update({k: final for k in keys})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.path / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return names + [SAFE_INDEX]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@torch.no_grad()
+def save_hf_checkpoint(model, path: str | os.PathLike, arch: Qwen3MoeArchitecture, *,
+                       expert_layout: str = PER_EXPERT, dtype: torch.dtype | None = None,
+                       max_shard_bytes: int = 5 * 2**30, writer_rank: int = 0,
+                       coords: RankCoordinates | None = None, overwrite: bool = False,
+                       config_extra: Mapping | None = None) -> list[str]:
+    """Write `model` (any layout; every rank must call) as an HF checkpoint in `path` on `writer_rank`.
+
+    Tensors are written in `dtype` (default: the embedding's dtype, i.e. the model's params_dtype), experts in `expert_layout`:
+    PER_EXPERT by default — what transformers 5.23's own `save_pretrained` writes, what published Qwen3
+    checkpoints hold and what SGLang / vLLM loaders read; transformers 5.x loads it (fusing on load) as well
+    as FUSED (`gate_up_proj [E, 2I, H]`, its in-memory layout). Returns the files written (on the writer;
+    [] elsewhere). Raises CheckpointError if the model's parameters do not cover the architecture.
+    """
+    import torch.distributed as dist
+
+    _check_layout(expert_layout)
+    path = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    me = dist.get_rank() if distributed else 0
+    plan = megatron_plan(arch, expert_layout)
+    if arch.tie_word_embeddings:
+        plan.pop("output_layer.weight")  # the last stage's copy of the embedding; the embedding is written
+    hf_shapes = hf_tensor_shapes(arch, expert_layout)
+
+    mine: dict[tuple[str, int], LocalParam] = {}
+    meta = []
+    for lp in local_params(model, arch, coords):
+        if lp.full_name not in plan:
+            if lp.full_name == "output_layer.weight" and arch.tie_word_embeddings:
+                continue
+            raise CheckpointError(f"model parameter {lp.local_name!r} (full name {lp.full_name!r}) has no "
+                                  "counterpart in a Qwen3-MoE checkpoint")
+        mine[(lp.full_name, lp.rank)] = lp
+        meta.append((lp.full_name, lp.rank, lp.size, lp.split_dim, lp.glu, tuple(lp.param.shape),
+                     _dtype_name(lp.param.dtype)))
+    gathered = [meta]
+    if distributed:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, meta)
+    # Every shard's holder: the lowest rank that has it (DP / EP-DP replicas hold copies).
+    owners: dict[str, dict] = {}
+    for rank, entries in enumerate(gathered):
+        for name, shard, size, split_dim, glu, shape, dtype_name in entries:
+            info = owners.setdefault(name, {"size": size, "split_dim": split_dim, "glu": glu, "holders": {}})
+            if info["size"] != size or info["split_dim"] != split_dim:
+                raise CheckpointError(f"{name}: ranks disagree on its split ({info['size']} vs {size})")
+            info["holders"].setdefault(shard, (rank, shape, getattr(torch, dtype_name)))
+    missing = [n for n in plan if n not in owners or len(owners[n]["holders"]) != owners[n]["size"]]
+    if missing:
+        raise CheckpointError(f"no rank holds (all shards of) {len(missing)} tensor(s), e.g. {missing[:5]}")
+
+    # One dtype for the whole file: the embedding's (the model's params_dtype; Megatron's torch-norm
+    # fallback keeps norm gains in float32 under bf16, which converts back exactly).
+    out_dtype = dtype or owners["embedding.word_embeddings.weight"]["holders"][0][2]
+    if me == writer_rank:
+        path.mkdir(parents=True, exist_ok=True)
+        stale = sorted(p.name for p in path.glob("*.safetensors")) + \
+            ([SAFE_INDEX] if (path / SAFE_INDEX).exists() else [])
+        if stale and not overwrite:
+            raise CheckpointError(f"{path} already holds {stale}; pass overwrite=True to replace them")
+        for name in stale:
+            (path / name).unlink()
+        writer = _ShardWriter(path, max_shard_bytes)
+    backend_device = "cpu"
+    if distributed and dist.get_backend() == "nccl":
+        backend_device = torch.device("cuda", torch.cuda.current_device())
+
+    for unit in _units(plan, hf_shapes):
+        full_tensors = {}
+        for name in unit.megatron:
+            info = owners[name]
+            shards = []
+            for shard in range(info["size"]):
+                holder, shape, shard_dtype = info["holders"][shard]
+                if holder == me:
+                    tensor = mine[(name, shard)].param.detach()
+                    if me != writer_rank:
+                        dist.send(tensor.contiguous(), dst=writer_rank)
+                    else:
+                        shards.append(tensor.cpu())
+                elif me == writer_rank:
+                    buffer = torch.empty(shape, dtype=shard_dtype, device=backend_device)
+                    dist.recv(buffer, src=holder)
+                    shards.append(buffer.cpu())
+            if me == writer_rank:
+                full_tensors[name] = _assemble(shards, info["split_dim"], info["glu"])
+        if me == writer_rank:
+            for key, tensor in _unit_to_hf(unit, full_tensors, plan, hf_shapes).items():
+                writer.add(key, tensor.to(out_dtype))
+            del full_tensors
+    if me != writer_rank:
+        return []
+    files = writer.finish()
+    from moe.hf_config import hf_config_from_architecture
+
+    config = hf_config_from_architecture(arch, dtype=_dtype_name(out_dtype), extra=config_extra)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return files + ["config.json"]
+
+
+def _assemble(shards: list[torch.Tensor], split_dim: int | None, glu: bool) -> torch.Tensor:
+    if len(shards) == 1:
+        return shards[0]
+    if glu and split_dim == 0:
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=split_dim)
