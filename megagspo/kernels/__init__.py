@@ -1,0 +1,373 @@
+"""Fused kernels: token log-probs (plain, vocab-parallel, chunked from hidden states) and segmented GSPO.
+
+Legend: T tokens, V vocab (the local shard under tensor parallelism), H hidden, S sequences, S1 = S + 1.
+
+    token_logprobs(logits_TV, target_T, *, with_entropy=False, inplace_backward=False,
+                   tp_group=None, vocab_start=None, impl="auto")          -> logp_T  (or (logp_T, entropy_T))
+    linear_token_logprobs(hidden_TH, weight_VH, target_T, *, chunk_size=1024, with_entropy=False,
+                          impl="auto")                                     -> logp_T  (or (logp_T, entropy_T))
+    gspo_segment_loss(logp_T, old_logp_T, loss_mask_T, cu_seqlens_S1, advantages_S, *,
+                      clip_low=3e-4, clip_high=4e-4, num_global_sequences, impl="auto") -> (loss, metrics)
+
+impl: "fused" (the megagspo._C kernels; error if unavailable), "reference" (pure torch, see
+megagspo/kernels/reference.py), "auto" (fused when megagspo._C has kernels for the tensors' device, otherwise
+the reference, with ONE warning naming the reason).
+
+The fused log-prob kernels never allocate a float32 [T, V] tensor: forward keeps O(T) statistics (logp,
+entropy, log-sum-exp: 12 B per token), backward writes d logits in the logits' dtype in one pass, or, with
+`inplace_backward=True`, over the logits themselves (extra memory O(T)). Log-probs are clamped to <= 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import reference
+from ._ops import extension_error, has_device_kernel
+from .reference import (
+    acc_dtype,
+    gspo_segment_loss_ref,
+    linear_token_logprobs_ref,
+    token_logprobs_ref,
+)
+
+IMPLS = ("auto", "fused", "reference")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backend selection
+# ---------------------------------------------------------------------------------------------------------
+class _LogProbBackend(NamedTuple):
+    name: str
+    forward: Callable  # (logits_TV, target_T, with_entropy) -> (logp_T, entropy_T, lse_T)
+    stats: Callable  # (logits_TV, target_T, vocab_start, with_entropy) -> (max, sumexp, sxm, target_logit)
+    backward: Callable  # (g_logp, g_entropy, logits, target, lse, entropy, vocab_start) -> d logits
+    backward_: Callable  # (logits, g_logp, g_entropy, target, lse, entropy, vocab_start) -> None, in place
+
+
+def _fused_backend() -> _LogProbBackend:
+    ops = torch.ops.megagspo
+    return _LogProbBackend("fused", lambda x, y, e: ops.logprob_forward(x, y, e, False), ops.logprob_stats,
+                           ops.logprob_backward, ops.logprob_backward_)
+
+
+_REFERENCE_BACKEND = _LogProbBackend("reference", reference.logprob_forward_op, reference.logprob_stats_op,
+                                     reference.logprob_backward_op, reference.logprob_backward_inplace_op)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback_once(reason: str) -> None:
+    warnings.warn(
+        f"megagspo.kernels: falling back to the pure-torch reference kernels, which materialise float32 "
+        f"[tokens, vocab] tensors and are much slower: {reason}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def fused_available(device: Union[str, torch.device] = "cpu") -> bool:
+    """Whether the fused kernels of megagspo._C can run on `device`."""
+    return has_device_kernel(torch.device(device))
+
+
+def _use_fused(impl: str, device: torch.device) -> bool:
+    if impl not in IMPLS:
+        raise ValueError(f"megagspo.kernels: impl must be one of {IMPLS}; got {impl!r}")
+    if impl == "reference":
+        return False
+    if has_device_kernel(device):
+        return True
+    err = extension_error()
+    reason = err if err is not None else f"megagspo._C was built without kernels for {device.type} tensors"
+    if impl == "fused":
+        raise RuntimeError(f"megagspo.kernels: impl='fused' requested but {reason}")
+    _warn_fallback_once(reason)
+    return False
+
+
+def _vocab_contiguous(x_TV: Tensor) -> Tensor:
+    return x_TV if x_TV.shape[1] <= 1 or x_TV.stride(1) == 1 else x_TV.contiguous()
+
+
+def _check_logits(logits_TV: Tensor, target_T: Tensor, name: str) -> None:
+    if logits_TV.dim() != 2 or target_T.dim() != 1 or target_T.shape[0] != logits_TV.shape[0]:
+        raise ValueError(f"megagspo.kernels.{name}: expected logits [T, V] and target [T]; got logits "
+                         f"{tuple(logits_TV.shape)} {logits_TV.dtype} and target {tuple(target_T.shape)} "
+                         f"{target_T.dtype}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Token log-probs
+# ---------------------------------------------------------------------------------------------------------
+def token_logprobs(
+    logits_TV: Tensor,
+    target_T: Tensor,
+    *,
+    with_entropy: bool = False,
+    inplace_backward: bool = False,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_start: Optional[int] = None,
+    impl: str = "auto",
+):
+    """log softmax(logits_TV)[t, target_T[t]] (<= 0), and optionally the entropy, in float32 (float64 for
+    float64 logits); differentiable w.r.t. the logits.
+
+    inplace_backward: the backward writes d logits OVER `logits_TV` and returns it as the gradient, so the
+        logits are DESTROYED by `backward()` (no [T, V] gradient buffer is allocated). Only for logits that
+        nothing else needs afterwards, e.g. the fresh output of the LM head; refused for leaf tensors.
+        Autograd's version counter is bumped, so another node that saved the same logits fails loudly.
+    tp_group / vocab_start: vocab-parallel mode. `logits_TV` holds the vocab shard
+        [vocab_start, vocab_start + V) of this rank (default vocab_start: rank_in_group * V, Megatron's even
+        split); `target_T` holds global ids. Partial (max, sum-exp) are combined with one all_reduce(MAX)
+        and one all_reduce(SUM) over `tp_group`; the result equals the TP=1 result on every rank, and each
+        rank gets the gradient of its own shard (backward needs no communication). Every target id must lie
+        on some shard: it is not checked across ranks (that would need a host sync).
+    impl="reference" (and the fallback) ignores `inplace_backward` at TP = 1: autograd's own gradient.
+    """
+    _check_logits(logits_TV, target_T, "token_logprobs")
+    if inplace_backward and logits_TV.requires_grad and logits_TV.is_leaf:
+        raise ValueError("megagspo.kernels.token_logprobs: inplace_backward=True would overwrite a leaf tensor "
+                         f"({tuple(logits_TV.shape)} {logits_TV.dtype}) with its own gradient; use it only "
+                         "for intermediate logits (e.g. the LM-head output)")
+    fused = _use_fused(impl, logits_TV.device)
+    if tp_group is not None:
+        V = logits_TV.shape[1]
+        if vocab_start is None:
+            vocab_start = dist.get_rank(tp_group) * V
+        backend = _fused_backend() if fused else _REFERENCE_BACKEND
+        logp_T, entropy_T = _VocabParallelLogProb.apply(_vocab_contiguous(logits_TV), target_T, int(vocab_start),
+                                                        with_entropy, inplace_backward, tp_group, backend)
+        return (logp_T, entropy_T) if with_entropy else logp_T
+    if vocab_start not in (None, 0):
+        raise ValueError(f"megagspo.kernels.token_logprobs: vocab_start={vocab_start} needs a tp_group")
+    if not fused:
+        return token_logprobs_ref(logits_TV, target_T, with_entropy)
+    logits_TV = _vocab_contiguous(logits_TV)
+    logp_T, entropy_T, _lse_T = torch.ops.megagspo.logprob_forward(logits_TV, target_T, with_entropy,
+                                                                   inplace_backward)
+    return (logp_T, entropy_T) if with_entropy else logp_T
+
+
+def all_reduce_logprob_stats(max_T: Tensor, sumexp_T: Tensor, sxm_T: Tensor, target_logit_T: Tensor, *,
+                             group: dist.ProcessGroup, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Communication only: the vocab shards' partial statistics -> the global (max, sumexp, sxm, target logit).
+
+    all_reduce(MAX) of the row max, then one all_reduce(SUM) of the rescaled [sumexp, sxm, target logit]
+    (sxm = sum exp(x - m) (x - m) shifts to the global max m' as exp(m - m') (sxm + (m - m') sumexp)).
+    """
+    gmax_T = max_T.clone()
+    dist.all_reduce(gmax_T, op=dist.ReduceOp.MAX, group=group)
+    shift_T = max_T - gmax_T
+    scale_T = torch.exp(shift_T)
+    zero = torch.zeros((), dtype=sumexp_T.dtype, device=sumexp_T.device)
+    parts = [sumexp_T * scale_T, target_logit_T]
+    if with_entropy:
+        parts.append(torch.where(sumexp_T > 0, (sxm_T + shift_T * sumexp_T) * scale_T, zero))
+    packed = torch.stack(parts)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return gmax_T, packed[0], (packed[2] if with_entropy else sxm_T), packed[1]
+
+
+def finish_logprob_stats(max_T: Tensor, sumexp_T: Tensor, sxm_T: Tensor, target_logit_T: Tensor,
+                         with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Global statistics -> (logp_T clamped <= 0, entropy_T or [0], lse_T); H = log s - sxm / s."""
+    log_s_T = torch.log(sumexp_T)
+    lse_T = max_T + log_s_T
+    logp_T = (target_logit_T - lse_T).clamp(max=0.0)
+    entropy_T = (log_s_T - sxm_T / sumexp_T).clamp(min=0.0) if with_entropy else lse_T.new_empty(0)
+    return logp_T, entropy_T, lse_T
+
+
+class _VocabParallelLogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_TV, target_T, vocab_start, with_entropy, inplace_backward, group, backend):
+        stats = backend.stats(logits_TV, target_T, vocab_start, with_entropy)
+        stats = all_reduce_logprob_stats(*stats, group=group, with_entropy=with_entropy)
+        logp_T, entropy_T, lse_T = finish_logprob_stats(*stats, with_entropy)
+        ctx.vocab_start, ctx.with_entropy, ctx.inplace_backward, ctx.backend = (
+            vocab_start, with_entropy, inplace_backward, backend)
+        ctx.save_for_backward(logits_TV, target_T, lse_T, entropy_T if with_entropy else None)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy_T)
+        return logp_T, entropy_T
+
+    @staticmethod
+    def backward(ctx, grad_logp_T, grad_entropy_T):
+        logits_TV, target_T, lse_T, entropy_T = ctx.saved_tensors
+        g_lp = (grad_logp_T if grad_logp_T is not None else torch.zeros_like(lse_T)).to(lse_T.dtype).contiguous()
+        if ctx.with_entropy and grad_entropy_T is not None:
+            g_h = grad_entropy_T.to(lse_T.dtype).contiguous()
+        else:
+            g_h, entropy_T = None, None
+        if ctx.inplace_backward:
+            ctx.backend.backward_(logits_TV, g_lp, g_h, target_T, lse_T, entropy_T, ctx.vocab_start)
+            torch.autograd.graph.increment_version(logits_TV)
+            grad_TV = logits_TV
+        else:
+            grad_TV = ctx.backend.backward(g_lp, g_h, logits_TV, target_T, lse_T, entropy_T, ctx.vocab_start)
+        return grad_TV, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chunked linear log-probs: logits recomputed per token chunk, never [T, V] at once
+# ---------------------------------------------------------------------------------------------------------
+class _LinearLogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend):
+        T = hidden_TH.shape[0]
+        acc = acc_dtype(hidden_TH.dtype)
+        logp_T = hidden_TH.new_empty(T, dtype=acc)
+        lse_T = hidden_TH.new_empty(T, dtype=acc)
+        entropy_T = hidden_TH.new_empty(T if with_entropy else 0, dtype=acc)
+        for c0 in range(0, T, chunk_size):
+            c1 = min(c0 + chunk_size, T)
+            logits_CV = hidden_TH[c0:c1] @ weight_VH.t()
+            lp, ent, lse = backend.forward(logits_CV, target_T[c0:c1], with_entropy)
+            logp_T[c0:c1], lse_T[c0:c1] = lp, lse
+            if with_entropy:
+                entropy_T[c0:c1] = ent
+            del logits_CV
+        ctx.chunk_size, ctx.with_entropy, ctx.backend = chunk_size, with_entropy, backend
+        ctx.save_for_backward(hidden_TH, weight_VH, target_T, lse_T, entropy_T if with_entropy else None)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy_T)
+        return logp_T, entropy_T
+
+    @staticmethod
+    def backward(ctx, grad_logp_T, grad_entropy_T):
+        hidden_TH, weight_VH, target_T, lse_T, entropy_T = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        T = hidden_TH.shape[0]
+        g_lp = (grad_logp_T if grad_logp_T is not None else torch.zeros_like(lse_T)).to(lse_T.dtype).contiguous()
+        use_h = ctx.with_entropy and grad_entropy_T is not None
+        g_h = grad_entropy_T.to(lse_T.dtype).contiguous() if use_h else None
+        d_hidden_TH = torch.empty_like(hidden_TH) if need_h else None
+        # d weight accumulates over chunks in float32 for low-precision weights.
+        d_weight_VH = torch.zeros(weight_VH.shape, dtype=acc_dtype(weight_VH.dtype), device=weight_VH.device) \
+            if need_w else None
+        for c0 in range(0, T, ctx.chunk_size):
+            c1 = min(c0 + ctx.chunk_size, T)
+            h_CH = hidden_TH[c0:c1]
+            logits_CV = h_CH @ weight_VH.t()  # recomputed, then overwritten by its own gradient
+            ctx.backend.backward_(logits_CV, g_lp[c0:c1], g_h[c0:c1] if use_h else None, target_T[c0:c1],
+                                  lse_T[c0:c1], entropy_T[c0:c1] if use_h else None, 0)
+            if need_h:
+                torch.mm(logits_CV, weight_VH, out=d_hidden_TH[c0:c1])
+            if need_w:
+                if d_weight_VH.dtype == weight_VH.dtype:
+                    d_weight_VH.addmm_(logits_CV.t(), h_CH)
+                else:  # bf16/fp16 product, accumulated into float32 (cast on the fly, no fp32 temporary)
+                    d_weight_VH.add_(logits_CV.t() @ h_CH)
+            del logits_CV
+        if need_w:
+            d_weight_VH = d_weight_VH.to(weight_VH.dtype)
+        return d_hidden_TH, d_weight_VH, None, None, None, None
+
+
+def linear_token_logprobs(
+    hidden_TH: Tensor,
+    weight_VH: Tensor,
+    target_T: Tensor,
+    *,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    impl: str = "auto",
+):
+    """Token log-probs of logits = hidden_TH @ weight_VH^T, computed `chunk_size` tokens at a time.
+
+    Forward keeps only O(T) statistics; backward recomputes each chunk's logits, overwrites them with their
+    gradient (fused kernel, in place) and accumulates d hidden and d weight, so the extra peak memory is
+    O(chunk_size x V) instead of O(T x V). impl="reference" is the naive full-logits path; the fallback of
+    impl="auto" without the extension runs the same chunking on the reference ops.
+    """
+    if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(f"megagspo.kernels.linear_token_logprobs: expected hidden [T, H] and weight [V, H]; got "
+                         f"{tuple(hidden_TH.shape)} and {tuple(weight_VH.shape)}")
+    if target_T.dim() != 1 or target_T.shape[0] != hidden_TH.shape[0]:
+        raise ValueError(f"megagspo.kernels.linear_token_logprobs: target must be [T={hidden_TH.shape[0]}]; got "
+                         f"{tuple(target_T.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"megagspo.kernels.linear_token_logprobs: chunk_size must be >= 1; got {chunk_size}")
+    if impl == "reference":
+        return linear_token_logprobs_ref(hidden_TH, weight_VH, target_T, with_entropy)
+    backend = _fused_backend() if _use_fused(impl, hidden_TH.device) else _REFERENCE_BACKEND
+    logp_T, entropy_T = _LinearLogProb.apply(hidden_TH, weight_VH, target_T, int(chunk_size), with_entropy, backend)
+    return (logp_T, entropy_T) if with_entropy else logp_T
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Segmented GSPO loss
+# ---------------------------------------------------------------------------------------------------------
+def gspo_segment_loss(
+    logp_T: Tensor,
+    old_logp_T: Tensor,
+    loss_mask_T: Tensor,
+    cu_seqlens_S1: Tensor,
+    advantages_S: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    num_global_sequences: Union[int, float, Tensor],
+    impl: str = "auto",
+) -> tuple[Tensor, dict]:
+    """GSPO loss over packed sequences in one kernel launch each way (no host sync, no loop over sequences).
+
+    Per sequence i: m_i = sum_t mask (logp - old_logp) / max(sum_t mask, 1), s_i = exp(m_i) (eq. 8),
+    obj_i = min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i) (eq. 6), 0 for a fully masked sequence;
+    loss = -sum_i obj_i / num_global_sequences; d loss / d logp_t = -(1/N) A_i s_i mask_t / |y_i| [not
+    clipped] (eq. 11). Accumulates in float32 (float64 for float64 logp). Gradients flow to logp_T only.
+
+    Returns (loss, metrics) with tensor metrics: seq_logratio_S (m_i), ratio_S (s_i), clipped_S (bool),
+    clip_fraction (over sequences).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"megagspo.kernels.gspo_segment_loss: impl must be one of {IMPLS}; got {impl!r}")
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"megagspo.kernels.gspo_segment_loss: need 0 <= clip_low < 1 and clip_high >= 0; got "
+                         f"clip_low={clip_low}, clip_high={clip_high}")
+    n_tensor = num_global_sequences if isinstance(num_global_sequences, Tensor) else None
+    n_value = 1.0 if n_tensor is not None else float(num_global_sequences)
+    if n_value <= 0:
+        raise ValueError(f"megagspo.kernels.gspo_segment_loss: num_global_sequences must be > 0; got "
+                         f"{num_global_sequences}")
+    acc = acc_dtype(logp_T.dtype)
+    fused = _use_fused(impl, logp_T.device)
+    mask_T = loss_mask_T if loss_mask_T.dtype in (torch.bool, logp_T.dtype) else loss_mask_T.to(logp_T.dtype)
+    if fused:
+        loss, m_S, s_S, clipped_S, _coef_S = torch.ops.megagspo.gspo_segment_forward(
+            logp_T.contiguous(), old_logp_T.detach().to(logp_T.dtype).contiguous(), mask_T.contiguous(),
+            cu_seqlens_S1.contiguous(), advantages_S.detach().to(acc).contiguous(), float(clip_low),
+            float(clip_high), n_value)
+    else:
+        loss, m_S, s_S, clipped_S = gspo_segment_loss_ref(
+            logp_T, old_logp_T, mask_T, cu_seqlens_S1, advantages_S, clip_low=clip_low, clip_high=clip_high,
+            num_global_sequences=n_value)
+    if n_tensor is not None:
+        loss = loss / n_tensor.to(loss.dtype)
+    metrics = {
+        "seq_logratio_S": m_S.detach(),
+        "ratio_S": s_S.detach(),
+        "clipped_S": clipped_S,
+        "clip_fraction": clipped_S.to(acc).mean() if clipped_S.numel() else clipped_S.new_zeros((), dtype=acc),
+    }
+    return loss, metrics
+
+
+__all__ = [
+    "IMPLS",
+    "all_reduce_logprob_stats",
+    "finish_logprob_stats",
+    "fused_available",
+    "gspo_segment_loss",
+    "gspo_segment_loss_ref",
+    "linear_token_logprobs",
+    "linear_token_logprobs_ref",
+    "token_logprobs",
+    "token_logprobs_ref",
+]

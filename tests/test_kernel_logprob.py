@@ -1,0 +1,351 @@
+"""Fused token log-prob kernels (megagspo._C) against the pure-torch references.
+
+Legend: T tokens, V vocab (shard). Fresh random inputs on every run (no fixed seed); the seed is printed
+in assertion messages so that a failure can be replayed.
+
+Tolerance: a fused result must be within 2x the error of a same-precision torch run (both against a float64
+reference) plus the (atol, rtol) floor of TOL below (style.md #5).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import megagspo.kernels as K
+from megagspo.kernels import reference as R
+from multiprocess import run_distributed
+
+# dtype -> (atol, rtol): the floor added to "2x the same-precision torch error".
+TOL = {
+    torch.float64: (1e-12, 1e-10),
+    torch.float32: (2e-6, 2e-6),
+    torch.bfloat16: (2e-6, 2e-6),  # outputs are float32 from bf16 inputs; gradients are bf16 (rounding below)
+    torch.float16: (2e-6, 2e-6),
+}
+
+pytestmark = pytest.mark.skipif(not K.fused_available("cpu"), reason="megagspo._C not built (make ext)")
+
+
+SHAPES = [(1, 7), (5, 7), (3, 1000), (4, 4099), (2, 151_936)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _seed() -> int:
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    torch.manual_seed(seed)
+    return seed
+
+
+def _inputs(T, V, dtype, scale=3.0):
+    logits = (torch.randn(T, V, dtype=torch.float64) * scale).to(dtype)
+    target = torch.randint(0, V, (T,))
+    return logits, target
+
+
+def _torch_same_precision(logits, target, g_lp, g_h):
+    """Plain torch in the input precision (what a user would write without our kernel)."""
+    x = logits.detach().clone().requires_grad_()
+    lsm = torch.log_softmax(x, -1)
+    lp = lsm.gather(1, target[:, None])[:, 0]
+    ent = -(lsm.exp() * lsm).sum(-1)
+    (lp.float() * g_lp + ent.float() * g_h).sum().backward()
+    return lp.detach().to(torch.float64), ent.detach().to(torch.float64), x.grad.to(torch.float64)
+
+
+def _fp64_reference(logits, target, g_lp, g_h):
+    x = logits.detach().to(torch.float64).requires_grad_()
+    lp, ent = K.token_logprobs_ref(x, target, with_entropy=True)
+    (lp * g_lp.double() + ent * g_h.double()).sum().backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+def assert_close_rel(out, ref, same_prec, dtype, what, seed):
+    atol, rtol = TOL[dtype]
+    out = out.to(torch.float64)
+    torch_err = (same_prec - ref).abs().max().item() if same_prec is not None else 0.0
+    err = (out - ref).abs()
+    bound = 2 * torch_err + atol + rtol * ref.abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, (f"{what} ({dtype}): max error {err.max().item():.3e} exceeds 2 x torch error "
+                        f"{torch_err:.3e} + atol {atol} + rtol {rtol} (seed {seed})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,V", SHAPES, ids=lambda v: str(v))
+def test_forward_backward_matches_reference(T, V, dtype):
+    if V == 151_936 and dtype in (torch.float16, torch.float64):
+        pytest.skip("large-vocab case covered for float32 / bfloat16 (runtime budget)")
+    seed = _seed()
+    logits, target = _inputs(T, V, dtype)
+    g_lp, g_h = torch.randn(T), torch.randn(T)
+    x = logits.clone().requires_grad_()
+    lp, ent = K.token_logprobs(x, target, with_entropy=True, impl="fused")
+    acc = R.acc_dtype(dtype)
+    assert lp.dtype == acc and ent.dtype == acc and lp.shape == (T,) and ent.shape == (T,)
+    (lp * g_lp.to(acc) + ent * g_h.to(acc)).sum().backward()
+    assert x.grad.dtype == dtype
+    ref = _fp64_reference(logits, target, g_lp, g_h)
+    same = _torch_same_precision(logits, target, g_lp, g_h) if dtype != torch.float64 else (None, None, None)
+    assert_close_rel(lp, ref[0], None, dtype, "logp", seed)  # computed in fp32 from the same inputs
+    assert_close_rel(ent, ref[1], None, dtype, "entropy", seed)
+    assert_close_rel(x.grad, ref[2], same[2], dtype, "d logits", seed)
+    assert (lp <= 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_logp_only_and_inplace_backward(dtype):
+    seed = _seed()
+    T, V = 6, 2053
+    logits, target = _inputs(T, V, dtype)
+    g = torch.randn(T)
+    x1 = logits.clone().requires_grad_()
+    K.token_logprobs(x1, target, impl="fused").mul(g).sum().backward()
+
+    h = logits.clone().requires_grad_()
+    x2 = h * 1.0  # an intermediate: in-place gradient mode overwrites it
+    lp = K.token_logprobs(x2, target, inplace_backward=True, impl="fused")
+    lp.mul(g).sum().backward()
+    assert torch.equal(h.grad, x1.grad), f"in-place gradient differs (seed {seed})"
+    assert torch.equal(x2.detach(), x1.grad), "in-place mode must leave d logits in the logits buffer"
+
+
+def test_inplace_backward_refuses_leaf_and_detects_other_users():
+    logits, target = _inputs(3, 11, torch.float32)
+    leaf = logits.clone().requires_grad_()
+    with pytest.raises(ValueError, match="leaf"):
+        K.token_logprobs(leaf, target, inplace_backward=True, impl="fused")
+    # exp() saves its output for backward: overwriting that output must not pass silently.
+    h = logits.clone().requires_grad_()
+    x = h.exp()
+    loss = K.token_logprobs(x, target, inplace_backward=True, impl="fused").sum() + x.sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_logprobs_never_positive():
+    _seed()
+    T, V = 64, 4099
+    x = torch.full((T, V), -30.0)
+    target = torch.randint(0, V, (T,))
+    x[torch.arange(T), target] = 40.0 + torch.rand(T) * 40  # near-certain targets: log p rounds around 0
+    x += torch.randn(T, V) * 1e-3
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        lp = K.token_logprobs(x.to(dtype), target, impl="fused")
+        assert (lp <= 0).all(), f"positive log-prob {lp.max().item()} for {dtype}"
+    lp, _, _ = torch.ops.megagspo.logprob_forward(x, target, False, False)
+    assert lp.max().item() <= 0.0
+
+
+def test_neg_inf_logits_and_int32_targets():
+    seed = _seed()
+    T, V = 4, 3001
+    logits, target = _inputs(T, V, torch.float32)
+    logits[:, ::7] = float("-inf")
+    target = torch.where(target % 7 == 0, target + 1, target).clamp(max=V - 1)
+    g_lp, g_h = torch.randn(T), torch.randn(T)
+    x = logits.clone().requires_grad_()
+    lp, ent = K.token_logprobs(x, target.to(torch.int32), with_entropy=True, impl="fused")
+    (lp * g_lp + ent * g_h).sum().backward()
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(x.grad).all()
+    ref = _fp64_reference(logits, target, g_lp, g_h)
+    assert_close_rel(lp, ref[0], None, torch.float32, "logp", seed)
+    assert_close_rel(ent, ref[1], None, torch.float32, "entropy", seed)
+    assert_close_rel(x.grad, ref[2], None, torch.float32, "d logits", seed)
+    assert (x.grad[:, ::7] == 0).all()
+
+
+def test_strided_rows():
+    seed = _seed()
+    big, target = _inputs(5, 3000, torch.float32)
+    view = big[:, 100:2077]  # rows strided by 3000, vocab contiguous
+    target = target % 1977
+    x = view.clone()
+    assert torch.allclose(K.token_logprobs(view, target, impl="fused"), K.token_logprobs(x, target, impl="fused"))
+    ref = R.token_logprobs_ref(view.double(), target)
+    assert_close_rel(K.token_logprobs(view, target, impl="fused"), ref, None, torch.float32, "logp", seed)
+    col = big.t().contiguous().t()[:, :7]  # vocab stride != 1: the wrapper makes it contiguous
+    assert torch.allclose(K.token_logprobs(col, target % 7, impl="fused"), R.token_logprobs_ref(col, target % 7))
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_gradcheck_float64(with_entropy):
+    _seed()
+    for T, V in [(1, 7), (3, 19)]:
+        logits, target = _inputs(T, V, torch.float64, scale=2.0)
+        x = logits.clone().requires_grad_()
+
+        def fn(x):
+            return K.token_logprobs(x * 1.0, target, with_entropy=with_entropy, impl="fused")
+
+        assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-8)
+
+
+def test_inplace_backward_runs_once():
+    """The in-place mode consumes the logits: a second backward through the same graph must fail loudly
+    (which is also why gradcheck, which backpropagates repeatedly, runs on the out-of-place mode)."""
+    logits, target = _inputs(2, 9, torch.float64)
+    h = logits.clone().requires_grad_()
+    lp = K.token_logprobs(h * 1.0, target, inplace_backward=True, impl="fused")
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()
+
+
+def test_input_checks_name_shapes_and_dtypes():
+    logits, target = _inputs(3, 11, torch.float32)
+    with pytest.raises(RuntimeError, match=r"outside the vocabulary \[0, 11\)"):
+        K.token_logprobs(logits, torch.tensor([0, 11, 2]), impl="fused")
+    with pytest.raises(RuntimeError, match=r"must be 2-D.*\[3, 11, 1\]"):
+        torch.ops.megagspo.logprob_forward(logits[..., None], target, False, False)
+    with pytest.raises(RuntimeError, match=r"int64 or int32.*Float"):
+        torch.ops.megagspo.logprob_forward(logits, target.float(), False, False)
+    with pytest.raises(RuntimeError, match=r"float32, float64, bfloat16 or float16.*Int"):
+        torch.ops.megagspo.logprob_forward(logits.int(), target, False, False)
+    with pytest.raises(RuntimeError, match=r"grad_logp must be 1-D \[3\]"):
+        torch.ops.megagspo.logprob_backward(torch.ones(4), None, logits, target, torch.ones(3), None, 0)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        K.token_logprobs(logits, target, impl="triton")
+
+
+def test_opcheck_and_compile():
+    logits, target = _inputs(4, 37, torch.float32)
+    x = logits.clone().requires_grad_()
+    ops = torch.ops.megagspo
+    torch.library.opcheck(ops.logprob_forward.default, (x, target, True, False))
+    torch.library.opcheck(ops.logprob_stats.default, (logits, target, 5, True))
+    lp, ent, lse = ops.logprob_forward(logits, target, True, False)
+    torch.library.opcheck(ops.logprob_backward.default, (torch.ones(4), torch.ones(4), logits, target, lse, ent, 0))
+
+    def f(x, target):
+        lp, ent = K.token_logprobs(x, target, with_entropy=True, impl="fused")
+        return (lp + 0.1 * ent).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    y = x.detach().clone().requires_grad_()
+    compiled(y, target).backward()
+    f(x, target).backward()
+    assert torch.allclose(y.grad, x.grad)
+
+
+def test_reference_fallback_warns_once(monkeypatch):
+    logits, target = _inputs(3, 11, torch.float32)
+    monkeypatch.setattr(K, "has_device_kernel", lambda device: False)
+    monkeypatch.setattr(K, "extension_error", lambda: "megagspo._C could not be imported (test)")
+    K._warn_fallback_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = K.token_logprobs(logits, target)
+        b = K.token_logprobs(logits, target)
+    K._warn_fallback_once.cache_clear()
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "falling back to the pure-torch reference" in msgs[0] and "(test)" in msgs[0]
+    assert torch.allclose(a, R.token_logprobs_ref(logits, target)) and torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="impl='fused' requested"):
+        K.token_logprobs(logits, target, impl="fused")
+
+
+# ---- vocab parallel over 2 gloo ranks ----------------------------------------------------------------------
+def _vocab_parallel_body(rank, world_size, seed, T, V, split, dtype, inplace, impl):
+    torch.manual_seed(seed)  # same full logits on every rank
+    logits = (torch.randn(T, V, dtype=torch.float64) * 3).to(dtype)
+    logits[0, 0] = -float("inf") if V > 7 else logits[0, 0]
+    target = torch.randint(0, V, (T,))
+    g_lp, g_h = torch.randn(T), torch.randn(T)
+    bounds = [0, split, V]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    acc = R.acc_dtype(dtype)
+
+    h = logits[:, lo:hi].clone().requires_grad_()
+    shard = h * 1.0 if inplace else h
+    lp, ent = K.token_logprobs(shard, target, with_entropy=True, inplace_backward=inplace,
+                               tp_group=torch.distributed.group.WORLD, vocab_start=lo, impl=impl)
+    (lp * g_lp.to(acc) + ent * g_h.to(acc)).sum().backward()
+
+    full = logits.clone().requires_grad_()
+    lp1, ent1 = K.token_logprobs(full, target, with_entropy=True, impl=impl)  # TP = 1
+    (lp1 * g_lp.to(acc) + ent1 * g_h.to(acc)).sum().backward()
+    return lp, ent, h.grad, lp1, ent1, full.grad[:, lo:hi]
+
+
+# (T, V, split, dtype, inplace, impl); one spawn of 2 ranks runs them all (process start-up dominates).
+VOCAB_PARALLEL_CASES = [
+    (5, 7, 4, torch.float32, False, "fused"),  # uneven shards of a tiny vocab
+    (3, 151_936, 75_968, torch.bfloat16, True, "fused"),  # Qwen3 vocab, Megatron's even split, in place
+    (4, 4099, 2000, torch.float64, False, "fused"),
+    (1, 4099, 1, torch.float32, False, "fused"),  # T = 1, a one-column shard
+    (4, 515, 300, torch.float32, False, "reference"),
+]
+
+
+def _vocab_parallel_cases_body(rank, world_size, seed):
+    return [_vocab_parallel_body(rank, world_size, seed + i, *case) for i, case in enumerate(VOCAB_PARALLEL_CASES)]
+
+
+@pytest.mark.multiprocess
+def test_vocab_parallel_matches_tp1():
+    seed = _seed()
+    per_rank = run_distributed(_vocab_parallel_cases_body, world_size=2, args=(seed,), timeout_s=240)
+    for i, (T, V, split, dtype, inplace, impl) in enumerate(VOCAB_PARALLEL_CASES):
+        case = f"T={T} V={V} split={split} {dtype} inplace={inplace} impl={impl} (seed {seed + i})"
+        tol = 1e-12 if dtype == torch.float64 else 3e-6
+        gtol = 1e-12 if dtype == torch.float64 else (2e-6 if dtype == torch.float32 else 1e-2)
+        for rank in range(2):
+            lp, ent, grad, lp1, ent1, grad1 = per_rank[rank][i]
+            assert (lp <= 0).all(), case
+            assert torch.allclose(lp, lp1, atol=tol, rtol=tol), f"rank {rank} logp: {case}"
+            assert torch.allclose(ent, ent1, atol=tol * 4, rtol=tol), f"rank {rank} entropy: {case}"
+            assert torch.allclose(grad.double(), grad1.double(), atol=gtol, rtol=gtol), f"rank {rank} grad: {case}"
+        assert torch.equal(per_rank[0][i][0], per_rank[1][i][0]), f"ranks disagree on logp: {case}"
+
+
+# ---- CUDA (skipped without a GPU) ------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("T,V", [(1, 7), (7, 4099), (3, 151_936)], ids=lambda v: str(v))
+def test_cuda_matches_cpu(T, V, dtype):
+    if not K.fused_available("cuda"):
+        pytest.skip("megagspo._C built without CUDA kernels")
+    seed = _seed()
+    logits, target = _inputs(T, V, dtype)
+    g_lp, g_h = torch.randn(T), torch.randn(T)
+    out = []
+    for device in ("cpu", "cuda"):
+        x = logits.to(device).requires_grad_()
+        lp, ent = K.token_logprobs(x, target.to(device), with_entropy=True, impl="fused")
+        (lp * g_lp.to(device, lp.dtype) + ent * g_h.to(device, lp.dtype)).sum().backward()
+        out.append((lp.cpu(), ent.cpu(), x.grad.cpu()))
+    ref = _fp64_reference(logits, target, g_lp, g_h)
+    for i, name in enumerate(["logp", "entropy", "d logits"]):
+        same = _torch_same_precision(logits, target, g_lp, g_h)[i] if i == 2 and dtype != torch.float64 else None
+        assert_close_rel(out[1][i], ref[i], same, dtype, f"cuda {name}", seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_memory_forward_o_t_backward_only_the_gradient(dtype):
+    """Allocations inside the ops (torch.profiler): forward 12 B per token (logp, entropy, lse in float32),
+    backward exactly d logits in the logits' dtype, in-place backward nothing of size T x V."""
+    from torch.profiler import ProfilerActivity, profile
+
+    T, V = 64, 20_000
+    logits, target = _inputs(T, V, dtype)
+
+    def op_bytes(fn):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        return {e.name: e.cpu_memory_usage for e in prof.events() if e.name.startswith("megagspo::")}
+
+    def run(inplace):
+        h = logits.clone().requires_grad_()
+        x = h * 1.0
+        lp, ent = K.token_logprobs(x, target, with_entropy=True, inplace_backward=inplace, impl="fused")
+        (lp.sum() + ent.sum()).backward()
+
+    out = op_bytes(lambda: run(False))
+    assert out["megagspo::logprob_forward"] == 3 * 4 * T
+    assert out["megagspo::logprob_backward"] == T * V * logits.element_size()
+    out = op_bytes(lambda: run(True))
+    assert out["megagspo::logprob_forward"] == 3 * 4 * T
+    assert out["megagspo::logprob_backward_"] <= 64 * T
