@@ -1,0 +1,92 @@
+"""megagspo command line.
+
+    megagspo train  --config configs/tiny_cpu.yaml [section.key=value ...]   cold-start SFT, then RL
+    megagspo sft    --config configs/tiny_cpu.yaml [overrides]               cold-start SFT only (checkpoint)
+    megagspo export --checkpoint runs/tiny_cpu [--out DIR]                    Hugging Face folder (safetensors)
+
+Under torchrun every process runs the same command (gloo on CPU):
+    torchrun --nproc-per-node 2 -m megagspo.cli train --config configs/tiny_cpu.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+
+def _quiet_third_party() -> None:
+    import logging
+
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|cuda_graph_scope).*")
+    logging.getLogger("moe.cpu_shim").setLevel(logging.WARNING)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _train(args, rl: bool) -> int:
+    from megagspo.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from megagspo.trainer import Trainer
+
+        trainer = Trainer(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    trainer.train(rl=rl)
+    return 0
+
+
+def _export(args) -> int:
+    import torch
+
+    from megagspo.data import load_tokenizer
+    from megagspo.rollout import HFRolloutEngine
+    from megagspo.trainer.trainer import TrainError, load_checkpoint
+    from moe.architecture import Qwen3MoeArchitecture
+
+    try:
+        ckpt = load_checkpoint(args.checkpoint)
+    except TrainError as exc:
+        print(f"megagspo export: error: {exc}", file=sys.stderr)
+        return 2
+    arch = Qwen3MoeArchitecture(**ckpt["arch"])
+    tokenizer = load_tokenizer(ckpt["tokenizer"])
+    engine = HFRolloutEngine(arch, tokenizer, record_routes=False)
+    engine.update_weights(ckpt["state"])
+    src = args.checkpoint if os.path.isdir(args.checkpoint) else os.path.dirname(args.checkpoint)
+    out = args.out or os.path.join(src, "hf")
+    engine.model.save_pretrained(out)
+    if ckpt["tokenizer"] != "builtin":
+        tokenizer.tok.save_pretrained(out)
+    torch.save({"vocab": tokenizer.itos} if ckpt["tokenizer"] == "builtin" else {}, os.path.join(out, "megagspo_vocab.pt"))
+    print(f"exported Hugging Face Qwen3MoeForCausalLM to {out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="megagspo", description="GSPO RL for Qwen3-MoE on Megatron-Core")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("train", "cold-start SFT, then GSPO / GSPO-token / GRPO"),
+                            ("sft", "cold-start SFT only; saves a checkpoint (use as model.init_from)")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", default="configs/tiny_cpu.yaml", help="YAML recipe")
+        p.add_argument("overrides", nargs="*", help="section.key=value, e.g. rl.steps=20 seed=1")
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
+    p.add_argument("--checkpoint", required=True, help="run folder or checkpoint.pt")
+    p.add_argument("--out", default="", help="output folder (default <run>/hf)")
+    args = parser.parse_args(argv)
+    _quiet_third_party()
+    if args.command == "export":
+        return _export(args)
+    if args.command == "sft":
+        args.overrides = list(args.overrides) + ["rl.steps=0"]
+        return _train(args, rl=False)
+    return _train(args, rl=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

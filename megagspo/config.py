@@ -1,0 +1,403 @@
+"""Run configuration: one small validated dataclass per component, YAML recipes mapped onto them, and
+`section.key=value` overrides from the command line.
+
+Every error names the offending key (dotted path) and, for unknown keys, lists the valid ones. Defaults
+live here and only here; recipes in `configs/` override what they need.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["rl.steps=10", "seed=3"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, missing or out of range; the message names it."""
+
+
+def _require(owner: str, name: str, ok: bool, value: Any, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{owner}.{name} must be {what}, got {value!r}")
+
+
+def _pos_int(owner: str, name: str, value: Any) -> None:
+    _require(owner, name, isinstance(value, int) and not isinstance(value, bool) and value > 0, value,
+             "a positive integer")
+
+
+def _nonneg_int(owner: str, name: str, value: Any) -> None:
+    _require(owner, name, isinstance(value, int) and not isinstance(value, bool) and value >= 0, value,
+             "an integer >= 0")
+
+
+def _num(owner: str, name: str, value: Any, lo: float = -math.inf, hi: float = math.inf,
+         lo_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
+    rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+    _require(owner, name, ok, value, f"a finite number in {rng}")
+
+
+def _choice(owner: str, name: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{owner}.{name} = {value!r} is not valid; valid values: {', '.join(map(str, choices))}")
+
+
+# ------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """Qwen3-MoE architecture fields (names as in HF's Qwen3MoeConfig). vocab_size 0 = the tokenizer's."""
+
+    vocab_size: int = 0
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    moe_intermediate_size: int = 64
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 64
+    initializer_range: float = 0.02
+    init_from: str = ""  # a run folder or checkpoint file (megagspo export/sft output); "" = random init
+
+    def __post_init__(self) -> None:
+        _nonneg_int("model", "vocab_size", self.vocab_size)
+        if self.init_from and not os.path.exists(self.init_from):
+            raise ConfigError(f"model.init_from = {self.init_from!r}: no such file or folder")
+
+    def architecture(self, vocab_size: int):
+        from moe.architecture import Qwen3MoeArchitecture
+
+        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "init_from"}
+        kwargs["vocab_size"] = self.vocab_size or vocab_size
+        if kwargs["vocab_size"] < vocab_size:
+            raise ConfigError(f"model.vocab_size = {self.vocab_size} is smaller than the tokenizer's {vocab_size}")
+        try:
+            return Qwen3MoeArchitecture(**kwargs)
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
+
+
+TASKS = ("addition", "file")
+
+
+@dataclass
+class DataConfig:
+    """Prompts with verifiable answers: the built-in synthetic task, or JSONL / parquet files."""
+
+    task: str = "addition"          # addition | file
+    num_digits: int = 2             # addition: operands in [0, 10^num_digits)
+    train_size: int = 4000          # addition: distinct train problems
+    eval_size: int = 300            # held-out problems (addition: disjoint from train)
+    train_path: str = ""            # file: .jsonl or .parquet
+    eval_path: str = ""             # file: held-out set; "" = split eval_size rows off the train file
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    tokenizer: str = "builtin"      # builtin (digits + symbols) | path to a local HF tokenizer folder
+    max_prompt_tokens: int = 16
+    max_response_tokens: int = 6
+    drop_long_prompts: bool = False  # False: prompts over max_prompt_tokens are an error (counted, listed)
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _choice("data", "task", self.task, TASKS)
+        for name in ("num_digits", "train_size", "eval_size", "max_prompt_tokens", "max_response_tokens"):
+            _pos_int("data", name, getattr(self, name))
+        if self.task == "addition":
+            space = (10 ** self.num_digits) ** 2
+            if self.train_size + self.eval_size > space:
+                raise ConfigError(
+                    f"data.train_size + data.eval_size = {self.train_size + self.eval_size} exceeds the "
+                    f"{space} distinct {self.num_digits}-digit addition problems")
+        if self.task == "file":
+            if not self.train_path:
+                raise ConfigError("data.train_path is required when data.task = 'file'")
+            for name in ("train_path", "eval_path"):
+                path = getattr(self, name)
+                if path and not os.path.isfile(path):
+                    raise ConfigError(f"data.{name} = {path!r}: no such file")
+                if path and not path.endswith((".jsonl", ".json", ".parquet")):
+                    raise ConfigError(f"data.{name} = {path!r}: expected a .jsonl or .parquet file")
+        if self.tokenizer != "builtin" and not os.path.isdir(self.tokenizer):
+            raise ConfigError(f"data.tokenizer = {self.tokenizer!r}: expected 'builtin' or a local tokenizer folder")
+
+
+@dataclass
+class RewardConfig:
+    name: str = "exact_match"       # see megagspo.rewards.available_rewards()
+
+    def __post_init__(self) -> None:
+        from megagspo.rewards import available_rewards
+
+        _choice("reward", "name", self.name, available_rewards())
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"              # hf (transformers Qwen3MoeForCausalLM, KV cache) | sglang (GPU hosts)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    record_routes: bool = True      # routed experts per token from the engine (needed by R3)
+
+    def __post_init__(self) -> None:
+        from megagspo.rollout import available_engines
+
+        _choice("rollout", "engine", self.engine, available_engines())
+        _num("rollout", "temperature", self.temperature, 0.0, 10.0, lo_open=True)
+        _num("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
+
+
+@dataclass
+class SFTConfig:
+    """Cold start: supervised steps on demonstrations (prompt + answer) before RL."""
+
+    steps: int = 150
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 0             # held-out greedy accuracy every N SFT steps (0 = only at the end)
+
+    def __post_init__(self) -> None:
+        _nonneg_int("sft", "steps", self.steps)
+        _nonneg_int("sft", "eval_every", self.eval_every)
+        _pos_int("sft", "batch_size", self.batch_size)
+        _num("sft", "lr", self.lr, 0.0, 1.0, lo_open=True)
+        _nonneg_int("sft", "warmup_steps", self.warmup_steps)
+        _num("sft", "weight_decay", self.weight_decay, 0.0, 1.0)
+        _num("sft", "grad_clip", self.grad_clip, 0.0, lo_open=True)
+
+
+LOSSES = ("gspo", "gspo_token", "grpo")
+OLD_LOGP = ("recompute", "rollout")
+ROUTING_REPLAY = ("none", "r2", "r3")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclass
+class RLConfig:
+    """Per step: prompts_per_step prompts x group_size responses, split into mini_batches updates."""
+
+    steps: int = 100
+    prompts_per_step: int = 16      # B
+    group_size: int = 8             # G
+    mini_batches: int = 4           # optimizer updates per rollout batch (paper: 4)
+    loss: str = "gspo"              # gspo | gspo_token | grpo
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    old_logp: str = "recompute"     # recompute (Megatron no-grad forward) | rollout (engine log-probs, §5.4)
+    routing_replay: str = "none"    # none | r2 | r3
+    kl_coef: float = 0.0
+    lr: float = 1e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    logprob_impl: str = "auto"      # auto (megagspo.kernels if importable) | kernels | torch
+    eval_every: int = 25
+    eval_samples: int = 4           # also score this many T=1 samples per held-out prompt (0 = greedy only)
+    scale_adv_by_std: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "mini_batches", "eval_every"):
+            _pos_int("rl", name, getattr(self, name))
+        _nonneg_int("rl", "steps", self.steps)
+        _nonneg_int("rl", "warmup_steps", self.warmup_steps)
+        _nonneg_int("rl", "eval_samples", self.eval_samples)
+        if self.group_size < 2:
+            raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
+        _choice("rl", "loss", self.loss, LOSSES)
+        _choice("rl", "old_logp", self.old_logp, OLD_LOGP)
+        _choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)
+        _choice("rl", "lr_schedule", self.lr_schedule, SCHEDULES)
+        _choice("rl", "logprob_impl", self.logprob_impl, ("auto", "kernels", "torch"))
+        _num("rl", "clip_low", self.clip_low, 0.0, 1.0, lo_open=True)
+        _num("rl", "clip_high", self.clip_high, 0.0, lo_open=True)
+        _num("rl", "kl_coef", self.kl_coef, 0.0)
+        _num("rl", "lr", self.lr, 0.0, 1.0, lo_open=True)
+        _num("rl", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _num("rl", "weight_decay", self.weight_decay, 0.0, 1.0)
+        _num("rl", "beta1", self.beta1, 0.0, 1.0)
+        _num("rl", "beta2", self.beta2, 0.0, 1.0)
+        _num("rl", "grad_clip", self.grad_clip, 0.0, lo_open=True)
+        samples = self.prompts_per_step * self.group_size
+        if samples % self.mini_batches:
+            raise ConfigError(
+                f"rl.prompts_per_step * rl.group_size = {samples} samples do not divide into "
+                f"rl.mini_batches = {self.mini_batches} equal mini-batches")
+        if self.kl_coef > 0:
+            raise ConfigError("rl.kl_coef > 0 needs a reference model, which this trainer does not keep yet; "
+                              "set rl.kl_coef = 0 (the GSPO paper trains without KL)")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    token_dispatcher: str = "alltoall"
+
+    def __post_init__(self) -> None:
+        _pos_int("parallel", "tensor_parallel", self.tensor_parallel)
+        _pos_int("parallel", "expert_parallel", self.expert_parallel)
+        _choice("parallel", "token_dispatcher", self.token_dispatcher, ("alltoall", "allgather"))
+        if self.tensor_parallel != 1:
+            raise ConfigError("parallel.tensor_parallel > 1 is not wired into the trainer yet (the weight "
+                              "export gathers experts only); use data or expert parallelism")
+
+
+@dataclass
+class LogConfig:
+    out_dir: str = "runs"
+    progress: bool = True
+    tensorboard: bool = True        # written when the tensorboard package is installed
+    plots: bool = True
+    save_checkpoint: bool = True
+
+    def __post_init__(self) -> None:
+        pass
+
+
+@dataclass
+class Config:
+    name: str = "tiny_cpu"
+    seed: int = 0
+    threads: int = 2                # torch intra-op threads (per process)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _nonneg_int("", "seed", self.seed)
+        _pos_int("", "threads", self.threads)
+        if self.rl.routing_replay != "none":
+            from megagspo.trainer.replay import replay_available
+
+            ok, why = replay_available()
+            if not ok:
+                raise ConfigError(f"rl.routing_replay = {self.rl.routing_replay!r} is not available yet: {why}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def run_dir(self) -> str:
+        return os.path.join(self.log.out_dir, self.name)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_classes() -> dict:
+    return {"model": ModelConfig, "data": DataConfig, "reward": RewardConfig, "rollout": RolloutConfig,
+            "sft": SFTConfig, "rl": RLConfig, "parallel": ParallelConfig, "log": LogConfig}
+
+
+def _coerce_value(path: str, value: Any, default: Any) -> Any:
+    """YAML gives ints for floats like `1` and strings for `1e-3`; accept those, reject real mismatches."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, float) and not isinstance(value, bool):
+        if isinstance(value, int):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{path} must be a number, got {value!r}") from None
+    if isinstance(default, int) and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(default, str) and value is None:
+        return ""
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ConfigError(f"{path} must be a string, got {value!r}")
+    return value
+
+
+def _build(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {raw!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    defaults = cls()
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {path!r}; valid keys{' in ' + prefix[:-1] if prefix else ''}: "
+                              f"{', '.join(names)}")
+        if prefix == "" and key in _section_classes():
+            kwargs[key] = _build(_section_classes()[key], value or {}, f"{key}.")
+        else:
+            kwargs[key] = _coerce_value(path, value, getattr(defaults, key))
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{prefix[:-1] or 'config'}: {exc}") from None
+
+
+def parse_overrides(overrides) -> dict:
+    """['rl.steps=10', 'seed=2'] -> nested dict; values parsed as YAML scalars."""
+    out: dict = {}
+    for item in overrides or ():
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. rl.steps=10)")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty key component")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with an earlier override of {part!r}")
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_dict(raw: dict, overrides=None) -> Config:
+    return _build(Config, _merge(raw or {}, parse_overrides(overrides)), "")
+
+
+def load_config(path: Optional[str] = None, overrides=None) -> Config:
+    raw: dict = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
+    return config_from_dict(raw, overrides)

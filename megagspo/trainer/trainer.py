@@ -1,0 +1,470 @@
+"""The training loop: cold-start SFT, then per RL step (design.md "One RL step"):
+
+    B prompts (this DP rank's share) -> rollout engine: G samples each (tokens, log-probs, routes)
+    -> rewards (verifiers; errors score 0 and are counted) -> group advantages (eq. 7)
+    -> pi_old: recompute on Megatron (no-grad forward per mini-batch, routes recorded for R2 and for
+       volatility; R3 replays the engine's routes) or the engine's log-probs (§5.4)
+    -> for each of `mini_batches` mini-batches: forward (routes replayed under R2/R3), registered loss
+       (GSPO eq. 6 / GSPO-token eq. 14 / GRPO eq. 2) normalised by GLOBAL counts, backward, gradients
+       SUMMED over DP, global-norm clip, AdamW step
+    -> weights exported (full Megatron state, experts gathered over EP) -> rollout engine
+    -> metrics (JSONL / TensorBoard / progress bar), held-out greedy accuracy every `eval_every` steps.
+
+Legend: B prompts, G samples per prompt, R = B*G responses, M mini-batches, S model input length,
+L response length, T = rows*S tokens in storage order (b*S + s).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+
+from megagspo.config import Config, ConfigError
+
+
+class TrainError(RuntimeError):
+    pass
+
+
+def _world_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(cfg: Config, world: int) -> int:
+    """Batch sizes against ranks and mini-batches, before any compute. -> data-parallel size."""
+    tp = cfg.parallel.tensor_parallel
+    ep = cfg.parallel.expert_parallel
+    if world % tp or world % ep:
+        raise ConfigError(f"{world} processes do not divide into parallel.tensor_parallel={tp} x "
+                          f"parallel.expert_parallel={ep}")
+    if cfg.model.num_experts % ep:
+        raise ConfigError(f"model.num_experts={cfg.model.num_experts} is not divisible by parallel.expert_parallel={ep}")
+    dp = world // tp
+    rl = cfg.rl
+    if rl.prompts_per_step % dp:
+        raise ConfigError(f"rl.prompts_per_step = {rl.prompts_per_step} does not divide over {dp} data-parallel ranks")
+    local = rl.prompts_per_step // dp * rl.group_size
+    if local % rl.mini_batches:
+        raise ConfigError(
+            f"each of the {dp} data-parallel ranks gets {rl.prompts_per_step // dp} prompts x {rl.group_size} = "
+            f"{local} samples, which do not divide into rl.mini_batches = {rl.mini_batches}")
+    if cfg.sft.steps and cfg.sft.batch_size % dp:
+        raise ConfigError(f"sft.batch_size = {cfg.sft.batch_size} does not divide over {dp} data-parallel ranks")
+    return dp
+
+
+def lr_at(step: int, total: int, base: float, warmup: int, schedule: str, min_ratio: float) -> float:
+    if warmup and step < warmup:
+        return base * (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return base
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return base * (1.0 - (1.0 - min_ratio) * frac)
+    return base * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, quiet: bool = False) -> None:
+        from megagspo.algorithm import get_loss
+        from megagspo.data import PromptDataset, build_datasets
+        from megagspo.rewards import get_reward
+        from megagspo.rollout import get_engine_class
+
+        self.cfg = cfg
+        torch.set_num_threads(cfg.threads)
+        # ---- everything that can be wrong with the input is checked before any compute ----
+        self.dp = check_layout(cfg, _world_from_env())
+        self.tokenizer, train, held_out, self.data_stats = build_datasets(cfg.data)
+        arch = cfg.model.architecture(self.tokenizer.vocab_size)
+        need = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
+        if need > arch.max_position_embeddings:
+            raise ConfigError(f"data.max_prompt_tokens + data.max_response_tokens = {need} exceeds "
+                              f"model.max_position_embeddings = {arch.max_position_embeddings}")
+        self.reward_fn = get_reward(cfg.reward.name)
+        self.loss_fn = get_loss(cfg.rl.loss)
+        loss_fields = dict(clip_low=cfg.rl.clip_low, clip_high=cfg.rl.clip_high,
+                           old_policy={"source": cfg.rl.old_logp})
+        self.loss_cfg = self.loss_fn.Config(**loss_fields)
+        engine_cls = get_engine_class(cfg.rollout.engine)
+        if cfg.rl.routing_replay == "r3" and not cfg.rollout.record_routes:
+            raise ConfigError("rl.routing_replay = 'r3' replays the engine's routes: set rollout.record_routes=true")
+
+        # ---- model, engine, optimizer ----
+        from megagspo.trainer.policy import MegatronPolicy, setup_parallel
+
+        self.layout, self.rank, self.world = setup_parallel(cfg.parallel, cfg.seed)
+        self.arch = arch
+        self.policy = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl)
+        if cfg.model.init_from:
+            self.policy.load_full_state_dict(load_checkpoint(cfg.model.init_from)["state"])
+        self.engine = engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes)
+        self.sync_weights()
+        self.train_ds = PromptDataset(train, seed=cfg.seed + 17)
+        self.held_out = held_out
+        self.dp_rank = self.policy.dp_rank
+        self.is_main = self.rank == 0
+        self.quiet = quiet or not self.is_main
+        from megagspo.metrics_log import MetricsLogger
+
+        self.logger = MetricsLogger(cfg.run_dir(), enabled=self.is_main, tensorboard=cfg.log.tensorboard)
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dp_rank)
+        torch.manual_seed(cfg.seed * 7919 + self.rank)  # sampling randomness differs per rank
+        self.summary: dict = {"data": self.data_stats}
+        if self.is_main:
+            import yaml
+
+            with open(os.path.join(cfg.run_dir(), "config.yaml"), "w") as f:
+                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+            if self.logger.tb_note and not self.quiet:
+                print(self.logger.tb_note)
+
+    # ------------------------------------------------------------------------------------------- utils
+    def _all_sum(self, values: list) -> list:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.dp > 1:
+            torch.distributed.all_reduce(t, group=self.policy.dp_group)
+        return t.tolist()
+
+    def sync_weights(self) -> float:
+        t0 = time.perf_counter()
+        self.engine.update_weights(self.policy.full_state_dict())
+        return time.perf_counter() - t0
+
+    def _local_slice(self, items: list) -> list:
+        n = len(items) // self.dp
+        return items[self.dp_rank * n:(self.dp_rank + 1) * n]
+
+    def _progress(self, total: int, desc: str):
+        if self.quiet or not self.cfg.log.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, dynamic_ncols=True)
+
+    # ---------------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Greedy decoding on the held-out set (split over DP ranks); exact reward as accuracy."""
+        from megagspo.rewards import RewardStats, score_batch
+        from megagspo.rollout import SamplingParams
+
+        examples = self.held_out[self.dp_rank::self.dp]
+        out = self.engine.generate([ex.prompt_ids for ex in examples], 1,
+                                   SamplingParams(self.cfg.data.max_response_tokens, greedy=True))
+        texts = [self.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
+        stats = RewardStats()
+        scores = score_batch(self.reward_fn, texts, [ex.answer for ex in examples], stats)
+        correct = sum(1.0 for s in scores if s >= 1.0)
+        n_s = self.cfg.rl.eval_samples
+        sampled_correct = 0.0
+        if n_s:
+            sampled = self.engine.generate([ex.prompt_ids for ex in examples], n_s,
+                                           SamplingParams(self.cfg.data.max_response_tokens,
+                                                          temperature=self.cfg.rollout.temperature,
+                                                          top_p=self.cfg.rollout.top_p))
+            texts_s = [self.tokenizer.decode(r[m].tolist())
+                       for r, m in zip(sampled.response_ids_RL, sampled.response_mask_RL)]
+            scores_s = score_batch(self.reward_fn, texts_s, [ex.answer for ex in examples for _ in range(n_s)], stats)
+            sampled_correct = sum(1.0 for s in scores_s if s >= 1.0) / n_s
+        total, correct, lengths, sampled_correct = self._all_sum(
+            [len(examples), correct, float(out.response_mask_RL.sum()), sampled_correct])
+        return {"eval/accuracy": correct / max(total, 1), "eval/response_length": lengths / max(total, 1),
+                "eval/sampled_accuracy": sampled_correct / max(total, 1), "eval/count": total}
+
+    # ----------------------------------------------------------------------------------------------- SFT
+    def run_sft(self) -> dict:
+        """Cold start: cross-entropy on prompt -> answer+eos demonstrations (train split only)."""
+        from megagspo.trainer.policy import build_sequences
+
+        cfg = self.cfg.sft
+        if cfg.steps == 0:
+            return {}
+        model = self.policy.model
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        bar = self._progress(cfg.steps, "cold-start SFT")
+        tok = self.tokenizer
+        sft_ds = self.train_ds
+        t_start = time.perf_counter()
+        for step in range(cfg.steps):
+            lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, "cosine", 0.1)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            batch = self._local_slice(sft_ds.sample(cfg.batch_size))
+            answers = [tok.encode(ex.answer) + [tok.eos_id] for ex in batch]
+            width = max(len(a) for a in answers)
+            resp = torch.full((len(batch), width), tok.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.bool)
+            for i, a in enumerate(answers):
+                resp[i, :len(a)] = torch.tensor(a)
+                mask[i, :len(a)] = True
+            inp, tgt, lmask, _ = build_sequences([list(ex.prompt_ids) for ex in batch], resp, mask, tok.pad_id)
+            (n_tok,) = self._all_sum([float(lmask.sum())])
+            model.zero_grad(set_to_none=True)
+            loss = self.policy.lm_loss(inp, tgt, lmask.float(), n_tok)
+            loss.backward()
+            self.policy.reduce_grads()
+            gnorm = self.policy.clip_grad_norm(cfg.grad_clip)
+            opt.step()
+            (loss_sum,) = self._all_sum([float(loss.detach())])
+            do_eval = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0
+            if step % 10 == 0 or step == cfg.steps - 1 or do_eval:
+                row = {"phase": "sft", "step": step, "sft/loss": loss_sum, "sft/lr": lr, "grad_norm": float(gnorm)}
+                if do_eval:
+                    self.sync_weights()
+                    row["eval/accuracy"] = self.evaluate()["eval/accuracy"]
+                    self._say(f"SFT step {step + 1}: loss {loss_sum:.3f}, held-out accuracy {row['eval/accuracy']:.3f}")
+                self.logger.log(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_sum:.3f}")
+        if bar is not None:
+            bar.close()
+        self.sync_weights()
+        return {"sft/time_s": time.perf_counter() - t_start}
+
+    # ------------------------------------------------------------------------------------------------ RL
+    def _replay_ctx(self, mode: str, routes=None):
+        import contextlib
+
+        if mode == "record":
+            return self.policy.replay.recording()
+        if mode == "replay":
+            return self.policy.replay.replaying(routes)
+        return contextlib.nullcontext()
+
+    def _engine_routes_TLK(self, routes_RPLyK, rows, seq_len):
+        """Engine routes of the given rows as [rows*S, L, K] in storage order; unfed positions get a fixed
+        valid route (their outputs are never scored)."""
+        r = routes_RPLyK[rows].long()
+        k = r.shape[-1]
+        if r.shape[1] < seq_len:
+            pad = torch.full((r.shape[0], seq_len - r.shape[1], r.shape[2], k), -1, dtype=torch.long)
+            r = torch.cat([r, pad], dim=1)
+        r = r[:, :seq_len]
+        filler = torch.arange(k).expand_as(r)
+        r = torch.where(r < 0, filler, r)
+        return r.reshape(-1, r.shape[2], k).to(self.policy.replay.spec.dtype)
+
+    def rl_step(self, step: int) -> dict:
+        from megagspo.algorithm import PackedBatch, group_advantages, merge_metrics
+        from megagspo.rewards import RewardStats, score_batch
+        from megagspo.rollout import SamplingParams
+        from megagspo.trainer.policy import build_sequences
+        from moe.volatility import volatility_counts
+
+        cfg = self.cfg.rl
+        tok = self.tokenizer
+        times = {}
+        t0 = time.perf_counter()
+        prompts = self._local_slice(self.train_ds.sample(cfg.prompts_per_step))
+        sampling = SamplingParams(self.cfg.data.max_response_tokens, temperature=self.cfg.rollout.temperature,
+                                  top_p=self.cfg.rollout.top_p)
+        out = self.engine.generate([ex.prompt_ids for ex in prompts], cfg.group_size, sampling)
+        times["time/rollout_s"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        texts = [tok.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
+        answers = [ex.answer for ex in prompts for _ in range(cfg.group_size)]
+        rstats = RewardStats()
+        rewards_R = torch.tensor(score_batch(self.reward_fn, texts, answers, rstats), dtype=torch.float32)
+        adv_R = group_advantages(rewards_R, group_size=cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+        times["time/reward_s"] = time.perf_counter() - t1
+
+        inp_RS, tgt_RS, mask_RS, pos_RL = build_sequences(out.prompt_ids, out.response_ids_RL,
+                                                          out.response_mask_RL, tok.pad_id)
+        num_rows, seq_len = inp_RS.shape
+        rollout_logp_RS = torch.zeros(num_rows, seq_len)
+        rollout_logp_RS.scatter_(1, pos_RL, torch.where(out.response_mask_RL, out.logp_RL, 0.0))
+        perm = torch.randperm(num_rows, generator=self.sample_gen)
+        mbs = list(perm.chunk(cfg.mini_batches))
+        num_global_seqs = cfg.prompts_per_step * cfg.group_size // cfg.mini_batches
+        tok_counts = self._all_sum([float(mask_RS[mb].sum()) for mb in mbs])
+
+        replay = cfg.routing_replay
+        # ---- pi_old ----
+        t2 = time.perf_counter()
+        old_logp, old_routes = [], []
+        if cfg.old_logp == "recompute":
+            with torch.no_grad():
+                for mb in mbs:
+                    if replay == "r3":
+                        routes = self._engine_routes_TLK(out.routes_RPLyK, mb, seq_len)
+                        with self._replay_ctx("replay", routes):
+                            lp, _ = self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
+                        old_routes.append(routes)
+                    else:
+                        with self._replay_ctx("record") as rec:
+                            lp, _ = self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
+                        old_routes.append(rec.routes)
+                    old_logp.append(lp)
+        else:
+            for mb in mbs:
+                old_logp.append(rollout_logp_RS[mb])
+                old_routes.append(self._engine_routes_TLK(out.routes_RPLyK, mb, seq_len)
+                                  if out.routes_RPLyK is not None else None)
+        times["time/old_logp_s"] = time.perf_counter() - t2
+
+        # ---- updates ----
+        t3 = time.perf_counter()
+        lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        parts, gnorms = [], []
+        vol_changed = vol_total = 0.0
+        model = self.policy.model
+        for k, mb in enumerate(mbs):
+            model.zero_grad(set_to_none=True)
+            if replay in ("r2", "r3"):
+                with self._replay_ctx("replay", old_routes[k]):
+                    logp, ent = self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
+            else:
+                with self._replay_ctx("record") as rec:
+                    logp, ent = self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
+            batch = PackedBatch.from_padded(
+                logp_BL=logp, loss_mask_BL=mask_RS[mb], num_global_sequences=num_global_seqs,
+                old_logp_BL=old_logp[k] if cfg.old_logp == "recompute" else None,
+                rollout_logp_BL=rollout_logp_RS[mb], advantages_B=adv_R[mb],
+                num_global_tokens=max(tok_counts[k], 1.0), entropy_BL=ent)
+            loss, metrics = self.loss_fn(batch, self.loss_cfg)
+            loss.backward()
+            self.policy.reduce_grads()
+            gnorms.append(float(self.policy.clip_grad_norm(cfg.grad_clip)))
+            self.optimizer.step()
+            parts.append(metrics)
+            # expert volatility: top-k choices of this forward vs pi_old's on the same tokens
+            if old_routes[k] is not None:
+                if replay in ("r2", "r3"):
+                    with torch.no_grad(), self._replay_ctx("record") as rec2:
+                        self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
+                    new_routes = rec2.routes
+                else:
+                    new_routes = rec.routes
+                changed_L, total_L = volatility_counts(old_routes[k].long(), new_routes.long(),
+                                                       mask_RS[mb].reshape(-1))
+                vol_changed += float(changed_L.sum())
+                vol_total += float(total_L.sum())
+        times["time/train_s"] = time.perf_counter() - t3
+        times["time/sync_s"] = self.sync_weights()
+
+        m = {k: float(v) for k, v in merge_metrics(parts).items()}
+        resp_len = out.response_mask_RL.sum(1).float()
+        correct = float((rewards_R >= 1.0).sum())
+        sums = self._all_sum([
+            float(rewards_R.sum()), correct, float(resp_len.sum()), float(num_rows), float(rstats.errors),
+            vol_changed, vol_total, m["seq/clip_frac"], m["tok/clip_frac"], m["seq/clip_low_frac"],
+            m["seq/clip_high_frac"], m["kl/approx_old"], m.get("entropy/mean", 0.0), m["ratio/mean"], m["loss"],
+            float((adv_R != 0).sum()), float(rstats.clamped),
+        ])
+        d = self.dp
+        row = {
+            "reward/mean": sums[0] / sums[3], "reward/accuracy": sums[1] / sums[3],
+            "reward/errors": sums[4], "reward/clamped": sums[16],
+            "reward/nonzero_adv_frac": sums[15] / sums[3],
+            "response/length_mean": sums[2] / sums[3],
+            "moe/expert_volatility": sums[5] / max(sums[6], 1.0),
+            "clip/seq_frac": sums[7] / d, "clip/tok_frac": sums[8] / d,
+            "clip/seq_low_frac": sums[9] / d, "clip/seq_high_frac": sums[10] / d,
+            "kl/approx_old": sums[11] / d, "entropy/mean": sums[12] / d, "ratio/mean": sums[13] / d,
+            "loss": sums[14], "grad_norm": sum(gnorms) / len(gnorms), "grad_norm/max": max(gnorms), "lr": lr,
+        }
+        row.update(times)
+        step_time = time.perf_counter() - t0
+        row["time/step_s"] = step_time
+        row["throughput/tokens_per_s"] = (float(mask_RS.sum()) * d) / step_time
+        return row
+
+    def run_rl(self, cold_start: dict) -> dict:
+        cfg = self.cfg.rl
+        self.optimizer = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                           weight_decay=cfg.weight_decay)
+        bar = self._progress(cfg.steps, f"{cfg.loss.upper()} RL")
+        last_eval = dict(cold_start)
+        for step in range(cfg.steps):
+            row = {"phase": "rl", "step": step}
+            row.update(self.rl_step(step))
+            fresh = (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1
+            if fresh:
+                t = time.perf_counter()
+                last_eval = self.evaluate()
+                row["time/eval_s"] = time.perf_counter() - t
+            else:
+                row["time/eval_s"] = 0.0
+            row.update({k: v for k, v in last_eval.items() if k != "eval/count"})
+            row["eval/fresh"] = 1.0 if fresh else 0.0
+            self.logger.log(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['eval/accuracy']:.3f}",
+                                tok_s=f"{row['throughput/tokens_per_s']:.0f}")
+        if bar is not None:
+            bar.close()
+        return last_eval
+
+    # ------------------------------------------------------------------------------------------- drivers
+    def save_checkpoint(self, name: str = "checkpoint.pt") -> Optional[str]:
+        state = self.policy.full_state_dict()  # collective under EP: every rank calls it
+        if not self.is_main:
+            return None
+        path = os.path.join(self.cfg.run_dir(), name)
+        torch.save({"state": state, "arch": self.arch.__dict__, "tokenizer": self.cfg.data.tokenizer,
+                    "config": self.cfg.to_dict()}, path)
+        return path
+
+    def train(self, rl: bool = True) -> dict:
+        t0 = time.perf_counter()
+        base = self.evaluate()
+        self.summary["init/accuracy"] = base["eval/accuracy"]
+        self.summary.update(self.run_sft())
+        if self.cfg.sft.steps and self.cfg.log.save_checkpoint and rl and self.cfg.rl.steps:
+            self.save_checkpoint("cold_start.pt")  # megagspo train model.init_from=<run>/cold_start.pt sft.steps=0
+        cold = self.evaluate()
+        self.summary["cold_start/accuracy"] = cold["eval/accuracy"]
+        self.summary["cold_start/sampled_accuracy"] = cold["eval/sampled_accuracy"]
+        self.logger.log({"phase": "cold_start", "step": 0, "eval/accuracy": cold["eval/accuracy"],
+                         "init/accuracy": base["eval/accuracy"]})
+        self._say(f"held-out accuracy: initial {base['eval/accuracy']:.3f}, after cold-start SFT "
+                  f"{cold['eval/accuracy']:.3f} ({int(cold['eval/count'])} problems, greedy)")
+        if rl and self.cfg.rl.steps:
+            t_rl = time.perf_counter()
+            final = self.run_rl(cold)
+            self.summary["rl/time_s"] = time.perf_counter() - t_rl
+            self.summary["final/accuracy"] = final["eval/accuracy"]
+            self.summary["final/sampled_accuracy"] = final["eval/sampled_accuracy"]
+            self._say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps: greedy "
+                      f"{final['eval/accuracy']:.3f} (cold start {cold['eval/accuracy']:.3f}), sampled T=1 "
+                      f"{final['eval/sampled_accuracy']:.3f} (cold start {cold['eval/sampled_accuracy']:.3f})")
+        if self.cfg.log.save_checkpoint:
+            path = self.save_checkpoint()
+            if path:
+                self.summary["checkpoint"] = path
+        self.summary["total_time_s"] = time.perf_counter() - t0
+        if self.is_main:
+            import json
+
+            if self.cfg.log.plots:
+                from megagspo.metrics_log import write_plots
+
+                self.summary["plots"] = write_plots(self.logger.rows, self.cfg.run_dir(),
+                                                    self.summary["cold_start/accuracy"])
+            with open(os.path.join(self.cfg.run_dir(), "summary.json"), "w") as f:
+                json.dump(self.summary, f, indent=2)
+            self._say(f"run folder: {self.cfg.run_dir()} (metrics.jsonl, summary.json, plots)")
+        self.logger.close()
+        return self.summary
+
+    def _say(self, msg: str) -> None:
+        if self.is_main:
+            print(msg, flush=True)
+
+
+def load_checkpoint(path: str) -> dict:
+    if os.path.isdir(path):
+        path = os.path.join(path, "checkpoint.pt")
+    if not os.path.isfile(path):
+        raise TrainError(f"no checkpoint at {path!r}")
+    return torch.load(path, map_location="cpu", weights_only=False)

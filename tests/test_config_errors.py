@@ -1,0 +1,71 @@
+"""Config: YAML + overrides map onto the dataclasses; bad keys and values fail naming the key (and the valid
+keys), and batch layouts that do not divide fail before any compute."""
+
+import pytest
+
+from megagspo.config import ConfigError, config_from_dict, load_config, parse_overrides
+from megagspo.trainer.trainer import check_layout
+
+
+def test_recipe_loads_with_overrides():
+    cfg = load_config("configs/tiny_cpu.yaml", ["rl.steps=7", "seed=3", "rl.clip_high=1e-3", "model.init_from="])
+    assert cfg.rl.steps == 7 and cfg.seed == 3 and cfg.rl.clip_high == 1e-3
+    assert cfg.rl.mini_batches == 4 and cfg.rl.loss == "gspo"
+
+
+def test_unknown_key_names_it_and_lists_valid_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny_cpu.yaml", ["rl.stepz=3"])
+    msg = str(err.value)
+    assert "rl.stepz" in msg and "steps" in msg and "mini_batches" in msg
+    with pytest.raises(ConfigError, match="unknown config key 'modle'.*valid keys.*model"):
+        config_from_dict({"modle": {}})
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("rl.loss=ppo", "rl.loss = 'ppo' is not valid; valid values: gspo, gspo_token, grpo"),
+    ("rl.group_size=1", "rl.group_size"),
+    ("rl.steps=-1", "rl.steps"),
+    ("rl.clip_low=0", "rl.clip_low"),
+    ("rl.routing_replay=r5", "rl.routing_replay"),
+    ("data.task=file", "data.train_path is required"),
+    ("data.tokenizer=/nonexistent/tok", "data.tokenizer"),
+    ("model.init_from=/nonexistent/ckpt", "model.init_from"),
+    ("log.progress=maybe", "log.progress must be true or false"),
+])
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_config("configs/tiny_cpu.yaml", [override])
+
+
+def test_mini_batches_must_divide_samples():
+    with pytest.raises(ConfigError, match=r"do not divide into rl.mini_batches = 3"):
+        load_config("configs/tiny_cpu.yaml", ["rl.prompts_per_step=4", "rl.group_size=4", "rl.mini_batches=3"])
+
+
+def test_batch_must_divide_over_ranks():
+    cfg = load_config("configs/tiny_cpu.yaml", ["rl.prompts_per_step=5", "rl.group_size=4", "rl.mini_batches=4"])
+    assert check_layout(cfg, 1) == 1
+    with pytest.raises(ConfigError, match="rl.prompts_per_step = 5 does not divide over 2 data-parallel ranks"):
+        check_layout(cfg, 2)
+    cfg = load_config("configs/tiny_cpu.yaml", ["rl.prompts_per_step=2", "rl.group_size=4", "rl.mini_batches=8"])
+    with pytest.raises(ConfigError, match="do not divide into rl.mini_batches = 8"):
+        check_layout(cfg, 2)
+    cfg = load_config("configs/tiny_cpu.yaml", ["parallel.expert_parallel=3"])
+    with pytest.raises(ConfigError, match="expert_parallel"):
+        check_layout(cfg, 3)
+
+
+def test_override_syntax():
+    assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_overrides(["rl.steps"])
+
+
+def test_every_recipe_in_configs_loads():
+    import glob
+
+    recipes = [p for p in glob.glob("configs/*.yaml")]
+    assert "configs/tiny_cpu.yaml" in recipes
+    for path in recipes:
+        load_config(path)
