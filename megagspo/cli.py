@@ -3,6 +3,8 @@
     megagspo train  --config configs/tiny_cpu.yaml [section.key=value ...]   cold-start SFT, then RL
     megagspo sft    --config configs/tiny_cpu.yaml [overrides]               cold-start SFT only (checkpoint)
     megagspo export --checkpoint runs/tiny_cpu [--out DIR]                    Hugging Face folder (safetensors)
+    megagspo plan   --config configs/qwen3_30b_a3b_gspo.yaml [overrides]       per-GPU memory plan
+    megagspo train  --dry-run --config RECIPE                                 validate a recipe without GPUs
 
 Under torchrun every process runs the same command (gloo on CPU):
     torchrun --nproc-per-node 2 -m megagspo.cli train --config configs/tiny_cpu.yaml
@@ -26,17 +28,46 @@ def _quiet_third_party() -> None:
 
 
 def _train(args, rl: bool) -> int:
+    from megagspo.checkpoint import CheckpointError, Preempted
     from megagspo.config import ConfigError, load_config
 
+    overrides = list(args.overrides) + (["checkpoint.resume=auto"] if getattr(args, "resume", False) else [])
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
         from megagspo.trainer import Trainer
 
         trainer = Trainer(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointError) as exc:
         print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    trainer.train(rl=rl)
+    try:
+        trainer.train(rl=rl)
+    except Preempted as exc:
+        print(f"megagspo {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+def _plan(args) -> int:
+    """`megagspo plan` and `megagspo train --dry-run`: validate a recipe and print its per-GPU memory."""
+    from megagspo.config import load_config
+    from megagspo.dry_run import dry_run
+    from megagspo.planner import PlanError
+    from moe.architecture import ArchitectureError
+    from moe.hf_checkpoint import CheckpointError
+    from moe.parallel import LayoutError
+
+    from megagspo.config import deferred_path_checks
+
+    try:
+        with deferred_path_checks() as missing:
+            cfg = load_config(args.config, args.overrides)
+        report = dry_run(cfg, missing_paths=missing)
+    except (ValueError, FileNotFoundError, PlanError, LayoutError, ArchitectureError, CheckpointError) as exc:
+        print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.text(cfg))
+    print(f"megagspo {args.command}: {args.config} is valid for {report.world_size} ranks")
     return 0
 
 
@@ -75,6 +106,14 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", default="configs/tiny_cpu.yaml", help="YAML recipe")
         p.add_argument("overrides", nargs="*", help="section.key=value, e.g. rl.steps=20 seed=1")
+        p.add_argument("--resume", action="store_true",
+                       help="continue from the run's latest intact checkpoint (= checkpoint.resume=auto)")
+        if name == "train":
+            p.add_argument("--dry-run", action="store_true",
+                           help="validate the recipe (config, layout, checkpoint shapes, memory plan) and exit")
+    p = sub.add_parser("plan", help="print the per-GPU memory plan of a recipe; refuse one that cannot fit")
+    p.add_argument("--config", required=True, help="YAML recipe")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.world_size=16")
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
     p.add_argument("--checkpoint", required=True, help="run folder or checkpoint.pt")
     p.add_argument("--out", default="", help="output folder (default <run>/hf)")
@@ -82,6 +121,8 @@ def main(argv=None) -> int:
     _quiet_third_party()
     if args.command == "export":
         return _export(args)
+    if args.command == "plan" or getattr(args, "dry_run", False):
+        return _plan(args)
     if args.command == "sft":
         args.overrides = list(args.overrides) + ["rl.steps=0"]
         return _train(args, rl=False)

@@ -9,6 +9,8 @@ live here and only here; recipes in `configs/` override what they need.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import os
@@ -20,6 +22,31 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration key is unknown, missing or out of range; the message names it."""
+
+
+# A dry run validates a cluster recipe on a box that lacks the cluster's files: there, a missing data,
+# tokenizer or checkpoint path is recorded (and reported) instead of raising. Real runs always check.
+_DEFERRED_PATHS: contextvars.ContextVar = contextvars.ContextVar("megagspo_deferred_paths", default=None)
+
+
+def _path_present(key: str, path: str, kind: str = "any") -> bool:
+    exists = {"any": os.path.exists, "file": os.path.isfile, "dir": os.path.isdir}[kind](path)
+    deferred = _DEFERRED_PATHS.get()
+    if not exists and deferred is not None:
+        deferred.append((key, path))
+        return True
+    return exists
+
+
+@contextlib.contextmanager
+def deferred_path_checks():
+    """Within this block missing paths are collected in the yielded list instead of raising."""
+    missing: list = []
+    token = _DEFERRED_PATHS.set(missing)
+    try:
+        yield missing
+    finally:
+        _DEFERRED_PATHS.reset(token)
 
 
 def _require(owner: str, name: str, ok: bool, value: Any, what: str) -> None:
@@ -71,16 +98,40 @@ class ModelConfig:
     max_position_embeddings: int = 64
     initializer_range: float = 0.02
     init_from: str = ""  # a run folder or checkpoint file (megagspo export/sft output); "" = random init
+    # An HF config.json / checkpoint folder / YAML of the architecture (e.g. configs/models/qwen3_30b_a3b.yaml).
+    # When set it defines the whole architecture, and the fields above must stay at their defaults.
+    arch_file: str = ""
 
     def __post_init__(self) -> None:
         _nonneg_int("model", "vocab_size", self.vocab_size)
-        if self.init_from and not os.path.exists(self.init_from):
+        if self.init_from and not _path_present("model.init_from", self.init_from):
             raise ConfigError(f"model.init_from = {self.init_from!r}: no such file or folder")
+        if self.arch_file:
+            if not _path_present("model.arch_file", self.arch_file):
+                raise ConfigError(f"model.arch_file = {self.arch_file!r}: no such file or folder")
+            defaults = ModelConfig()
+            clash = [f.name for f in dataclasses.fields(self) if f.name not in ("init_from", "arch_file")
+                     and getattr(self, f.name) != getattr(defaults, f.name)]
+            if clash:
+                raise ConfigError(f"model.arch_file is set, so model.{clash[0]} must not be (the architecture "
+                                  f"comes from {self.arch_file!r}); set fields in one place only")
 
     def architecture(self, vocab_size: int):
         from moe.architecture import Qwen3MoeArchitecture
 
-        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "init_from"}
+        if self.arch_file:
+            from moe.hf_config import architecture_from_hf_config
+
+            try:
+                arch = architecture_from_hf_config(self.arch_file)
+            except ValueError as exc:
+                raise ConfigError(f"model.arch_file: {exc}") from None
+            if arch.vocab_size < vocab_size:
+                raise ConfigError(f"model.arch_file vocab_size {arch.vocab_size} is smaller than the "
+                                  f"tokenizer's {vocab_size}")
+            return arch
+        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in ("init_from", "arch_file")}
         kwargs["vocab_size"] = self.vocab_size or vocab_size
         if kwargs["vocab_size"] < vocab_size:
             raise ConfigError(f"model.vocab_size = {self.vocab_size} is smaller than the tokenizer's {vocab_size}")
@@ -126,22 +177,24 @@ class DataConfig:
                 raise ConfigError("data.train_path is required when data.task = 'file'")
             for name in ("train_path", "eval_path"):
                 path = getattr(self, name)
-                if path and not os.path.isfile(path):
+                if path and not _path_present(f"data.{name}", path, "file"):
                     raise ConfigError(f"data.{name} = {path!r}: no such file")
                 if path and not path.endswith((".jsonl", ".json", ".parquet")):
                     raise ConfigError(f"data.{name} = {path!r}: expected a .jsonl or .parquet file")
-        if self.tokenizer != "builtin" and not os.path.isdir(self.tokenizer):
+        if self.tokenizer != "builtin" and not _path_present("data.tokenizer", self.tokenizer, "dir"):
             raise ConfigError(f"data.tokenizer = {self.tokenizer!r}: expected 'builtin' or a local tokenizer folder")
 
 
 @dataclass
 class RewardConfig:
     name: str = "exact_match"       # see megagspo.rewards.available_rewards()
+    timeout_s: float = 10.0         # one verifier call past this scores 0, counted in reward/errors (0 = no limit)
 
     def __post_init__(self) -> None:
         from megagspo.rewards import available_rewards
 
         _choice("reward", "name", self.name, available_rewards())
+        _num("reward", "timeout_s", self.timeout_s, 0.0)
 
 
 @dataclass
@@ -251,11 +304,17 @@ class ParallelConfig:
     tensor_parallel: int = 1
     expert_parallel: int = 1
     token_dispatcher: str = "alltoall"
+    # Cluster sizing, read by `megagspo plan` and `megagspo train --dry-run` (a run takes its world size
+    # from torchrun; when world_size is set here, a run under another world size is refused).
+    world_size: int = 0             # 0 = whatever torchrun starts
+    gpu_memory_gib: float = 80.0    # per GPU (H100 80, H200 141)
 
     def __post_init__(self) -> None:
         _pos_int("parallel", "tensor_parallel", self.tensor_parallel)
         _pos_int("parallel", "expert_parallel", self.expert_parallel)
         _choice("parallel", "token_dispatcher", self.token_dispatcher, ("alltoall", "allgather"))
+        _nonneg_int("parallel", "world_size", self.world_size)
+        _num("parallel", "gpu_memory_gib", self.gpu_memory_gib, 0.0, lo_open=True)
         if self.tensor_parallel != 1:
             raise ConfigError("parallel.tensor_parallel > 1 is not wired into the trainer yet (the weight "
                               "export gathers experts only); use data or expert parallelism")
@@ -274,6 +333,24 @@ class LogConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Resumable checkpoints in <run>/checkpoints/step_XXXXXX (megagspo.checkpoint; docs/robustness.md)."""
+
+    every_steps: int = 25           # also at the end of RL, after cold-start SFT, and on SIGTERM/SIGINT (0 = only those)
+    keep_last: int = 3              # finished checkpoints kept (older ones deleted after each new one)
+    resume: str = ""                # "" = fresh run (old checkpoints moved aside) | auto | a checkpoint/run folder
+    metrics_tail: int = 10000       # metrics rows stored in each checkpoint (restores metrics.jsonl if it is lost)
+
+    def __post_init__(self) -> None:
+        _nonneg_int("checkpoint", "every_steps", self.every_steps)
+        _pos_int("checkpoint", "keep_last", self.keep_last)
+        _nonneg_int("checkpoint", "metrics_tail", self.metrics_tail)
+        if self.resume not in ("", "never", "auto") and not _path_present("checkpoint.resume", self.resume):
+            raise ConfigError(f"checkpoint.resume = {self.resume!r}: expected auto, never, or an existing checkpoint "
+                              "or run folder")
+
+
+@dataclass
 class Config:
     name: str = "tiny_cpu"
     seed: int = 0
@@ -286,6 +363,7 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _nonneg_int("", "seed", self.seed)
@@ -309,7 +387,8 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 def _section_classes() -> dict:
     return {"model": ModelConfig, "data": DataConfig, "reward": RewardConfig, "rollout": RolloutConfig,
-            "sft": SFTConfig, "rl": RLConfig, "parallel": ParallelConfig, "log": LogConfig}
+            "sft": SFTConfig, "rl": RLConfig, "parallel": ParallelConfig, "log": LogConfig,
+            "checkpoint": CheckpointConfig}
 
 
 def _coerce_value(path: str, value: Any, default: Any) -> Any:
@@ -373,7 +452,10 @@ def parse_overrides(overrides) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} conflicts with an earlier override of {part!r}")
-        node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+        try:
+            node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({exc})") from None
     return out
 
 
@@ -396,8 +478,13 @@ def load_config(path: Optional[str] = None, overrides=None) -> Config:
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path!r} is not UTF-8 text ({exc})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
     return config_from_dict(raw, overrides)

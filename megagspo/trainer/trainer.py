@@ -38,11 +38,18 @@ def check_layout(cfg: Config, world: int) -> int:
     """Batch sizes against ranks and mini-batches, before any compute. -> data-parallel size."""
     tp = cfg.parallel.tensor_parallel
     ep = cfg.parallel.expert_parallel
+    if cfg.parallel.world_size and world != cfg.parallel.world_size:
+        raise ConfigError(f"parallel.world_size = {cfg.parallel.world_size} but {world} processes were started")
     if world % tp or world % ep:
         raise ConfigError(f"{world} processes do not divide into parallel.tensor_parallel={tp} x "
                           f"parallel.expert_parallel={ep}")
-    if cfg.model.num_experts % ep:
-        raise ConfigError(f"model.num_experts={cfg.model.num_experts} is not divisible by parallel.expert_parallel={ep}")
+    num_experts = cfg.model.num_experts
+    if cfg.model.arch_file:
+        from moe.hf_config import architecture_from_hf_config
+
+        num_experts = architecture_from_hf_config(cfg.model.arch_file).num_experts
+    if num_experts % ep:
+        raise ConfigError(f"model.num_experts={num_experts} is not divisible by parallel.expert_parallel={ep}")
     dp = world // tp
     rl = cfg.rl
     if rl.prompts_per_step % dp:
@@ -79,13 +86,19 @@ class Trainer:
         torch.set_num_threads(cfg.threads)
         # ---- everything that can be wrong with the input is checked before any compute ----
         self.dp = check_layout(cfg, _world_from_env())
-        self.tokenizer, train, held_out, self.data_stats = build_datasets(cfg.data)
+        try:
+            self.tokenizer, train, held_out, self.data_stats = build_datasets(cfg.data)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"data: {cfg.data.train_path or cfg.data.eval_path!r} (or data.eval_path) is not "
+                              f"UTF-8 text ({exc})") from None
         arch = cfg.model.architecture(self.tokenizer.vocab_size)
         need = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
         if need > arch.max_position_embeddings:
             raise ConfigError(f"data.max_prompt_tokens + data.max_response_tokens = {need} exceeds "
                               f"model.max_position_embeddings = {arch.max_position_embeddings}")
-        self.reward_fn = get_reward(cfg.reward.name)
+        from megagspo.checkpoint import with_time_limit
+
+        self.reward_fn = with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
         self.loss_fn = get_loss(cfg.rl.loss)
         loss_fields = dict(clip_low=cfg.rl.clip_low, clip_high=cfg.rl.clip_high,
                            old_policy={"source": cfg.rl.old_logp})
@@ -98,10 +111,19 @@ class Trainer:
         from megagspo.trainer.policy import MegatronPolicy, setup_parallel
 
         self.layout, self.rank, self.world = setup_parallel(cfg.parallel, cfg.seed)
+        # ---- checkpoints: the resume point is chosen, verified and checked against this model before
+        # anything in the run folder is written (megagspo.checkpoint; docs/robustness.md) ----
+        from megagspo.checkpoint import CheckpointManager, StopRequest
+
+        self.ckpt = CheckpointManager(cfg, self.rank, self.world)
+        self.resume = self.ckpt.find_resume(arch, len(train))
+        self.stop = StopRequest()
         self.arch = arch
         self.policy = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl)
         if cfg.model.init_from:
             self.policy.load_full_state_dict(load_checkpoint(cfg.model.init_from)["state"])
+        if self.resume:
+            self.ckpt.load_model(self.policy, self.resume)  # the engine gets these weights just below
         self.engine = engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes)
         self.sync_weights()
         self.train_ds = PromptDataset(train, seed=cfg.seed + 17)
@@ -111,9 +133,15 @@ class Trainer:
         self.quiet = quiet or not self.is_main
         from megagspo.metrics_log import MetricsLogger
 
+        prior = self.ckpt.prior_metrics(self.resume, os.path.join(cfg.run_dir(), "metrics.jsonl")) \
+            if self.resume and self.is_main else []
         self.logger = MetricsLogger(cfg.run_dir(), enabled=self.is_main, tensorboard=cfg.log.tensorboard)
+        for row in prior:  # metrics.jsonl = the rows up to the checkpoint, then the resumed steps
+            self.logger.log(row)
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dp_rank)
         torch.manual_seed(cfg.seed * 7919 + self.rank)  # sampling randomness differs per rank
+        if self.resume:
+            self.ckpt.restore_rng_and_data(self, self.resume)
         self.summary: dict = {"data": self.data_stats}
         if self.is_main:
             import yaml
@@ -378,13 +406,17 @@ class Trainer:
         row["throughput/tokens_per_s"] = (float(mask_RS.sum()) * d) / step_time
         return row
 
-    def run_rl(self, cold_start: dict) -> dict:
+    def run_rl(self, cold_start: dict, start_step: int = 0) -> dict:
         cfg = self.cfg.rl
         self.optimizer = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay)
+        if self.resume:
+            self.ckpt.load_optimizer(self.policy, self.optimizer, self.resume)
         bar = self._progress(cfg.steps, f"{cfg.loss.upper()} RL")
         last_eval = dict(cold_start)
-        for step in range(cfg.steps):
+        if bar is not None and start_step:
+            bar.update(start_step)
+        for step in range(start_step, cfg.steps):
             row = {"phase": "rl", "step": step}
             row.update(self.rl_step(step))
             fresh = (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1
@@ -397,6 +429,7 @@ class Trainer:
             row.update({k: v for k, v in last_eval.items() if k != "eval/count"})
             row["eval/fresh"] = 1.0 if fresh else 0.0
             self.logger.log(row)
+            self._checkpoint_and_maybe_stop(step + 1, last_eval)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['eval/accuracy']:.3f}",
@@ -406,17 +439,45 @@ class Trainer:
         return last_eval
 
     # ------------------------------------------------------------------------------------------- drivers
+    def _checkpoint_and_maybe_stop(self, steps_done: int, last_eval: dict) -> None:
+        """After each RL step: a checkpoint when due or when SIGTERM/SIGINT arrived; then stop on the signal."""
+        signum = self.stop.requested()
+        if signum or self.ckpt.due(steps_done, self.cfg.rl.steps):
+            path = self.ckpt.save(self, steps_done, last_eval)
+        if signum:
+            import signal as _signal
+
+            name = _signal.Signals(signum).name
+            raise self._preempted(f"stopped by {name} after RL step {steps_done}; checkpoint {path} written; "
+                                  "continue with --resume (or checkpoint.resume=auto)", signum)
+
+    def _preempted(self, msg: str, signum: int):
+        from megagspo.checkpoint import Preempted
+
+        self.logger.close()
+        return Preempted(msg, 128 + signum)
+
     def save_checkpoint(self, name: str = "checkpoint.pt") -> Optional[str]:
         state = self.policy.full_state_dict()  # collective under EP: every rank calls it
         if not self.is_main:
             return None
         path = os.path.join(self.cfg.run_dir(), name)
         torch.save({"state": state, "arch": self.arch.__dict__, "tokenizer": self.cfg.data.tokenizer,
-                    "config": self.cfg.to_dict()}, path)
+                    "config": self.cfg.to_dict()}, path + ".tmp")
+        os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint.pt
         return path
 
     def train(self, rl: bool = True) -> dict:
+        self.stop.install()
+        try:
+            return self._train(rl)
+        finally:
+            self.stop.uninstall()
+
+    def _train(self, rl: bool) -> dict:
         t0 = time.perf_counter()
+        if self.resume and rl and self.cfg.rl.steps:
+            return self._train_resumed(t0)
         base = self.evaluate()
         self.summary["init/accuracy"] = base["eval/accuracy"]
         self.summary.update(self.run_sft())
@@ -427,6 +488,12 @@ class Trainer:
         self.summary["cold_start/sampled_accuracy"] = cold["eval/sampled_accuracy"]
         self.logger.log({"phase": "cold_start", "step": 0, "eval/accuracy": cold["eval/accuracy"],
                          "init/accuracy": base["eval/accuracy"]})
+        if rl and self.cfg.rl.steps:
+            self.ckpt.save(self, 0, cold, phase="cold_start")  # step_000000: SFT is never redone
+            signum = self.stop.requested()
+            if signum:
+                raise self._preempted("stopped by a signal after cold-start SFT; checkpoint step_000000 written; "
+                                      "continue with --resume", signum)
         self._say(f"held-out accuracy: initial {base['eval/accuracy']:.3f}, after cold-start SFT "
                   f"{cold['eval/accuracy']:.3f} ({int(cold['eval/count'])} problems, greedy)")
         if rl and self.cfg.rl.steps:
@@ -438,6 +505,26 @@ class Trainer:
             self._say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps: greedy "
                       f"{final['eval/accuracy']:.3f} (cold start {cold['eval/accuracy']:.3f}), sampled T=1 "
                       f"{final['eval/sampled_accuracy']:.3f} (cold start {cold['eval/sampled_accuracy']:.3f})")
+        return self._finish(t0)
+
+    def _train_resumed(self, t0: float) -> dict:
+        """Continue an RL run from self.resume (weights, RNG, data position already restored)."""
+        state = self.resume["state"]
+        self.summary.update(state.get("summary", {}))
+        cold = dict(state["last_eval"])
+        if state["step"] < self.cfg.rl.steps:
+            t_rl = time.perf_counter()
+            final = self.run_rl(cold, start_step=state["step"])
+            self.summary["rl/time_s"] = self.summary.get("rl/time_s", 0.0) + time.perf_counter() - t_rl
+        else:
+            final = cold
+        self.summary["final/accuracy"] = final["eval/accuracy"]
+        self.summary["final/sampled_accuracy"] = final["eval/sampled_accuracy"]
+        self._say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps (resumed at step "
+                  f"{state['step']}): greedy {final['eval/accuracy']:.3f}")
+        return self._finish(t0)
+
+    def _finish(self, t0: float) -> dict:
         if self.cfg.log.save_checkpoint:
             path = self.save_checkpoint()
             if path:
@@ -467,4 +554,9 @@ def load_checkpoint(path: str) -> dict:
         path = os.path.join(path, "checkpoint.pt")
     if not os.path.isfile(path):
         raise TrainError(f"no checkpoint at {path!r}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    from megagspo.checkpoint import CheckpointError, safe_torch_load
+
+    try:
+        return safe_torch_load(path)  # weights_only=True: never unpickles code from a user path
+    except CheckpointError as exc:
+        raise TrainError(str(exc)) from None

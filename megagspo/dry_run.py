@@ -1,0 +1,115 @@
+"""Validate a (cluster) recipe on a CPU box without GPUs: config, layout divisibility, checkpoint shapes and
+the memory plan. Used by `megagspo plan` and `megagspo train --dry-run`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from megagspo.config import Config, ConfigError
+from megagspo.planner import MemoryPlan, PlanInputs, parameter_counts, plan_memory, require_fit
+
+
+@dataclass(frozen=True)
+class DryRunReport:
+    world_size: int
+    data_parallel: int
+    micro_batch_tokens: int
+    num_micro_batches: int
+    checkpoint: str  # what was checked about the checkpoint
+    missing_paths: tuple  # (config key, path) not present on this machine (checked on the cluster)
+    total_params: int
+    active_params: int
+    plan: MemoryPlan
+
+    def text(self, cfg: Config) -> str:
+        p = cfg.parallel
+        lines = [
+            f"recipe {cfg.name}: {self.world_size} ranks = TP {p.tensor_parallel} x EP {p.expert_parallel} "
+            f"(dense data-parallel {self.data_parallel})",
+            f"model: {_count(self.total_params)} parameters, {_count(self.active_params)} active per token",
+            f"checkpoint: {self.checkpoint}",
+            *[f"not on this machine (checked when the run starts): {key} = {path}"
+              for key, path in self.missing_paths],
+            f"micro-batch: {self.micro_batch_tokens} tokens x {self.num_micro_batches} per rollout batch per rank "
+            f"(loss {cfg.rl.loss}, routing replay {cfg.rl.routing_replay}, log-prob "
+            f"{'fused kernel' if cfg.rl.logprob_impl != 'torch' else 'naive torch'})",
+            f"per-GPU memory ({cfg.parallel.gpu_memory_gib:.0f} GiB GPUs):",
+            self.plan.table(),
+        ]
+        return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _world_size(cfg: Config) -> int:
+    if cfg.parallel.world_size:
+        return cfg.parallel.world_size
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> DryRunReport:
+    """Every check a real run makes before touching a GPU; raises ConfigError / LayoutError / PlanError /
+    CheckpointError naming what is wrong. `missing_paths`: (key, path) pairs that the config loader found
+    absent under `deferred_path_checks()` (cluster paths); they are reported, and skipped here."""
+    from megagspo.data import load_tokenizer
+    from megagspo.trainer.trainer import check_layout
+    from moe.hf_checkpoint import hf_tensor_shapes, inspect_hf_checkpoint
+    from moe.parallel import ParallelLayout
+
+    world = _world_size(cfg)
+    data_parallel = check_layout(cfg, world)
+    absent = {path for _, path in missing_paths}
+    if cfg.data.tokenizer in absent:
+        if not cfg.model.arch_file:
+            raise ConfigError(f"data.tokenizer = {cfg.data.tokenizer!r} is not on this machine, so the vocabulary "
+                              "must come from model.arch_file")
+        vocab_size = 0
+    else:
+        vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
+    arch = cfg.model.architecture(vocab_size)
+    layout = ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel)
+    layout.check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
+                       arch.num_key_value_heads, arch.vocab_size)
+
+    counts = parameter_counts(arch)
+    init_from = cfg.model.init_from
+    if init_from and init_from not in absent and os.path.exists(os.path.join(init_from, "config.json")):
+        expert_layout, shapes = inspect_hf_checkpoint(init_from, arch)
+        checkpoint = f"{init_from}: {len(shapes)} tensors match the architecture ({expert_layout} experts)"
+    else:
+        shapes = hf_tensor_shapes(arch)
+        if not init_from:
+            note = " (random init)"
+        elif init_from in absent:
+            note = f"; {init_from} is checked against them when the run starts"
+        else:
+            note = f"; {init_from} is a megagspo checkpoint, not an HF folder"
+        checkpoint = f"expected {len(shapes)} HF tensors{note}"
+    numel = sum(math.prod(shape) for shape in shapes.values())
+    if numel != counts.total(arch):
+        raise ConfigError(f"checkpoint tensors hold {numel} parameters but the architecture has "
+                          f"{counts.total(arch)}: planner and checkpoint disagree")
+
+    rl = cfg.rl
+    seq_tokens = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
+    samples_per_rank = rl.prompts_per_step // data_parallel * rl.group_size
+    rollout_tokens = samples_per_rank * seq_tokens
+    # The trainer runs each mini-batch as one forward/backward per rank (no gradient accumulation inside a
+    # mini-batch yet), so a micro-batch is a mini-batch's share of the rollout at the maximum length.
+    micro = rollout_tokens // rl.mini_batches
+    num_micro_batches = rl.mini_batches
+    inputs = PlanInputs(world_size=world, layout=layout, micro_batch_tokens=micro,
+                        num_micro_batches=num_micro_batches, fused_logprob=rl.logprob_impl != "torch",
+                        routing_replay=rl.routing_replay != "none", gpu_memory_gib=cfg.parallel.gpu_memory_gib)
+    plan = plan_memory(arch, inputs)
+    if require_fitting:
+        require_fit(plan)
+    return DryRunReport(world_size=world, data_parallel=data_parallel, micro_batch_tokens=micro,
+                        num_micro_batches=num_micro_batches, checkpoint=checkpoint,
+                        missing_paths=tuple(missing_paths),
+                        total_params=counts.total(arch), active_params=counts.active(arch), plan=plan)

@@ -1,0 +1,92 @@
+"""Cluster scale without a GPU: every recipe in configs/ passes `megagspo train --dry-run`, `megagspo plan`
+refuses what cannot fit or divide, and the launch script runs the tiny recipe with 2 processes on CPU."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+# The tiny recipe, shortened to seconds (as in tests/test_train_short.py).
+SHORT = ["sft.steps=2", "sft.batch_size=16", "rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4",
+         "rl.mini_batches=2", "rl.eval_every=2", "data.train_size=200", "data.eval_size=20", "log.progress=false"]
+
+
+def _megagspo(*args, timeout=180, env=None):
+    return subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_recipes_exist_for_the_cluster_and_the_cpu():
+    names = {os.path.basename(p) for p in RECIPES}
+    assert {"tiny_cpu.yaml", "qwen3_30b_a3b_gspo.yaml", "qwen3_30b_a3b_gspo_16gpu.yaml",
+            "qwen3_30b_a3b_grpo_r2.yaml", "qwen3_30b_a3b_grpo_no_replay.yaml"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_passes_dry_run(recipe):
+    proc = _megagspo("train", "--dry-run", "--config", recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is valid for" in proc.stdout
+    assert "total (" in proc.stdout  # the memory plan was printed
+
+
+def test_30b_gspo_recipe_has_the_paper_settings_and_a_plan_that_fits():
+    proc = _megagspo("plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "30.53B parameters, 3.35B active" in proc.stdout
+    assert "8 ranks = TP 1 x EP 8" in proc.stdout
+    import yaml
+
+    with open(os.path.join(REPO, "configs/qwen3_30b_a3b_gspo.yaml")) as f:
+        rl = yaml.safe_load(f)["rl"]
+    assert (rl["loss"], rl["clip_low"], rl["clip_high"], rl["mini_batches"], rl["kl_coef"]) == ("gspo", 3e-4, 4e-4, 4, 0.0)
+
+
+def test_grpo_arms_differ_only_in_routing_replay():
+    import yaml
+
+    with open(os.path.join(REPO, "configs/qwen3_30b_a3b_grpo_r2.yaml")) as f:
+        with_replay = yaml.safe_load(f)
+    with open(os.path.join(REPO, "configs/qwen3_30b_a3b_grpo_no_replay.yaml")) as f:
+        without = yaml.safe_load(f)
+    assert with_replay["rl"].pop("routing_replay") == "r2" and without["rl"].pop("routing_replay") == "none"
+    with_replay.pop("name"), without.pop("name")
+    assert with_replay == without
+
+
+def test_plan_refuses_a_recipe_that_cannot_fit_naming_the_largest_term():
+    proc = _megagspo("plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml", "parallel.gpu_memory_gib=40")
+    assert proc.returncode == 2
+    assert "largest term is 'optimizer" in proc.stderr or "largest term is 'activations'" in proc.stderr, proc.stderr
+
+
+def test_plan_refuses_a_layout_that_does_not_divide():
+    proc = _megagspo("plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml", "parallel.expert_parallel=3",
+                     "parallel.world_size=9", "rl.prompts_per_step=18")
+    assert proc.returncode == 2
+    assert "num_experts=128 is not divisible by parallel.expert_parallel=3" in proc.stderr, proc.stderr
+
+
+def test_dry_run_reports_cluster_paths_it_cannot_see():
+    proc = _megagspo("train", "--dry-run", "--config", "configs/qwen3_30b_a3b_gspo.yaml")
+    assert "not on this machine (checked when the run starts): data.train_path = /data/math_rl/train.jsonl" in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_single_node_launcher_runs_the_tiny_recipe_with_two_processes(tmp_path):
+    env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1", PYTHON=sys.executable,
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(["bash", "launch/torchrun_single_node.sh", "configs/tiny_cpu.yaml", *SHORT,
+                           f"log.out_dir={tmp_path}", "name=launched", "threads=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    with open(tmp_path / "launched" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert any("reward/mean" in row for row in rows)
