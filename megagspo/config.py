@@ -203,11 +203,30 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     record_routes: bool = True      # routed experts per token from the engine (needed by R3)
+    # engine = sglang: the fields of megagspo.rollout.sglang_engine.SGLangEngineConfig (urls of running
+    # servers or launch settings, sync_dir, colocate, ...), validated here so a typo fails before any compute.
+    sglang: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from megagspo.rollout import available_engines
 
         _choice("rollout", "engine", self.engine, available_engines())
+        if not isinstance(self.sglang, dict):
+            raise ConfigError(f"rollout.sglang must be a mapping, got {self.sglang!r}")
+        if self.engine == "sglang":
+            from megagspo.rollout.sglang_engine import SGLangEngineConfig
+
+            try:
+                SGLangEngineConfig(**self.sglang)
+            except TypeError as exc:
+                import inspect
+
+                valid = ", ".join(inspect.signature(SGLangEngineConfig).parameters)
+                raise ConfigError(f"rollout.sglang: {exc}; valid keys: {valid}") from None
+            except ValueError as exc:
+                raise ConfigError(f"rollout.sglang: {exc}") from None
+        elif self.sglang:
+            raise ConfigError("rollout.sglang is set but rollout.engine is not 'sglang'")
         _num("rollout", "temperature", self.temperature, 0.0, 10.0, lo_open=True)
         _num("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
 

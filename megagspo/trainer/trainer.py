@@ -121,10 +121,14 @@ class Trainer:
         self.arch = arch
         self.policy = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl)
         if cfg.model.init_from:
-            self.policy.load_full_state_dict(load_checkpoint(cfg.model.init_from)["state"])
+            try:
+                self.policy.load_full_state_dict(load_checkpoint(cfg.model.init_from)["state"])
+            except (KeyError, ValueError) as exc:
+                raise ConfigError(f"model.init_from = {cfg.model.init_from!r} does not fit this model: {exc}") from None
         if self.resume:
             self.ckpt.load_model(self.policy, self.resume)  # the engine gets these weights just below
-        self.engine = engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes)
+        engine_kwargs = {"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang" else {}
+        self.engine = engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes, **engine_kwargs)
         self.sync_weights()
         self.train_ds = PromptDataset(train, seed=cfg.seed + 17)
         self.held_out = held_out
@@ -550,13 +554,24 @@ class Trainer:
 
 
 def load_checkpoint(path: str) -> dict:
+    """{"state": full Megatron state, "arch", "tokenizer", "config"} from checkpoint.pt (weights-only), a
+    verified checkpoint folder step_XXXXXX (safetensors), or a bare .safetensors file (state only)."""
+    from megagspo.checkpoint import CheckpointError, load_run_checkpoint, safe_torch_load
+
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "checkpoint.pt")):
+        try:
+            return load_run_checkpoint(path)
+        except CheckpointError as exc:
+            raise TrainError(str(exc)) from None
     if os.path.isdir(path):
         path = os.path.join(path, "checkpoint.pt")
     if not os.path.isfile(path):
         raise TrainError(f"no checkpoint at {path!r}")
-    from megagspo.checkpoint import CheckpointError, safe_torch_load
-
     try:
+        if path.endswith(".safetensors"):
+            from megagspo.checkpoint import load_safetensors
+
+            return {"state": load_safetensors(path)}
         return safe_torch_load(path)  # weights_only=True: never unpickles code from a user path
     except CheckpointError as exc:
         raise TrainError(str(exc)) from None
