@@ -30,6 +30,7 @@ def _quiet_third_party() -> None:
 def _train(args, rl: bool) -> int:
     from megagspo.checkpoint import CheckpointError, Preempted
     from megagspo.config import ConfigError, load_config
+    from megagspo.trainer.trainer import TrainError
 
     overrides = list(args.overrides) + (["checkpoint.resume=auto"] if getattr(args, "resume", False) else [])
     try:
@@ -37,7 +38,7 @@ def _train(args, rl: bool) -> int:
         from megagspo.trainer import Trainer
 
         trainer = Trainer(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, CheckpointError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointError, TrainError) as exc:
         print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -45,6 +46,9 @@ def _train(args, rl: bool) -> int:
     except Preempted as exc:
         print(f"megagspo {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
+    except CheckpointError as exc:
+        print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -254,6 +254,10 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_sum:.3f}")
+            signum = self.stop.requested() if step < cfg.steps - 1 else None
+            if signum:  # SFT is not checkpointed mid-way (step_000000 follows it): stop now, redo it on resume
+                raise self._preempted(f"stopped by a signal during cold-start SFT (after step {step + 1} of "
+                                      f"{cfg.steps}); no checkpoint yet: the next run starts over", signum)
         if bar is not None:
             bar.close()
         self.sync_weights()

@@ -1,0 +1,17 @@
+"""Checkpoints that never lose a run: atomic, checksummed, verified-before-load checkpoint folders with
+fallback to the previous good one, exact resume, preemption signals, and safe readers for user paths.
+
+    store.py    folder protocol (tmp name -> rename, manifest written last, sha256), verify, fallback, prune
+    state.py    what a training checkpoint holds; CheckpointManager (save / find_resume / restore)
+    signals.py  SIGTERM / SIGINT -> finish the step, checkpoint, exit 128+signal; second signal exits at once
+    guards.py   safetensors / weights-only torch readers; verifier time limit
+"""
+
+from .guards import VerifierTimeout, load_safetensors, safe_torch_load, with_time_limit
+from .signals import Preempted, StopRequest
+from .state import REQUIRED, CheckpointManager, load_run_checkpoint
+from .store import CheckpointError, latest_good, list_checkpoints, prune, verify, write_checkpoint
+
+__all__ = ["REQUIRED", "CheckpointError", "CheckpointManager", "Preempted", "StopRequest", "VerifierTimeout",
+           "latest_good", "list_checkpoints", "load_run_checkpoint", "load_safetensors", "prune", "safe_torch_load", "verify",
+           "with_time_limit", "write_checkpoint"]

@@ -1,0 +1,364 @@
+"""What a training checkpoint holds and how the trainer saves / restores it (collectives over all ranks).
+
+Files in `step_X/` (all written by rank 0 after gathering; see store.py for the atomic protocol):
+    model.safetensors      the full TP=EP=1 Megatron state (experts gathered over EP) -> layout-independent
+    optimizer.safetensors  AdamW `exp_avg/<full name>`, `exp_avg_sq/<full name>`, `step/<full name>`, gathered
+                           like the weights (empty before the first RL update)
+    rng.safetensors        per rank: `rank<r>/torch` (global CPU generator: HF `generate` samples with it),
+                           `rank<r>/sample_gen` (the mini-batch permutation generator)
+    trainer_state.json     step, run id, layout, model architecture, tokenizer, config, data-loader position
+                           (sampler RNG + epoch order), Python / NumPy RNG per rank, last eval, summary so far,
+                           metrics (row count + tail)
+    manifest.json          sizes and sha256 of the above, written last
+
+Because weights and optimizer moments are stored at TP=EP=1 under full names, a checkpoint written at EP=2
+loads at EP=1 (and back): each rank takes its slice with moe.sharding.local_view_of_full. RNG states are
+restored per rank when the world size is unchanged; otherwise each rank reseeds from (seed, step, rank)
+and says so (a run resumed on another layout is continued, not reproduced bit-for-bit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import time
+import uuid
+from typing import Callable, Dict, Optional
+
+import torch
+
+from . import store
+from .guards import load_safetensors
+from .store import CheckpointError
+
+MODEL = "model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+RNG = "rng.safetensors"
+STATE = "trainer_state.json"
+REQUIRED = (MODEL, OPTIMIZER, RNG, STATE)
+OPT_KINDS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj))
+
+
+def arch_dict(arch) -> dict:
+    return _jsonable(dict(arch.__dict__))
+
+
+# ------------------------------------------------------------------------------------------------- RNG
+def capture_rng(sample_gen: torch.Generator) -> dict:
+    import numpy as np
+
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {"torch": torch.get_rng_state(), "sample_gen": sample_gen.get_state(),
+            "python": [py_state[0], list(py_state[1]), py_state[2]],
+            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+
+
+def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict, rank: int, sample_gen: torch.Generator) -> None:
+    import numpy as np
+
+    torch.set_rng_state(tensors[f"rank{rank}/torch"])
+    sample_gen.set_state(tensors[f"rank{rank}/sample_gen"])
+    py = meta["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+
+
+# ------------------------------------------------------------------------------------- optimizer state
+def _expert_full_names(policy, local_name: str):
+    from moe.sharding import RankCoordinates, local_to_full_name
+
+    coords = RankCoordinates.current()
+    num_local = policy.arch.num_experts // policy.ep_size
+    return [local_to_full_name(local_name, dataclasses.replace(coords, ep_rank=r), num_local)
+            for r in range(policy.ep_size)]
+
+
+@torch.no_grad()
+def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
+    """AdamW moments of every parameter under full (TP=EP=1) names; collective over EP, like the weights."""
+    from moe.sharding import RankCoordinates, is_expert_param, local_to_full_name
+
+    out: Dict[str, torch.Tensor] = {}
+    if optimizer is None:
+        return out
+    coords = RankCoordinates.current()
+    num_local = policy.arch.num_experts // policy.ep_size
+    for local_name, p in policy.model.named_parameters():
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        for kind in OPT_KINDS:
+            t = st[kind].detach().float().reshape(-1) if kind == "step" else st[kind].detach()
+            if policy.ep_size > 1 and is_expert_param(local_name):
+                parts = [torch.empty_like(t) for _ in range(policy.ep_size)]
+                torch.distributed.all_gather(parts, t.contiguous(), group=policy.ep_group)
+                for name, part in zip(_expert_full_names(policy, local_name), parts):
+                    out[f"{kind}/{name}"] = part
+            else:
+                out[f"{kind}/{local_to_full_name(local_name, coords, num_local)}"] = t.clone()
+    return out
+
+
+@torch.no_grad()
+def load_optimizer_state(policy, optimizer, full: Dict[str, torch.Tensor]) -> None:
+    from moe.sharding import local_view_of_full
+
+    if not full:
+        return
+    by_kind = {k: {} for k in OPT_KINDS}
+    for key, t in full.items():
+        kind, _, name = key.partition("/")
+        if kind not in by_kind:
+            raise CheckpointError(f"optimizer state has an unknown entry {key!r}")
+        by_kind[kind][name] = t
+    steps = {n: t.reshape(()).expand(1) for n, t in by_kind["step"].items()}
+    try:
+        avg = local_view_of_full(policy.model, by_kind["exp_avg"])
+        avg_sq = local_view_of_full(policy.model, by_kind["exp_avg_sq"])
+        from moe.sharding import RankCoordinates, local_to_full_name
+
+        coords = RankCoordinates.current()
+        num_local = policy.arch.num_experts // policy.ep_size
+        for local_name, p in policy.model.named_parameters():
+            step = steps[local_to_full_name(local_name, coords, num_local)]
+            optimizer.state[p] = {"step": step.reshape(()).clone().float(), "exp_avg": avg[local_name].clone(),
+                                  "exp_avg_sq": avg_sq[local_name].clone()}
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"optimizer state does not fit this model: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------- manager
+class CheckpointManager:
+    """Saving, pruning and resume for one run. `save` and `find_resume` are collective (every rank calls)."""
+
+    def __init__(self, cfg, rank: int, world: int, say: Optional[Callable[[str], None]] = None) -> None:
+        self.cfg = cfg
+        self.ck = cfg.checkpoint
+        self.rank = rank
+        self.world = world
+        self._say = say or (lambda msg: print(msg, flush=True))
+        self.root = os.path.join(cfg.run_dir(), "checkpoints")
+        self.run_id = uuid.uuid4().hex[:12]
+
+    # ---- resume ------------------------------------------------------------------------------------
+    def _resolve(self) -> Optional[str]:
+        mode = self.ck.resume
+        if mode in ("", "never"):
+            if store.list_checkpoints(self.root):
+                aside = f"{self.root}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+                os.rename(self.root, aside)
+                self.say(f"a fresh run (checkpoint.resume unset): earlier checkpoints of {self.cfg.run_dir()} "
+                         f"moved to {aside}; pass --resume to continue them instead")
+            return None
+        if mode == "auto":
+            return store.latest_good(self.root, REQUIRED, self.say)
+        path = mode
+        if os.path.isfile(os.path.join(path, store.MANIFEST)):
+            reason = store.verify(path, REQUIRED)
+            if reason:
+                raise CheckpointError(f"checkpoint.resume = {path!r} is corrupt ({reason})")
+            return path
+        for root in (path, os.path.join(path, "checkpoints")):
+            if store.list_checkpoints(root):
+                return store.latest_good(root, REQUIRED, self.say)
+        raise CheckpointError(f"checkpoint.resume = {path!r}: no checkpoint there (expected a step_XXXXXX folder, "
+                              "a checkpoints folder or a run folder)")
+
+    def find_resume(self, arch, dataset_size: int) -> Optional[dict]:
+        """Collective: rank 0 picks and verifies the checkpoint, every rank gets {path, state} or None.
+        Raises CheckpointError (on every rank) when it is corrupt or was written for another model."""
+        answer = None
+        if self.rank == 0:
+            try:
+                path = self._resolve()
+                if path is not None:
+                    with open(os.path.join(path, STATE)) as f:
+                        state = json.load(f)
+                    self._check_compatible(path, state, arch, dataset_size)
+                    answer = {"path": path, "state": state}
+            except (CheckpointError, OSError, ValueError) as exc:
+                answer = {"error": f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError)
+                          else str(exc)}
+        box = [answer]
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(box, src=0)
+        answer = box[0]
+        if answer and "error" in answer:
+            raise CheckpointError(answer["error"])
+        if answer:
+            self.run_id = answer["state"].get("run_id", self.run_id)
+            self.say(f"resuming from {answer['path']} (step {answer['state']['step']})")
+        return answer
+
+    def _check_compatible(self, path: str, state: dict, arch, dataset_size: int) -> None:
+        saved, now = state.get("arch", {}), arch_dict(arch)
+        diff = [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+                for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        if diff:
+            raise CheckpointError(f"{path} was written for a different model ({'; '.join(diff[:6])}); "
+                                  "use the run's own config or a fresh run name")
+        tok = self.cfg.data.tokenizer
+        if state.get("tokenizer") != tok:
+            raise CheckpointError(f"{path} used tokenizer {state.get('tokenizer')!r}, this run {tok!r}")
+        if state.get("dataset_size") != dataset_size:
+            raise CheckpointError(f"{path} was trained on {state.get('dataset_size')} training prompts, this run "
+                                  f"has {dataset_size}: the data-loader position would not carry over")
+
+    # ---- restore -----------------------------------------------------------------------------------
+    def load_model(self, policy, point: dict) -> None:
+        full = load_safetensors(os.path.join(point["path"], MODEL))
+        try:
+            policy.load_full_state_dict(full)
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"{point['path']}: weights do not fit this model: {exc}") from None
+
+    def load_optimizer(self, policy, optimizer, point: dict) -> None:
+        load_optimizer_state(policy, optimizer, load_safetensors(os.path.join(point["path"], OPTIMIZER)))
+
+    def restore_rng_and_data(self, trainer, point: dict) -> None:
+        state = point["state"]
+        ds = state["data"]
+        py = ds["rng"]
+        trainer.train_ds.rng.setstate((py[0], tuple(py[1]), py[2]))
+        trainer.train_ds._order = list(ds["order"])
+        if state["world"] == self.world:
+            tensors = load_safetensors(os.path.join(point["path"], RNG))
+            restore_rng(tensors, state["rng"][self.rank], self.rank, trainer.sample_gen)
+        else:
+            seed = self.cfg.seed * 7919 + 1_000_003 * int(state["step"]) + self.rank
+            torch.manual_seed(seed)
+            trainer.sample_gen.manual_seed(seed)
+            random.seed(seed)
+            self.say(f"checkpoint written by {state['world']} processes, resumed on {self.world}: RNG states "
+                     "reseeded (the run continues; it is not a bit-for-bit replay of the uninterrupted one)")
+
+    def prior_metrics(self, point: dict, metrics_path: str) -> list:
+        """The metrics rows logged up to the checkpoint: from metrics.jsonl when it still holds them all,
+        else the checkpoint's own tail."""
+        m = point["state"]["metrics"]
+        count, tail = m["count"], m["rows"]
+        lines = []
+        if os.path.isfile(metrics_path):
+            with open(metrics_path) as f:
+                lines = [line for line in f if line.strip()]
+        if len(lines) >= count:
+            try:
+                return [json.loads(line) for line in lines[:count]]
+            except ValueError:
+                pass
+        if len(tail) < count:
+            self.say(f"metrics.jsonl lost rows and the checkpoint keeps the last {len(tail)} of {count}: "
+                     "earlier rows are not restored")
+        return list(tail)
+
+    # ---- save --------------------------------------------------------------------------------------
+    def due(self, steps_done: int, total: int) -> bool:
+        every = self.ck.every_steps
+        return steps_done == total or (every > 0 and steps_done % every == 0)
+
+    def save(self, trainer, steps_done: int, last_eval: dict, phase: str = "rl") -> Optional[str]:
+        """Collective. Writes step_<steps_done> (rank 0), prunes to keep_last, returns its path on rank 0."""
+        t0 = time.perf_counter()
+        policy = trainer.policy
+        model_full = policy.full_state_dict()
+        opt_full = gather_optimizer_state(policy, getattr(trainer, "optimizer", None))
+        rng = capture_rng(trainer.sample_gen)
+        rngs = [None] * self.world
+        if self.world > 1:
+            torch.distributed.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        path = None
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            ds = trainer.train_ds
+            py = ds.rng.getstate()
+            rows = trainer.logger.rows
+            tail = self.ck.metrics_tail
+            state = {
+                "step": steps_done, "phase": phase, "run_id": self.run_id, "world": self.world,
+                "layout": {"tensor_parallel": self.cfg.parallel.tensor_parallel,
+                           "expert_parallel": self.cfg.parallel.expert_parallel, "data_parallel": trainer.dp},
+                "arch": arch_dict(trainer.arch), "tokenizer": self.cfg.data.tokenizer,
+                "dataset_size": len(ds), "config": _jsonable(self.cfg.to_dict()),
+                "data": {"rng": [py[0], list(py[1]), py[2]], "order": list(ds._order)},
+                "rng": [{"python": r["python"], "numpy": r["numpy"]} for r in rngs],
+                "last_eval": last_eval, "summary": _jsonable(trainer.summary),
+                "metrics": {"count": len(rows), "rows": rows[-tail:] if tail else []},
+            }
+            rng_t = {}
+            for r, s in enumerate(rngs):
+                rng_t[f"rank{r}/torch"] = s["torch"]
+                rng_t[f"rank{r}/sample_gen"] = s["sample_gen"]
+
+            def dump_json(p):
+                with open(p, "w") as f:
+                    json.dump(state, f)
+
+            writers = {
+                MODEL: lambda p: save_file({k: v.contiguous() for k, v in model_full.items()}, p,
+                                           metadata={"format": "pt"}),
+                OPTIMIZER: lambda p: save_file({k: v.contiguous() for k, v in opt_full.items()}, p,
+                                               metadata={"format": "pt"}),
+                RNG: lambda p: save_file(rng_t, p),
+                STATE: dump_json,
+            }
+            try:
+                path = store.write_checkpoint(self.root, steps_done, writers, {"run_id": self.run_id})
+                store.prune(self.root, self.ck.keep_last)
+                failure = None
+            except OSError as exc:  # disk full, quota, permissions: earlier checkpoints are untouched
+                store.remove_stale_tmp(self.root)
+                failure = f"writing checkpoint {store.step_dir_name(steps_done)} under {self.root} failed " \
+                          f"({type(exc).__name__}: {exc}); the earlier checkpoints are intact"
+        else:
+            failure = None
+        box = [failure]
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(box, src=0)  # every rank stops together on a failure
+        if box[0]:
+            raise CheckpointError(box[0])
+        if self.rank == 0:
+            self.say_quiet(f"checkpoint {path} written in {time.perf_counter() - t0:.1f} s")
+        return path
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            self._say(f"megagspo checkpoint: {msg}")
+
+    def say_quiet(self, msg: str) -> None:
+        if os.environ.get("MEGAGSPO_CHECKPOINT_VERBOSE"):
+            self.say(msg)
+
+
+def load_run_checkpoint(path: str, say: Callable[[str], None] = print) -> dict:
+    """Weights + identity of a checkpoint folder (`step_XXXXXX`, a `checkpoints` folder or a run folder; the
+    newest intact one, falling back past corrupt ones) in `load_checkpoint`'s form:
+    {"state", "arch", "tokenizer", "config", "path"}. Only safetensors and JSON are read."""
+    if os.path.isfile(os.path.join(path, store.MANIFEST)):
+        reason = store.verify(path, REQUIRED)
+        if reason:
+            raise CheckpointError(f"checkpoint {path} is corrupt ({reason})")
+        chosen = path
+    else:
+        chosen = None
+        for root in (path, os.path.join(path, "checkpoints")):
+            if store.list_checkpoints(root):
+                chosen = store.latest_good(root, REQUIRED, say)
+                break
+        if chosen is None:
+            raise CheckpointError(f"no checkpoint at {path!r} (expected checkpoint.pt, a step_XXXXXX folder, a "
+                                  "checkpoints folder or a run folder)")
+    with open(os.path.join(chosen, STATE)) as f:
+        state = json.load(f)
+    return {"state": load_safetensors(os.path.join(chosen, MODEL)), "arch": state["arch"],
+            "tokenizer": state["tokenizer"], "config": state["config"], "path": chosen}

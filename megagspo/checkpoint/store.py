@@ -1,0 +1,195 @@
+"""Checkpoint directories on disk: atomic writes, a manifest with checksums, verification, fallback, pruning.
+
+Layout (one directory per checkpoint; `step` = RL steps completed, 0 = after cold-start SFT):
+
+    <root>/step_000010/             the finished checkpoint
+        model.safetensors           ...payload files (see megagspo.checkpoint.state)
+        manifest.json               {"format", "step", "files": {name: {"bytes", "sha256"}}}, written LAST
+    <root>/step_000012.tmp-<pid>/   a checkpoint being written (never read; removed when stale)
+
+A checkpoint is written into `step_X.tmp-<pid>`, every file fsync'ed, its checksums computed from what is
+on disk, the manifest written last, and only then the directory renamed to `step_X` (one atomic rename on
+POSIX). A preempted or crashed writer therefore leaves a `.tmp-` directory, never a half-written `step_X`.
+Readers trust nothing: `verify` re-checks sizes and sha256 of every file the manifest lists, and
+`latest_good` walks back from the newest checkpoint to the first one that verifies, saying which ones it
+skipped and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+FORMAT = "megagspo-checkpoint/1"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_TMP_DIR = re.compile(r"^step_\d{6,}\.tmp-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that does not fit this run; the message says which and why."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(root: str) -> List[Tuple[int, str]]:
+    """Finished checkpoint directories under root as (step, path), newest first."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            out.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(out, reverse=True)
+
+
+def write_checkpoint(root: str, step: int, writers: Dict[str, Callable[[str], None]],
+                     extra_manifest: Optional[dict] = None) -> str:
+    """Write one checkpoint atomically. `writers` maps a file name to a function that writes that file at
+    the path it is given. -> the final directory. Nothing named `step_X` exists until everything is on disk."""
+    os.makedirs(root, exist_ok=True)
+    remove_stale_tmp(root)
+    final = os.path.join(root, step_dir_name(step))
+    tmp = f"{final}.tmp-{os.getpid()}"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    files = {}
+    for name, write in writers.items():
+        if name == MANIFEST or "/" in name or name.startswith("."):
+            raise ValueError(f"bad checkpoint file name {name!r}")
+        path = os.path.join(tmp, name)
+        write(path)
+        _fsync_path(path)
+        files[name] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+    manifest = {"format": FORMAT, "step": step, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "files": files}
+    manifest.update(extra_manifest or {})
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_path(tmp)
+    if os.path.exists(final):  # a re-run of a step (e.g. after resuming past a corrupt one): swap it out
+        aside = f"{final}.replaced-{os.getpid()}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_path(root)
+    return final
+
+
+def remove_stale_tmp(root: str) -> None:
+    """Delete `.tmp-<pid>` / `.replaced-<pid>` directories whose writer process is gone."""
+    for name in os.listdir(root):
+        m = _TMP_DIR.match(name) or re.match(r"^step_\d{6,}\.replaced-(\d+)$", name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        alive = pid != os.getpid()
+        if alive:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                alive = True
+        if not alive or pid == os.getpid():
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def prune(root: str, keep_last: int) -> List[str]:
+    """Delete all but the newest `keep_last` finished checkpoints. -> deleted paths."""
+    deleted = []
+    for _, path in list_checkpoints(root)[keep_last:]:
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def verify(path: str, required: Tuple[str, ...] = ()) -> Optional[str]:
+    """None when the checkpoint directory is intact, else the reason it is not (one line)."""
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
+        return "no manifest.json (the write did not finish)"
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"manifest.json is unreadable ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"manifest.json has format {manifest.get('format') if isinstance(manifest, dict) else None!r}, " \
+               f"expected {FORMAT!r}"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "manifest.json lists no files"
+    for name in required:
+        if name not in files:
+            return f"manifest.json does not list {name}"
+    for name, meta in files.items():
+        fpath = os.path.join(path, name)
+        if not os.path.isfile(fpath):
+            return f"{name} is missing"
+        size = os.path.getsize(fpath)
+        if size != meta.get("bytes"):
+            return f"{name} has {size} bytes, the manifest says {meta.get('bytes')} (truncated or overwritten)"
+        digest = sha256_file(fpath)
+        if digest != meta.get("sha256"):
+            return f"{name} sha256 {digest[:12]}... does not match the manifest's {str(meta.get('sha256'))[:12]}..."
+    return None
+
+
+def latest_good(root: str, required: Tuple[str, ...] = (), say: Callable[[str], None] = print) -> Optional[str]:
+    """The newest checkpoint under root that verifies, or None when root holds no checkpoints.
+
+    Corrupt ones are skipped with "checkpoint step_X is corrupt (<reason>); falling back to step_Y" (said
+    via `say`). Raises CheckpointError when there are checkpoints but none verifies."""
+    found = list_checkpoints(root)
+    if not found:
+        return None
+    reasons = []
+    for i, (_, path) in enumerate(found):
+        reason = verify(path, required)
+        if reason is None:
+            return path
+        reasons.append(f"{os.path.basename(path)}: {reason}")
+        nxt = os.path.basename(found[i + 1][1]) if i + 1 < len(found) else None
+        say(f"checkpoint {os.path.basename(path)} is corrupt ({reason}); "
+            + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))
+    raise CheckpointError(f"no intact checkpoint under {root}: " + "; ".join(reasons))
+
+
+def read_manifest(path: str) -> dict:
+    with open(os.path.join(path, MANIFEST)) as f:
+        return json.load(f)

@@ -1,0 +1,273 @@
+"""The hostile-input battery (issue "Checkpoints that never lose a run" §4; table in docs/robustness.md).
+
+Each input gets a clear error (exit code 2 and a message naming the key / file / reason) or a counted,
+documented exclusion, and none of them touches an existing run's checkpoint: every case runs against a run
+folder that holds an intact checkpoint, whose files' sha256 are compared before and after.
+"""
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megagspo.checkpoint import REQUIRED, verify, write_checkpoint
+from megagspo.checkpoint.store import sha256_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
+        "rl.mini_batches=1", "data.train_size=50", "data.eval_size=5", "log.progress=false", "threads=1",
+        "log.plots=false", "log.tensorboard=false"]
+
+
+def _snapshot(root):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            out[os.path.relpath(path, root)] = sha256_file(path)
+    return out
+
+
+def _fake_state(**arch_changes):
+    """A trainer_state.json for this recipe's model (TINY), optionally for another model."""
+    from megagspo.checkpoint.state import arch_dict
+    from megagspo.config import load_config
+    from megagspo.data.tokenizer import BuiltinTokenizer
+
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), TINY)
+    arch = arch_dict(cfg.model.architecture(BuiltinTokenizer().vocab_size))
+    arch.update(arch_changes)
+    return {"step": 2, "phase": "rl", "world": 1, "arch": arch, "tokenizer": "builtin", "dataset_size": 45,
+            "metrics": {"count": 1, "rows": [{"phase": "rl", "step": 0.0}]}}
+
+
+def _put(data):
+    return lambda p: open(p, "wb").write(data)
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run folder `tmp/r` with an intact (small, synthetic) checkpoint and a metrics.jsonl."""
+    run_dir = tmp_path / "r"
+    (run_dir).mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"phase": "rl", "step": 0.0}) + "\n")
+    writers = {name: _put(b"payload " + name.encode()) for name in REQUIRED}
+    writers["trainer_state.json"] = _put(json.dumps(_fake_state()).encode())
+    write_checkpoint(str(run_dir / "checkpoints"), 2, writers)
+    before = _snapshot(run_dir)
+    yield tmp_path, run_dir
+    assert _snapshot(run_dir) == before, "a hostile input changed the existing run folder"
+    assert verify(str(run_dir / "checkpoints" / "step_000002"), REQUIRED) is None
+
+
+def _cli_inprocess(capsys, *args):
+    """`megagspo train` in this process: for inputs rejected before any process group exists."""
+    from megagspo.cli import main
+
+    rc = main(["train", *args])
+    return rc, capsys.readouterr().err
+
+
+def _cli_subprocess(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "megagspo.cli", "train", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=180)
+    return proc.returncode, proc.stderr
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rows(n=60, prompt="12+34=", answer="46"):
+    return [{"prompt": prompt, "answer": answer} for _ in range(n)]
+
+
+# (id, builder(tmp_path) -> extra CLI args, expected message fragment)
+CONFIG_AND_DATA_CASES = [
+    ("malformed_yaml", lambda t: ["--config", str(_write(t / "bad.yaml", b"rl: {steps: [1, 2\n"))],
+     "is not valid YAML"),
+    ("non_utf8_yaml", lambda t: ["--config", str(_write(t / "bad.yaml", b"name: \xff\xfe\n"))], "not UTF-8"),
+    ("unknown_key", lambda t: ["rl.stepz=3"], "unknown config key 'rl.stepz'"),
+    ("unknown_section", lambda t: ["trainer.steps=3"], "unknown config key 'trainer'"),
+    ("malformed_override", lambda t: ["rl.steps=[1"], "not valid YAML"),
+    ("negative_clip", lambda t: ["rl.clip_low=-0.2"], "rl.clip_low must be a finite number"),
+    ("nan_lr", lambda t: ["rl.lr=.nan"], "rl.lr must be a finite number"),
+    ("zero_group_size", lambda t: ["rl.group_size=0"], "rl.group_size must be a positive integer"),
+    ("group_size_one", lambda t: ["rl.group_size=1", "rl.mini_batches=1"], "rl.group_size must be >= 2"),
+    ("negative_timeout", lambda t: ["reward.timeout_s=-1"], "reward.timeout_s must be"),
+    ("keep_zero_checkpoints", lambda t: ["checkpoint.keep_last=0"], "checkpoint.keep_last must be a positive"),
+    ("resume_from_nowhere", lambda t: [f"checkpoint.resume={t}/nope"], "checkpoint.resume"),
+    ("non_utf8_data", lambda t: _data(t, NON_UTF8), "is not UTF-8 text"),
+    ("not_json_data", lambda t: _data(t, b"{prompt: 1+2}\n"), "d.jsonl:1: not valid JSON"),
+    ("empty_data_file", lambda t: _data(t, b""), "holds no rows"),
+    ("huge_prompt", lambda t: _data(t, _rows() + _rows(1, "1" * 200_000)),
+     "prompts are longer than data.max_prompt_tokens = 8 (with bos)"),
+    ("unencodable_prompt", lambda t: _data(t, _rows() + _rows(1, "h\u00e9llo")),
+     "built-in tokenizer cannot encode character"),
+    ("prompt_not_a_string", lambda t: _data(t, [{"prompt": [1], "answer": "2"}] * 60), "must be strings"),
+]
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+NON_UTF8 = b'{"prompt": "1+\xff", "answer": "2"}\n' * 60
+
+
+def _data(t, content):
+    """CLI args for data.task=file with a JSONL file holding `content` (bytes, or rows to serialise)."""
+    path = t / "d.jsonl"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        _jsonl(path, content)
+    return ["data.task=file", "data.eval_size=5", f"data.train_path={path}"]
+
+
+@pytest.mark.parametrize("case, build, needle", CONFIG_AND_DATA_CASES, ids=[c[0] for c in CONFIG_AND_DATA_CASES])
+def test_bad_config_and_data_get_a_clear_error(run, capsys, case, build, needle):
+    tmp, _ = run
+    extra = build(tmp)
+    base = ["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")]
+    if "--config" in extra:
+        base, extra = extra[:2], extra[2:]
+    rc, err = _cli_inprocess(capsys, *base, *TINY, *extra, f"log.out_dir={tmp}", "name=r")  # extra last: it wins
+    assert rc == 2, err
+    assert err.startswith("megagspo train: error:") and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_huge_and_empty_prompts_counted_exclusion_or_accepted(tmp_path):
+    from megagspo.config import load_config
+    from megagspo.data import build_datasets
+
+    path = _jsonl(tmp_path / "d.jsonl", _rows() + _rows(3, "9" * 1_000_000) + _rows(2, ""))
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
+                      ["data.task=file", f"data.train_path={path}", "data.eval_size=5", "data.drop_long_prompts=true"])
+    tok, train, held_out, stats = build_datasets(cfg.data)
+    assert stats["dropped_long_prompts"] == 3            # huge: dropped and counted (summary.json "data")
+    assert len(train) + len(held_out) == 62              # empty prompts kept: the model sees just <bos>
+    assert any(ex.prompt == "" and ex.prompt_ids == (tok.bos_id,) for ex in train + held_out)
+
+
+def test_nan_inf_raising_and_out_of_range_rewards_are_counted():
+    from megagspo.rewards import RewardStats, score_batch
+
+    values = iter([float("nan"), float("inf"), -float("inf"), 2.5, -1.0, 0.5, "x"])
+
+    def verifier(response, answer):
+        v = next(values)
+        if v == "x":
+            raise RuntimeError("verifier bug")
+        return v
+
+    stats = RewardStats()
+    scores = score_batch(verifier, ["r"] * 7, ["a"] * 7, stats)
+    assert scores == [0.0, 0.0, 0.0, 1.0, 0.0, 0.5, 0.0]
+    assert stats.errors == 4 and stats.clamped == 2 and all(math.isfinite(s) for s in scores)
+    assert "non-finite reward" in stats.first_error
+
+
+def test_hanging_verifier_is_cut_off_and_counted():
+    from megagspo.checkpoint import VerifierTimeout, with_time_limit
+    from megagspo.rewards import RewardStats, score_batch
+
+    def hangs(response, answer):
+        if response == "hang":
+            while True:
+                time.sleep(0.01)
+        return 1.0
+
+    stats = RewardStats()
+    t0 = time.perf_counter()
+    scores = score_batch(with_time_limit(hangs, 0.2), ["hang", "ok", "hang"], ["a"] * 3, stats)
+    assert time.perf_counter() - t0 < 3.0
+    assert scores == [0.0, 1.0, 0.0] and stats.errors == 2
+    assert stats.first_error.startswith(VerifierTimeout.__name__) and "reward.timeout_s = 0.2" in stats.first_error
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # would create the marker file when unpickled
+
+
+@pytest.mark.parametrize("kind", ["truncated_safetensors", "garbage_safetensors", "truncated_pt", "pickle_with_code"])
+def test_unsafe_or_damaged_weight_files_get_a_clear_error(tmp_path, kind):
+    import torch
+    from safetensors.torch import save_file
+
+    from megagspo.trainer.trainer import TrainError, load_checkpoint
+
+    marker = tmp_path / "pwned"
+    if kind.endswith("safetensors"):
+        path = tmp_path / "w.safetensors"
+        save_file({"w": torch.zeros(1000)}, str(path))
+        if kind == "truncated_safetensors":
+            os.truncate(path, os.path.getsize(path) // 2)
+        else:
+            path.write_bytes(b"\x00" * 64)
+        needle = "not a readable safetensors file"
+    elif kind == "truncated_pt":
+        path = tmp_path / "c.pt"
+        torch.save({"state": {"w": torch.zeros(1000)}}, str(path))
+        os.truncate(path, os.path.getsize(path) // 2)
+        needle = "cannot be read as a weights-only torch file"
+    else:
+        path = tmp_path / "c.pt"
+        buf = io.BytesIO()
+        torch.save({"state": {}, "x": _Evil(str(marker))}, buf, pickle_protocol=2)
+        path.write_bytes(buf.getvalue())
+        needle = "cannot be read as a weights-only torch file"
+    with pytest.raises(TrainError, match=needle):
+        load_checkpoint(str(path))
+    assert not marker.exists()
+
+
+def test_every_torch_load_in_the_package_is_weights_only():
+    import re
+
+    offenders = []
+    for dirpath, _, files in os.walk(os.path.join(REPO, "megagspo")):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(dirpath, name)).read()
+                for m in re.finditer(r"torch\.load\(([^)]*)\)", text):
+                    if "weights_only=True" not in m.group(1):
+                        offenders.append(f"{name}: {m.group(0)}")
+    assert not offenders, offenders
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["other_model", "all_corrupt"])
+def test_bad_checkpoints_on_resume_fail_cleanly_and_are_left_alone(run, case):
+    tmp, run_dir = run
+    target = tmp / "other"
+    if case == "other_model":
+        writers = {name: _put(b"x") for name in REQUIRED}
+        writers["trainer_state.json"] = _put(json.dumps(_fake_state(hidden_size=64, num_experts=8)).encode())
+        write_checkpoint(str(target / "checkpoints"), 4, writers)
+        needle = "was written for a different model (hidden_size: 64 in the checkpoint, 128 now"
+    else:
+        writers = {name: _put(b"x") for name in REQUIRED}
+        path = write_checkpoint(str(target / "checkpoints"), 4, writers)
+        os.truncate(os.path.join(path, "model.safetensors"), 0)
+        needle = "no intact checkpoint"
+    other_before = _snapshot(target)
+    # resume another folder's checkpoint, with the intact run `r` as the output folder: neither may change
+    rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
+                              f"checkpoint.resume={target}")
+    assert rc == 2 and needle in err, err[-3000:]
+    assert "Traceback" not in err
+    assert _snapshot(target) == other_before
