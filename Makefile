@@ -12,6 +12,8 @@ PY := $(BIN)/python
 # (or TORCH_SPEC= to keep a preinstalled one) and CONSTRAINTS= to drop the CPU pin.
 TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= -c requirements/cpu-constraints.txt
+# VENV_ARGS=--system-site-packages lets the venv see a CUDA torch preinstalled on a GPU host.
+VENV_ARGS ?=
 PYTEST_ARGS ?=
 CUDA_ARCH ?= 90
 NVCC ?= nvcc
@@ -26,7 +28,7 @@ CU_SOURCES := $(shell find csrc -name '*.cu' 2>/dev/null)
 install: $(INSTALLED) $(EXT_STAMP)
 
 $(INSTALLED): requirements/base.txt requirements/cpu-constraints.txt setup.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(PIP) install --disable-pip-version-check -q --upgrade pip setuptools wheel $(CONSTRAINTS)
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install --disable-pip-version-check -q "$(TORCH_SPEC)"; fi
 	$(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) -r requirements/base.txt
