@@ -17,14 +17,8 @@ for var in NNODES NODE_RANK MASTER_ADDR; do
     exit 2
   fi
 done
-config=$1; shift
-[ -f "$config" ] || { echo "$0: no such recipe: $config" >&2; exit 2; }
-here=$(cd "$(dirname "$0")/.." && pwd)
-python=${PYTHON:-$here/.venv/bin/python}
-if [ -z "${NPROC_PER_NODE:-}" ]; then
-  gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
-  NPROC_PER_NODE=$(( gpus > 0 ? gpus : 1 ))
-fi
+source "$(dirname "$0")/common.sh"
+shift
 exec "$python" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
   --nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" \
   -m megagspo.cli train --config "$config" "$@"

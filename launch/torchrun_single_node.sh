@@ -11,13 +11,7 @@ if [ $# -lt 1 ]; then
   echo "usage: $0 CONFIG.yaml [key=value ...]" >&2
   exit 2
 fi
-config=$1; shift
-[ -f "$config" ] || { echo "$0: no such recipe: $config" >&2; exit 2; }
-here=$(cd "$(dirname "$0")/.." && pwd)
-python=${PYTHON:-$here/.venv/bin/python}
-if [ -z "${NPROC_PER_NODE:-}" ]; then
-  gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
-  NPROC_PER_NODE=$(( gpus > 0 ? gpus : 1 ))
-fi
+source "$(dirname "$0")/common.sh"
+shift
 exec "$python" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$NPROC_PER_NODE" \
   -m megagspo.cli train --config "$config" "$@"
