@@ -27,6 +27,7 @@ def main(argv=None) -> None:
 
     from moe.architecture import Qwen3MoeArchitecture
     from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+    from moe.grads import reduce_gradients
     from moe.model import build_model, forward_logits
     from moe.parallel import ParallelLayout, destroy_model_parallel, init_distributed, initialize_model_parallel
 
@@ -49,7 +50,8 @@ def main(argv=None) -> None:
                                             tokens_BS[:, 1:].t().contiguous()).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        _sync_grads(model)
+        # Every rank sees the same batch, so replicas average.
+        reduce_gradients(model, average_replicas=True)
         optimizer.step()
         first = first if first is not None else loss.item()
         last = loss.item()
@@ -62,23 +64,6 @@ def main(argv=None) -> None:
     torch.distributed.destroy_process_group()
     if not last < first:
         raise SystemExit("smoke: the loss did not fall")
-
-
-def _sync_grads(model) -> None:
-    """Every rank sees the same batch: sum SP-split norm/router grads over TP, average replicas over DP."""
-    from megatron.core import parallel_state as ps
-
-    from moe.sharding import is_expert_param
-
-    for name, param in model.named_parameters():
-        if ps.get_tensor_model_parallel_world_size() > 1 and (
-            getattr(param, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
-        ):
-            torch.distributed.all_reduce(param.grad, group=ps.get_tensor_model_parallel_group())
-        group = ps.get_expert_data_parallel_group() if is_expert_param(name) else ps.get_data_parallel_group()
-        if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(param.grad, group=group)
-            param.grad /= torch.distributed.get_world_size(group)
 
 
 if __name__ == "__main__":

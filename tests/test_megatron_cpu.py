@@ -40,6 +40,7 @@ def _loss_and_grads(model, tokens_BS, num_global_tokens, dp_group_reduce):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    from moe.grads import reduce_gradients
     from moe.model import forward_logits
 
     logits_BSV = forward_logits(model, tokens_BS[:, :-1])
@@ -48,33 +49,15 @@ def _loss_and_grads(model, tokens_BS, num_global_tokens, dp_group_reduce):
     loss = per_token.sum() / num_global_tokens
     model.zero_grad(set_to_none=True)
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     loss = loss.detach()
     if dp_group_reduce:
-        _reduce_grads(model, grads)
+        # Sum over replicas: the loss is already normalised by the global token count.
+        reduce_gradients(model)
         dp_group = ps.get_data_parallel_group()
         if torch.distributed.get_world_size(dp_group) > 1:
             torch.distributed.all_reduce(loss, group=dp_group)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return loss, grads
-
-
-def _reduce_grads(model, grads):
-    """What Megatron's finalize_model_grads does, on plain .grad: SP/qk-norm params over TP, dense params
-    over DP, expert params over expert-DP (sum: the loss is already normalised by the global count)."""
-    from megatron.core import parallel_state as ps
-
-    from moe.sharding import is_expert_param
-
-    tp_group = ps.get_tensor_model_parallel_group()
-    for name, param in model.named_parameters():
-        grad = grads[name]
-        if ps.get_tensor_model_parallel_world_size() > 1 and (
-            getattr(param, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
-        ):
-            torch.distributed.all_reduce(grad, group=tp_group)
-        group = ps.get_expert_data_parallel_group() if is_expert_param(name) else ps.get_data_parallel_group()
-        if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(grad, group=group)
 
 
 def _parity_body(rank, world_size, layout_kwargs, dispatcher, seed):

@@ -60,7 +60,6 @@ class MegatronPolicy:
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
-        self.edp_group = ps.get_expert_data_parallel_group()
         self.ep_group = ps.get_expert_model_parallel_group()
         self.ep_size = ps.get_expert_model_parallel_world_size()
         self.ep_rank = ps.get_expert_model_parallel_rank()
@@ -96,12 +95,9 @@ class MegatronPolicy:
     def reduce_grads(self) -> None:
         """SUM gradients over data-parallel ranks (losses divide by global counts): dense params over DP,
         expert params over expert-DP (what Megatron's finalize_model_grads does)."""
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            group = self.edp_group if self._is_expert(name) else self.dp_group
-            if torch.distributed.get_world_size(group) > 1:
-                torch.distributed.all_reduce(p.grad, group=group)
+        from moe.grads import reduce_gradients
+
+        reduce_gradients(self.model)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm (expert shards summed over EP) and in-place clipping; returns the pre-clip norm."""
