@@ -5,6 +5,7 @@
     megagspo export --checkpoint runs/tiny_cpu [--out DIR]                    Hugging Face folder (safetensors)
     megagspo plan   --config configs/qwen3_30b_a3b_gspo.yaml [overrides]       per-GPU memory plan
     megagspo train  --dry-run --config RECIPE                                 validate a recipe without GPUs
+    megagspo ablate --config configs/ablations/tiny_cpu.yaml [--jobs 2]        A/B arms x seeds, then a report
 
 Under torchrun every process runs the same command (gloo on CPU):
     torchrun --nproc-per-node 2 -m megagspo.cli train --config configs/tiny_cpu.yaml
@@ -102,6 +103,57 @@ def _export(args) -> int:
     return 0
 
 
+def _ablate(args) -> int:
+    """`megagspo ablate`: run the arms x seeds of an ablation recipe (or print their commands), then report."""
+    from megagspo.ablation import AblationRunner, load_ablation, plan_runs, shell_command, write_report
+    from megagspo.config import ConfigError
+
+    def _ints(text):
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--seeds must be comma-separated integers, got {text!r}") from None
+
+    try:
+        spec = load_ablation(args.config, out_dir=args.out or None,
+                             seeds=_ints(args.seeds) if args.seeds else None,
+                             arms=[a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None)
+        if args.print_commands:
+            spec.validate_runs(args.overrides)
+            runs = plan_runs(spec, args.overrides)
+            if any(r.kind == "cold_start" for r in runs):
+                print("# stage 1: one cold-start SFT per seed")
+            for i, run in enumerate(runs):
+                if run.kind == "cell" and (i == 0 or runs[i - 1].kind == "cold_start"):
+                    print("# stage 2: the cells; each needs only the cold start of its own seed")
+                print(shell_command(spec, run, args.launcher))
+            print(f"# then: megagspo ablate --config {args.config} --report-only"
+                  + (f" --out {args.out}" if args.out else ""))
+            return 0
+        failed = []
+        if not args.report_only:
+            failed = AblationRunner(spec, args.overrides, jobs=args.jobs).run()
+    except ConfigError as exc:
+        print(f"megagspo ablate: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("megagspo ablate: interrupted; running cells were asked to checkpoint; rerun the same command to "
+              "resume", file=sys.stderr)
+        return 130
+    reproduce = "megagspo ablate --config " + args.config + (f" --out {args.out}" if args.out else "") + \
+        "".join(f" {o}" for o in args.overrides)
+    try:
+        path = write_report(spec, command=reproduce)
+    except FileNotFoundError as exc:
+        print(f"megagspo ablate: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"megagspo ablate: report written to {path}")
+    if failed:
+        print(f"megagspo ablate: {len(failed)} run(s) failed: " + ", ".join(r.label for r in failed), file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megagspo", description="GSPO RL for Qwen3-MoE on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,8 +173,22 @@ def main(argv=None) -> int:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
     p.add_argument("--checkpoint", required=True, help="run folder or checkpoint.pt")
     p.add_argument("--out", default="", help="output folder (default <run>/hf)")
+    p = sub.add_parser("ablate", help="run an A/B ablation (arms x seeds, shared cold start) and write its report")
+    p.add_argument("--config", required=True, help="ablation recipe, e.g. configs/ablations/tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. rl.steps=20")
+    p.add_argument("--out", default="", help="output folder (default: the recipe's out_dir, else runs/ablations/NAME)")
+    p.add_argument("--seeds", default="", help="comma-separated subset of the recipe's seeds")
+    p.add_argument("--arms", default="", help="comma-separated subset of the recipe's arms")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time on this machine (one per core on CPU)")
+    p.add_argument("--report-only", action="store_true", help="only combine finished runs into the report")
+    p.add_argument("--print-commands", action="store_true",
+                   help="print one command per run (cold starts first) to submit as separate cluster jobs")
+    p.add_argument("--launcher", default="", help="with --print-commands: wrap each run, e.g. "
+                   "'sbatch --nodes=1 launch/slurm.sbatch' (gets RECIPE key=value ...)")
     args = parser.parse_args(argv)
     _quiet_third_party()
+    if args.command == "ablate":
+        return _ablate(args)
     if args.command == "export":
         return _export(args)
     if args.command == "plan" or getattr(args, "dry_run", False):

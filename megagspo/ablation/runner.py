@@ -1,0 +1,228 @@
+"""Runs an ablation's cold starts and (arm, seed) cells as `megagspo` subprocesses, `jobs` at a time.
+
+Each run is an ordinary training run in its own folder (<out>/<arm>/seed<s>, <out>/cold_start/seed<s>), so a
+cluster can run the same cells as separate jobs (`megagspo ablate --print-commands`) and `--report-only`
+combines them afterwards. A run is done when its summary.json exists and its config.yaml equals the config
+this ablation asks for; done runs are skipped, interrupted ones resume from their last checkpoint
+(cells run with checkpoint.resume=auto), and a folder holding a different config is refused, not overwritten.
+Subprocesses, not threads: Megatron's parallel state is process-global, and one run crashing must not take
+the others down.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import yaml
+
+from megagspo.ablation.spec import AblationSpec
+from megagspo.config import ConfigError
+
+
+@dataclass
+class Run:
+    kind: str              # "cold_start" | "cell"
+    arm: str               # "cold_start" for cold starts
+    seed: int
+    run_dir: str
+    command: str           # megagspo subcommand: sft | train
+    overrides: List[str]
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm} seed {self.seed}"
+
+
+def plan_runs(spec: AblationSpec, extra: List[str]) -> List[Run]:
+    """Cold starts first (every cell of a seed needs its own), then cells seed-major: a partial ablation
+    covers every arm at the first seeds rather than every seed of the first arms."""
+    runs = []
+    if spec.cold_start == "sft":
+        for seed in spec.seeds:
+            runs.append(Run("cold_start", "cold_start", seed, spec.cold_start_dir(seed), "sft",
+                            spec.cold_start_overrides(seed, extra)))
+    for seed in spec.seeds:
+        for arm in spec.arms:
+            runs.append(Run("cell", arm, seed, spec.cell_dir(arm, seed), "train", spec.cell_overrides(arm, seed, extra)))
+    return runs
+
+
+def expected_config(spec: AblationSpec, run: Run, extra: List[str]) -> dict:
+    cfg = spec.cold_start_config(run.seed, extra) if run.kind == "cold_start" else spec.cell_config(run.arm, run.seed, extra)
+    return cfg.to_dict()
+
+
+def run_state(spec: AblationSpec, run: Run, extra: List[str]) -> str:
+    """'done' | 'partial' (a folder from an interrupted attempt of this same config) | 'new'.
+    Raises ConfigError when the folder holds a run of a different config."""
+    cfg_path = os.path.join(run.run_dir, "config.yaml")
+    if not os.path.isfile(cfg_path):
+        return "new"
+    with open(cfg_path, encoding="utf-8") as f:
+        saved = yaml.safe_load(f) or {}
+    want = expected_config(spec, run, extra)
+    for d in (saved, want):  # a progress bar does not make a different run
+        d.get("log", {}).pop("progress", None)
+    diff = _dict_diff(saved, want)
+    if diff:
+        raise ConfigError(f"{run.run_dir} holds a run with a different config ({'; '.join(diff[:4])}); use another "
+                          "--out folder, or delete that run folder to redo it")
+    return "done" if os.path.isfile(os.path.join(run.run_dir, "summary.json")) else "partial"
+
+
+def _dict_diff(saved: dict, want: dict, prefix: str = "", defaults: Optional[dict] = None) -> List[str]:
+    """Differences between a run folder's config.yaml and the asked config. A key the saved config lacks
+    (a run from before that field existed) counts only when the asked value is not the field's default."""
+    if defaults is None:
+        from megagspo.config import Config
+
+        defaults = Config().to_dict()
+    out = []
+    for key in sorted(set(saved) | set(want)):
+        a, b = saved.get(key), want.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            sub = defaults.get(key) if isinstance(defaults.get(key), dict) else {}
+            out += _dict_diff(a, b, f"{prefix}{key}.", sub)
+        elif key not in saved and key in defaults and b == defaults[key]:
+            continue
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} there, {b!r} asked")
+    return out
+
+
+def shell_command(spec: AblationSpec, run: Run, launcher: str = "") -> str:
+    """The command that runs `run`; with a launcher (e.g. "sbatch --nodes=1 launch/slurm.sbatch") the recipe and
+    overrides are handed to it (the launchers run `megagspo train --config RECIPE ...`)."""
+    args = " ".join(shlex.quote(o) for o in run.overrides)
+    if launcher:  # the launchers run `train`; a cold start's overrides hold rl.steps=0, so it is the SFT-only run
+        return f"{launcher} {shlex.quote(spec.base)} {args}"
+    return f"megagspo {run.command} --config {shlex.quote(spec.base)} {args}"
+
+
+class AblationRunner:
+    def __init__(self, spec: AblationSpec, extra: List[str], jobs: int = 1, say=print) -> None:
+        if jobs < 1:
+            raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+        self.spec = spec
+        self.extra = list(extra)
+        self.jobs = jobs
+        self.say = say
+        self.log_dir = os.path.join(spec.out_dir, "logs")
+
+    def _start(self, run: Run) -> subprocess.Popen:
+        os.makedirs(self.log_dir, exist_ok=True)
+        log_path = os.path.join(self.log_dir, f"{run.arm}_seed{run.seed}.log")
+        env = dict(os.environ)
+        # One process per core: intra-op threads come from the recipe's `threads`, OpenMP must not add more.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [sys.executable, "-m", "megagspo.cli", run.command, "--config", self.spec.base, *run.overrides,
+               "log.progress=false"]
+        log = open(log_path, "a")
+        log.write(f"\n$ {' '.join(shlex.quote(c) for c in cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc.log_path = log_path  # type: ignore[attr-defined]
+        proc.log_file = log       # type: ignore[attr-defined]
+        return proc
+
+    def run(self) -> List[Run]:
+        """Runs what is not done yet. -> the runs that failed (their logs are named in the output)."""
+        runs = plan_runs(self.spec, self.extra)
+        self.spec.validate_runs(self.extra)
+        todo = []
+        for run in runs:
+            # The cell's log.progress=false is added on the command line only, so compare without it.
+            state = run_state(self.spec, run, self.extra)
+            if state == "done":
+                self.say(f"[ablation] {run.label}: already done ({run.run_dir})")
+            else:
+                todo.append(run)
+                if state == "partial":
+                    self.say(f"[ablation] {run.label}: resuming an interrupted run in {run.run_dir}")
+        failed: List[Run] = []
+        cold_failed = set()
+        running: list = []
+        pending = list(todo)
+        t0 = time.perf_counter()
+        done_count = len(runs) - len(todo)
+        try:
+            while pending or running:
+                # start what may start: a cell waits for its seed's cold start
+                while pending and len(running) < self.jobs:
+                    nxt = self._next_ready(pending, running, cold_failed)
+                    if nxt is None:
+                        break
+                    pending.remove(nxt)
+                    if nxt.kind == "cell" and nxt.seed in cold_failed:
+                        failed.append(nxt)
+                        self.say(f"[ablation] {nxt.label}: skipped, its cold start failed")
+                        continue
+                    proc = self._start(nxt)
+                    running.append((nxt, proc, time.perf_counter()))
+                    self.say(f"[ablation] {nxt.label}: started ({nxt.run_dir}; log {proc.log_path})")
+                time.sleep(0.5)
+                for item in list(running):
+                    run, proc, started = item
+                    if proc.poll() is None:
+                        continue
+                    running.remove(item)
+                    proc.log_file.close()
+                    done_count += 1
+                    took = time.perf_counter() - started
+                    if proc.returncode == 0:
+                        self.say(f"[ablation] {run.label}: done in {took:.0f} s "
+                                 f"[{done_count}/{len(runs)}]{self._result(run)}")
+                    else:
+                        failed.append(run)
+                        if run.kind == "cold_start":
+                            cold_failed.add(run.seed)
+                        self.say(f"[ablation] {run.label}: FAILED (exit {proc.returncode}) after {took:.0f} s; "
+                                 f"see {proc.log_path}")
+        except KeyboardInterrupt:
+            # SIGTERM lets each trainer finish its step and checkpoint; rerunning the ablation resumes them.
+            for _, proc, _ in running:
+                proc.send_signal(signal.SIGTERM)
+            for _, proc, _ in running:
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            raise
+        self.say(f"[ablation] {len(todo) - len(failed)} run(s) finished, {len(failed)} failed, "
+                 f"{len(runs) - len(todo)} were already done; {time.perf_counter() - t0:.0f} s")
+        return failed
+
+    @staticmethod
+    def _next_ready(pending: List[Run], running: list, cold_failed: set) -> Optional[Run]:
+        busy_cold = {r.seed for r, _, _ in running if r.kind == "cold_start"}
+        pending_cold = {r.seed for r in pending if r.kind == "cold_start"}
+        for run in pending:
+            if run.kind == "cold_start":
+                return run
+            if run.seed in cold_failed or (run.seed not in busy_cold and run.seed not in pending_cold):
+                return run
+        return None
+
+    @staticmethod
+    def _result(run: Run) -> str:
+        import json
+
+        path = os.path.join(run.run_dir, "summary.json")
+        try:
+            with open(path) as f:
+                s = json.load(f)
+        except (OSError, ValueError):
+            return ""
+        if run.kind == "cold_start":
+            return f"; cold-start held-out accuracy {s.get('cold_start/accuracy', float('nan')):.3f}"
+        return (f"; held-out accuracy {s.get('cold_start/accuracy', float('nan')):.3f} -> "
+                f"{s.get('final/accuracy', float('nan')):.3f}")
