@@ -1,6 +1,7 @@
 # megagspo: every target installs what it needs, by dependency, into $(VENV).
 #   make train       the main job: GSPO on a tiny Qwen3-MoE, CPU, embedded defaults
 #   make test        install everything, then run the whole test suite
+#   make ablate      GSPO vs GRPO vs GRPO without routing replay, 3 seeds, report (about 30 min on 2 cores)
 #   make cuda-check  compile every csrc/**/*.cu for sm_90 with nvcc against torch's headers (no GPU needed)
 
 PYTHON ?= python3
@@ -23,7 +24,7 @@ EXT_STAMP := $(VENV)/.ext-built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 CU_SOURCES := $(shell find csrc -name '*.cu' 2>/dev/null)
 
-.PHONY: install ext train smoke test test-fast cuda-check clean
+.PHONY: install ext train ablate smoke test test-fast cuda-check clean
 
 install: $(INSTALLED) $(EXT_STAMP)
 
@@ -46,6 +47,11 @@ ext: $(EXT_STAMP)
 
 train: install
 	$(BIN)/megagspo train --config configs/tiny_cpu.yaml $(ARGS)
+
+# One run per core (the recipe's threads: 1); rerunning skips finished runs and resumes interrupted ones.
+ABLATE_JOBS ?= $(shell nproc 2>/dev/null || echo 1)
+ablate: install
+	$(BIN)/megagspo ablate --config configs/ablations/tiny_cpu.yaml --jobs $(ABLATE_JOBS) $(ARGS)
 
 smoke: install
 	$(PY) -m moe.smoke

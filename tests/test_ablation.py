@@ -242,3 +242,19 @@ def test_short_ablation_end_to_end(tmp_path):
     assert again.returncode == 0 and again.stdout.count(": already done (") == 4, again.stdout
     other = _ablate(["--config", RECIPE, "--out", out, "--seeds", "0", *SHORT[:-1], "data.eval_size=10"])
     assert other.returncode == 2 and "different config (data.eval_size: 20 there, 10 asked" in other.stderr
+
+
+def test_cluster_ablation_arms_each_pass_the_dry_run():
+    """Every arm of the Qwen3-30B-A3B ablation is a valid 8-GPU recipe (config, layout, memory plan)."""
+    from megagspo.dry_run import dry_run
+
+    spec = load_ablation(os.path.join(REPO, "configs", "ablations", "qwen3_30b_a3b.yaml"))
+    configs = spec.validate_runs([])
+    assert set(configs) == {"gspo", "grpo_r2", "grpo"} and spec.cold_start == "recipe"
+    assert [r.kind for r in plan_runs(spec, [])] == ["cell"] * 6  # no SFT: the recipe's init_from is shared
+    for arm in spec.arms:
+        missing = []
+        cfg = spec.cell_config(arm, 0, [], missing)
+        report = dry_run(cfg, missing_paths=missing)
+        assert report.world_size == 8, arm
+    assert configs["gspo"].rl.clip_low == 3e-4 and configs["grpo_r2"].rl.routing_replay == "r2"

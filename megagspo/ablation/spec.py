@@ -124,9 +124,14 @@ class AblationSpec:
             out += [f"model.init_from={os.path.join(self.cold_start_dir(seed), 'checkpoint.pt')}", "sft.steps=0"]
         return out
 
-    def cell_config(self, arm: str, seed: int, extra: List[str]) -> Config:
-        with deferred_path_checks():  # the cold start may not exist yet
-            return load_config(self.base, self.cell_overrides(arm, seed, extra))
+    def cell_config(self, arm: str, seed: int, extra: List[str], missing: Optional[list] = None) -> Config:
+        """The run's config; paths absent here (the cold start not written yet, cluster paths) are not errors:
+        they are appended to `missing` as (key, path) when given."""
+        with deferred_path_checks() as absent:
+            cfg = load_config(self.base, self.cell_overrides(arm, seed, extra))
+        if missing is not None:
+            missing.extend(absent)
+        return cfg
 
     def cold_start_config(self, seed: int, extra: List[str]) -> Config:
         return load_config(self.base, self.cold_start_overrides(seed, extra))
