@@ -11,9 +11,20 @@ out as RolloutOutput.routes_RPLyK (positions prompt + response[:-1], MoE layers 
 With R3 on, a response without routes, or with routes of the wrong size, raises SGLangResponseError naming the
 sample: training never goes on without replay.
 
-update_weights(megatron_state): "disk" writes an HF checkpoint (per-expert layout, as SGLang's loader reads
-hub checkpoints) into a fresh folder under `sync_dir`, posts /update_weights_from_disk, checks `success`,
-flushes the cache and removes the previous folder. "tensor" is not implemented (raises at construction).
+update_weights(megatron_state) sends HF-named tensors (per-expert layout, what SGLang's Qwen3-MoE loader maps)
+in one of three ways (`weight_sync`):
+  "disk"         an HF checkpoint in a fresh folder under `sync_dir`, /update_weights_from_disk, /flush_cache, the
+                 previous folder removed. Works wherever the servers can read `sync_dir`.
+  "tensor"       same host (colocated): buckets of at most `bucket_bytes` moved to this process's GPU, serialized
+                 with SGLang's MultiprocessingSerializer (CUDA IPC handles, base64; one copy per server TP rank)
+                 and posted to /update_weights_from_tensor, as a FlattenedTensorBucket ("flattened_bucket") or a
+                 [(name, tensor)] list ("named_tensors"). Needs CUDA and the sglang package in this process.
+  "distributed"  any host: at the first update the engine (trainer rank 0) and every server TP rank form a
+                 process group (/init_weights_update_group, rank 0 = trainer); each bucket is announced by
+                 /update_weights_from_distributed (names, dtypes, shapes) while rank 0 broadcasts its tensors.
+The cache is flushed only with the last bucket (flush_cache), which also carries the new weight_version. A
+server that answers a bucket with success false stops the update with its message. Under torch.distributed
+with several ranks only rank 0 sends; every rank then waits at a barrier, so nobody generates with old weights.
 
 Legend as in base.py.
 """
@@ -24,9 +35,12 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +51,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .base import RolloutEngine, RolloutOutput, SamplingParams, register_engine
-from .sglang_schema import (SGLangResponseError, generate_request_json, parse_generate_item,
-                            sampling_params_json)
+from .sglang_schema import (SGLangResponseError, destroy_weights_update_group_json, generate_request_json,
+                            init_weights_update_group_json, parse_generate_item, sampling_params_json,
+                            update_weights_from_distributed_json, update_weights_from_tensor_json,
+                            weight_update_result)
+from .weight_sync import (broadcast_bucket, bucket_metadata, hf_named_tensors_for_sync, init_weight_update_group,
+                          plan_buckets)
 
 SGLANG_MISSING = ("launching SGLang servers needs the `sglang` package, which is not importable here: "
                   "`pip install sglang` on a GPU host, or attach to running servers with "
@@ -54,7 +72,13 @@ class SGLangServerError(RuntimeError):
 
 
 class SGLangUnavailableError(RuntimeError):
-    """The sglang package is needed (to launch servers) and is not installed."""
+    """Something this configuration needs is missing here: the sglang package, CUDA, NCCL."""
+
+
+WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
+IPC_FORMATS = ("flattened_bucket", "named_tensors")   # load_format "flattened_bucket" | None (list of pairs)
+SYNC_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DIST_BACKENDS = ("nccl", "gloo")
 
 
 def _fail(field_name: str, message: str):
@@ -97,9 +121,17 @@ class SGLangEngineConfig:
     launch: Optional[SGLangLaunchConfig] = None     # or: servers the engine starts and owns
     timeout_s: float = 600.0                        # per HTTP request
     routing_replay: str = "off"                     # off | r3 (return_routed_experts, strictly checked)
-    weight_sync: str = "disk"                       # disk | tensor (not implemented)
+    weight_sync: str = "disk"                       # disk | tensor (same host, CUDA IPC) | distributed (NCCL)
     sync_dir: Optional[str] = None                  # where "disk" writes HF checkpoints (must be visible to servers)
-    load_format: Optional[str] = None               # passed to /update_weights_from_disk when set
+    load_format: Optional[str] = None               # passed to /update_weights_from_disk when set ("disk" only)
+    bucket_bytes: int = 512 * 2**20                 # tensor / distributed: bytes per bucket (a bigger tensor: alone)
+    sync_dtype: Optional[str] = None                # tensor / distributed: cast to bfloat16 | float16 | float32 first
+    ipc_format: str = "flattened_bucket"            # tensor: flattened_bucket | named_tensors
+    master_address: Optional[str] = None            # distributed: this host's address as the servers reach it
+                                                    #   (default: the interface that routes to the first server)
+    master_port: int = 0                            # distributed: rendezvous port on this host (0: a free one)
+    group_name: str = "megagspo_weight_sync"        # distributed: name of the weight-update process group
+    dist_backend: str = "nccl"                      # distributed: nccl (GPU) | gloo (CPU tensors; tested on CPU)
     colocate: bool = False                          # release / resume GPU memory around training
     max_batch: int = 256                            # sequences per /generate request
     original_logprob: bool = True                   # servers run with SGLANG_RETURN_ORIGINAL_LOGPROB=1
@@ -120,10 +152,28 @@ class SGLangEngineConfig:
             _fail("timeout_s", f"must be positive, got {self.timeout_s!r}")
         if self.routing_replay not in ("off", "r3"):
             _fail("routing_replay", f"must be 'off' or 'r3', got {self.routing_replay!r}")
-        if self.weight_sync not in ("disk", "tensor"):
-            _fail("weight_sync", f"must be 'disk' or 'tensor', got {self.weight_sync!r}")
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            _fail("weight_sync", f"must be one of {', '.join(WEIGHT_SYNC_MODES)}; got {self.weight_sync!r}")
         if self.weight_sync == "disk" and not self.sync_dir:
             _fail("sync_dir", "weight_sync = 'disk' needs a folder the servers can read")
+        if self.load_format is not None and self.weight_sync != "disk":
+            _fail("load_format", f"applies to weight_sync = 'disk' only (tensor sync picks it from ipc_format); "
+                                 f"got {self.load_format!r} with weight_sync = {self.weight_sync!r}")
+        if not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool) or self.bucket_bytes < 1:
+            _fail("bucket_bytes", f"must be a positive integer (bytes), got {self.bucket_bytes!r}")
+        if self.sync_dtype is not None and self.sync_dtype not in SYNC_DTYPES:
+            _fail("sync_dtype", f"must be one of {', '.join(SYNC_DTYPES)} or null; got {self.sync_dtype!r}")
+        if self.ipc_format not in IPC_FORMATS:
+            _fail("ipc_format", f"must be one of {', '.join(IPC_FORMATS)}; got {self.ipc_format!r}")
+        if self.dist_backend not in DIST_BACKENDS:
+            _fail("dist_backend", f"must be one of {', '.join(DIST_BACKENDS)}; got {self.dist_backend!r}")
+        if not isinstance(self.master_port, int) or isinstance(self.master_port, bool) \
+                or not 0 <= self.master_port <= 65535:
+            _fail("master_port", f"must be a TCP port or 0 (pick a free one), got {self.master_port!r}")
+        if self.master_address is not None and (not isinstance(self.master_address, str) or not self.master_address):
+            _fail("master_address", f"must be a host name or address, got {self.master_address!r}")
+        if not isinstance(self.group_name, str) or not self.group_name:
+            _fail("group_name", f"must be a non-empty string, got {self.group_name!r}")
         if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) or self.max_batch < 1:
             _fail("max_batch", f"must be a positive integer, got {self.max_batch!r}")
 
@@ -158,19 +208,92 @@ def _server_message(payload) -> str:
     return str(payload)[:500]
 
 
+def _is_local_host(host: str) -> bool:
+    """True when `host` names this machine (loopback, or an address a socket here can bind)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, addr in infos:
+        if addr[0].startswith("127.") or addr[0] == "::1":
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _address_towards(url: str) -> str:
+    """This host's address on the interface that routes to `url` (no packet is sent)."""
+    parts = urllib.parse.urlsplit(url)
+    family, _, _, _, addr = socket.getaddrinfo(parts.hostname, parts.port or 80, proto=socket.IPPROTO_UDP)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+class SGLangIpcCodec:
+    """What /update_weights_from_tensor carries, made with SGLang's own classes (the server unpickles with an
+    allow-list, and FlattenedTensorBucket's byte layout changed between versions, so only the server's version
+    fits): buckets on this process's current GPU, FlattenedTensorBucket, MultiprocessingSerializer with torch's
+    CUDA reductions patched to name devices by UUID. Needs CUDA and the sglang package (same host as the servers).
+
+    A codec is any object with `device`, flatten(pairs) -> dict, serialize(obj) -> base64 str, release()."""
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise SGLangUnavailableError("sglang.weight_sync = 'tensor' shares CUDA tensors with the servers (CUDA IPC), "
+                                         "but CUDA is not available here; use weight_sync = 'disk' or 'distributed'")
+        try:
+            from sglang.srt.utils import MultiprocessingSerializer
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+            try:
+                from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+            except ImportError:  # sglang <= 0.5.x
+                from sglang.srt.patch_torch import monkey_patch_torch_reductions
+        except ImportError as exc:
+            raise SGLangUnavailableError(
+                f"sglang.weight_sync = 'tensor' serializes with SGLang's own MultiprocessingSerializer and "
+                f"FlattenedTensorBucket, which are not importable here ({exc}): `pip install sglang` (the servers' "
+                "version) in the trainer's environment, or use weight_sync = 'disk' or 'distributed'") from None
+        monkey_patch_torch_reductions()
+        self._serializer, self._bucket = MultiprocessingSerializer, FlattenedTensorBucket
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def flatten(self, pairs: List[Tuple[str, torch.Tensor]]) -> dict:
+        bucket = self._bucket(named_tensors=pairs)
+        return {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+
+    def serialize(self, obj) -> str:
+        return self._serializer.serialize(obj, output_str=True)
+
+    def release(self) -> None:
+        torch.cuda.ipc_collect()  # free the blocks whose IPC handles the servers have closed
+
+
 @register_engine("sglang")
 class SGLangEngine(RolloutEngine):
     def __init__(self, arch, tokenizer, record_routes: Optional[bool] = None,
-                 config: Optional[SGLangEngineConfig] = None) -> None:
+                 config: Optional[SGLangEngineConfig] = None, ipc_codec=None) -> None:
+        """ipc_codec: weight_sync = 'tensor' only; default SGLangIpcCodec() (CUDA + sglang). Another codec (e.g. one
+        that pickles CPU tensors, as the tests use) replaces CUDA IPC explicitly."""
         if config is None:
             raise SGLangConfigError("rollout.engine = 'sglang' needs an SGLangEngineConfig (urls of running servers "
                                     "or launch settings): SGLangEngine(arch, tokenizer, config=SGLangEngineConfig(...))")
         if isinstance(config, dict):
             config = SGLangEngineConfig(**config)
-        if config.weight_sync == "tensor":
-            raise NotImplementedError(
-                "sglang.weight_sync = 'tensor' (/update_weights_from_tensor, same-host CUDA IPC handles) is not "
-                "implemented; use weight_sync = 'disk'")
+        if ipc_codec is not None and config.weight_sync != "tensor":
+            raise SGLangConfigError(f"an ipc_codec applies to sglang.weight_sync = 'tensor' only, not "
+                                    f"{config.weight_sync!r}")
         if record_routes is False and config.routing_replay == "r3":
             raise SGLangConfigError("sglang.routing_replay = 'r3' needs routes, but record_routes=False was passed")
         self.arch = arch
@@ -185,6 +308,12 @@ class SGLangEngine(RolloutEngine):
         self._released = False
         self._version = 0
         self._current_dir: Optional[Path] = None
+        self._sync_dtype = SYNC_DTYPES[config.sync_dtype] if config.sync_dtype else None
+        self._codec = None
+        self._group = None            # distributed: the weight-update process group, formed at the first update
+        self._group_failed: Optional[str] = None
+        self._tp_sizes: List[int] = []
+        self._check_weight_sync_prerequisites(ipc_codec)
         if config.launch is not None:
             self.urls = self._launch(config.launch)
         else:
@@ -194,6 +323,48 @@ class SGLangEngine(RolloutEngine):
                     self._check_health(url)
             if self.want_routes:
                 self._check_routes_enabled()
+        if config.weight_sync in ("tensor", "distributed"):
+            self._tp_sizes = [self._server_tp_size(url) for url in self.urls]
+
+    def _check_weight_sync_prerequisites(self, ipc_codec) -> None:
+        """Everything weight_sync needs that can be checked before any server is contacted; fails naming it."""
+        cfg = self.config
+        if cfg.weight_sync == "tensor":
+            hosts = [cfg.launch.host] if cfg.launch is not None else [urllib.parse.urlsplit(u).hostname for u in cfg.urls]
+            remote = [h for h in hosts if not _is_local_host(h)]
+            if remote:
+                raise SGLangConfigError(
+                    f"sglang.weight_sync = 'tensor' passes CUDA IPC handles, which only work between processes on one "
+                    f"host, but {', '.join(remote)} is not this host; use weight_sync = 'distributed' (NCCL) or 'disk'")
+            self._codec = ipc_codec if ipc_codec is not None else SGLangIpcCodec()
+        elif cfg.weight_sync == "distributed":
+            import torch.distributed as dist
+
+            if not dist.is_available():
+                raise SGLangUnavailableError("sglang.weight_sync = 'distributed' needs torch.distributed, which this "
+                                             "torch build lacks")
+            if cfg.dist_backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+                raise SGLangUnavailableError(
+                    "sglang.weight_sync = 'distributed' with dist_backend = 'nccl' broadcasts from this process's GPU, "
+                    "but CUDA/NCCL is not available here; use weight_sync = 'disk' (or dist_backend = 'gloo')")
+
+    def _server_tp_size(self, url: str) -> int:
+        """The server's TP size (ranks in the weight-update group; IPC payloads per bucket), from /get_server_info."""
+        status, info = _http("GET", url + "/get_server_info", None, self.config.timeout_s)
+        if status != 200 or not isinstance(info, dict):
+            raise SGLangServerError(f"weight_sync = {self.config.weight_sync!r} needs the server's parallel layout, but "
+                                    f"GET {url}/get_server_info answered {status} {_server_message(info)}")
+        tp = info.get("tp_size")
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise SGLangResponseError(f"{url}/get_server_info has no valid tp_size (got {tp!r})")
+        dp, pp = info.get("dp_size", 1), info.get("pp_size", 1)
+        dp_ok = dp == 1 or (self.config.weight_sync == "tensor" and info.get("enable_dp_attention") is True)
+        if not dp_ok or pp != 1:
+            raise SGLangConfigError(
+                f"sglang.weight_sync = {self.config.weight_sync!r}: the server at {url} runs dp_size={dp}, "
+                f"pp_size={pp}; SGLang takes in-memory weight updates with dp_size 1 (tensor: or dp attention) and "
+                "this engine with pp_size 1; use weight_sync = 'disk'")
+        return tp
 
     # ------------------------------------------------------------------------------------------ servers
     def _launch(self, lc: SGLangLaunchConfig) -> List[str]:
@@ -265,6 +436,20 @@ class SGLangEngine(RolloutEngine):
                     "--enable-return-routed-experts")
 
     def close(self) -> None:
+        if self._group is not None:
+            group, self._group = self._group, None
+            for url in self.urls:  # best effort: the servers may already be gone
+                try:
+                    self._post(url, "/destroy_weights_update_group",
+                               destroy_weights_update_group_json(self.config.group_name))
+                except SGLangServerError:
+                    pass
+            try:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):
+                pass
         for proc in self._procs:
             if proc.poll() is None:
                 try:
@@ -321,7 +506,150 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------ weights
     def update_weights(self, megatron_state: Dict[str, torch.Tensor]) -> None:
-        self.resume_memory()
+        """Every rank calls this with the full state; rank 0 (or the only process) sends, then all meet at a
+        barrier of the default group, so no rank generates before the servers hold the new weights."""
+        import torch.distributed as dist
+
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not multi or dist.get_rank() == 0:
+            self.resume_memory()
+            if self.config.weight_sync == "disk":
+                self._update_from_disk(megatron_state)
+            elif self.config.weight_sync == "tensor":
+                self._update_from_tensor(megatron_state)
+            else:
+                self._update_from_distributed(megatron_state)
+        if multi:
+            dist.barrier()
+
+    def _sync_buckets(self, megatron_state: Dict[str, torch.Tensor]):
+        """(HF (name, tensor) pairs in send order, buckets of their indices) for tensor / distributed sync."""
+        named = hf_named_tensors_for_sync(megatron_state, self.arch, self._sync_dtype)
+        sizes = [(n, t.dtype, t.numel() * t.element_size()) for n, t in named]
+        return named, plan_buckets(sizes, self.config.bucket_bytes)
+
+    @staticmethod
+    def _bucket_label(b: int, n: int, pairs) -> str:
+        return f"bucket {b + 1}/{n} ({pairs[0][0]} .. {pairs[-1][0]}, {len(pairs)} tensors)"
+
+    def _update_from_tensor(self, megatron_state: Dict[str, torch.Tensor]) -> None:
+        codec, flattened = self._codec, self.config.ipc_format == "flattened_bucket"
+        named, buckets = self._sync_buckets(megatron_state)
+        version = str(self._version + 1)
+        for b, idx in enumerate(buckets):
+            last = b == len(buckets) - 1
+            pairs = [(named[i][0], named[i][1].to(codec.device).contiguous()) for i in idx]
+            payload = codec.flatten(pairs) if flattened else pairs
+            for url, tp in zip(self.urls, self._tp_sizes):
+                # one serialization per TP rank: each rank opens (and releases) its own IPC handles
+                body = update_weights_from_tensor_json([codec.serialize(payload) for _ in range(tp)],
+                                                       "flattened_bucket" if flattened else None,
+                                                       flush_cache=last, weight_version=version if last else None)
+                status, answer = self._post(url, "/update_weights_from_tensor", body)
+                ok, message = weight_update_result(status, answer)
+                if not ok:
+                    raise SGLangServerError(
+                        f"update_weights_from_tensor failed on {url} for {self._bucket_label(b, len(buckets), pairs)} "
+                        f"(HTTP {status}): {message}; the server's weights are partly updated")
+            del payload, pairs
+            codec.release()
+        self._version += 1
+
+    def _update_from_distributed(self, megatron_state: Dict[str, torch.Tensor]) -> None:
+        if self._group_failed:
+            raise SGLangServerError(f"the weight-update process group broke in an earlier update ({self._group_failed}); "
+                                    "restart the run (the servers' weights are partly updated)")
+        self._ensure_group()
+        device = torch.device("cuda", torch.cuda.current_device()) if self.config.dist_backend == "nccl" \
+            else torch.device("cpu")
+        named, buckets = self._sync_buckets(megatron_state)
+        version = str(self._version + 1)
+        group = self._group
+        for b, idx in enumerate(buckets):
+            last = b == len(buckets) - 1
+            pairs = [(named[i][0], named[i][1].to(device).contiguous()) for i in idx]
+            names, dtypes, shapes = bucket_metadata(pairs)
+            body = update_weights_from_distributed_json(names, dtypes, shapes, self.config.group_name,
+                                                        flush_cache=last, weight_version=version if last else None)
+
+            def send(tensors=[t for _, t in pairs]):
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                for work in broadcast_bucket(tensors, group):
+                    work.wait()
+
+            try:
+                self._with_posts("/update_weights_from_distributed", [body] * len(self.urls), send,
+                                 f"update_weights_from_distributed of {self._bucket_label(b, len(buckets), pairs)}")
+            except BaseException as exc:
+                self._group_failed = str(exc)
+                raise
+        self._version += 1
+
+    def _ensure_group(self) -> None:
+        """Form the weight-update group: POST /init_weights_update_group to every server (each blocks until the group
+        exists) while this process joins as rank 0; server i's TP ranks get 1 + sum(tp of servers before it) + r."""
+        if self._group is not None:
+            return
+        cfg = self.config
+        address = cfg.master_address or _address_towards(self.urls[0])
+        port = cfg.master_port or _free_port(address)
+        world = 1 + sum(self._tp_sizes)
+        offsets = [1 + sum(self._tp_sizes[:i]) for i in range(len(self.urls))]
+        bodies = [init_weights_update_group_json(address, port, off, world, cfg.group_name, cfg.dist_backend)
+                  for off in offsets]
+        try:
+            self._group = self._with_posts(
+                "/init_weights_update_group", bodies,
+                lambda: init_weight_update_group(address, port, 0, world, cfg.group_name, cfg.dist_backend,
+                                                 cfg.timeout_s),
+                f"init_weights_update_group (rendezvous at {address}:{port}, {world} ranks)")
+        except BaseException as exc:
+            self._group_failed = str(exc)
+            raise
+
+    def _with_posts(self, path: str, bodies: List[dict], local, what: str):
+        """POST bodies[i] to server i and run local() here, all at once (SGLang's group and broadcast endpoints
+        answer only when the trainer's side has run too); the first failure on either side raises at once."""
+        answers: List = [None] * len(self.urls)
+        mine: dict = {}
+
+        def post(i: int) -> None:
+            try:
+                answers[i] = self._post(self.urls[i], path, bodies[i])
+            except BaseException as exc:  # noqa: BLE001 (re-raised by the waiting thread)
+                answers[i] = exc
+
+        def run_local() -> None:
+            try:
+                mine["value"] = local()
+            except BaseException as exc:  # noqa: BLE001
+                mine["error"] = exc
+
+        threads = [threading.Thread(target=post, args=(i,), daemon=True) for i in range(len(self.urls))]
+        threads.append(threading.Thread(target=run_local, daemon=True))
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            for url, answer in zip(self.urls, answers):
+                if isinstance(answer, BaseException):
+                    raise answer
+                if answer is not None:
+                    ok, message = weight_update_result(*answer)
+                    if not ok:
+                        raise SGLangServerError(f"{what} failed on {url} (HTTP {answer[0]}): {message}")
+            if "error" in mine:
+                raise mine["error"]
+            if all(a is not None for a in answers) and not threads[-1].is_alive():
+                return mine.get("value")
+            if time.monotonic() > deadline:
+                waiting = [u for u, a in zip(self.urls, answers) if a is None]
+                raise SGLangServerError(f"{what} timed out after {self.config.timeout_s:.0f} s (no answer from "
+                                        f"{', '.join(waiting) or 'none'}; trainer side done: {not threads[-1].is_alive()})")
+            time.sleep(0.01)
+
+    def _update_from_disk(self, megatron_state: Dict[str, torch.Tensor]) -> None:
         path = self.write_hf_checkpoint(megatron_state)
         body = {"model_path": str(path), "weight_version": str(self._version)}
         if self.config.load_format:

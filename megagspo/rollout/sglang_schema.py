@@ -22,6 +22,30 @@ Checked against SGLang's source (sgl-project/sglang, 2025-2026 snapshots):
   sampler: output log-probs are log_softmax(logits / temperature) unless the server runs with
       SGLANG_RETURN_ORIGINAL_LOGPROB=1 (then the temperature-1 log-softmax RolloutOutput wants); greedy
       (temperature 0) returns log_softmax(logits) either way.
+
+In-memory weight updates (read in sgl-project/sglang at commit 001067ff / 9c0549b7, 2026, i.e. after the
+msgspec rewrite of io_struct.py; the same fields exist in the 0.4.x-0.5.x dataclass versions):
+  io_struct.py  UpdateWeightsFromTensorReqInput {serialized_named_tensors: List[bytes] (HTTP: base64 strings, one
+      per TP rank of the server; rank r deserializes entry r with MultiprocessingSerializer), load_format
+      (None | "direct" | "flattened_bucket" | a custom loader), flush_cache = True, abort_all_requests = False,
+      weight_version = None, disable_draft_model, torch_empty_cache}
+      InitWeightsUpdateGroupReqInput {master_address, master_port, rank_offset, world_size,
+      group_name = "weight_update_group", backend = "nccl"}
+      UpdateWeightsFromDistributedReqInput {names, dtypes (torch dtype names, getattr(torch, d)), shapes,
+      group_name, flush_cache = True, abort_all_requests, weight_version, load_format, torch_empty_cache}
+      DestroyWeightsUpdateGroupReqInput {group_name}
+      every *ReqOutput of these: {success: bool, message: str}
+  http_server.py  /update_weights_from_tensor, /init_weights_update_group, /update_weights_from_distributed,
+      /destroy_weights_update_group answer 200 {"success": true, "message"} or 400 {"success": false, "message"}
+  model_executor/model_runner.py  init_weights_update_group: rank = rank_offset + tp_rank in a group made from
+      tcp://master_address:master_port, the store prefixed with group_name (init_custom_process_group);
+      update_weights_from_distributed: per name torch.empty(shape, dtype) on the GPU, broadcast(src=0) in order,
+      then model.load_weights; update_weights_from_tensor: load_format "flattened_bucket" takes a dict
+      {"flattened_tensor", "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]},
+      None takes [(name, tensor)]; tensors are rebuilt from CUDA IPC handles (torch reductions patched to name
+      the device by UUID: sglang.srt.utils.patch_torch.monkey_patch_torch_reductions)
+  weight_sync/tensor_bucket.py  FlattenedTensorBucket (its byte layout changed between versions: the trainer must
+      build buckets with the server's own class, so tensor sync imports sglang on the trainer side)
 """
 
 from __future__ import annotations
@@ -149,3 +173,69 @@ def parse_generate_item(item, prompt_len: int, max_new_tokens: int, want_routes:
                 "--enable-return-routed-experts (refusing to train without replay)")
         routes = decode_routed_experts(value, prompt_len + len(tokens) - 1, top_k, where)
     return ParsedSample(tokens, logps, finish_type, routes)
+
+
+# ---------------------------------------------------------------------------------------- weight updates
+# Field names of SGLang's request structs (io_struct.py, see the docstring): what this engine may send.
+UPDATE_FROM_TENSOR_FIELDS = ("serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                             "weight_version", "disable_draft_model", "torch_empty_cache")
+INIT_GROUP_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
+UPDATE_FROM_DISTRIBUTED_FIELDS = ("names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+                                  "weight_version", "load_format", "torch_empty_cache")
+DESTROY_GROUP_FIELDS = ("group_name",)
+
+
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the spelling SGLang turns back with getattr(torch, name)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def update_weights_from_tensor_json(serialized_named_tensors: Sequence[str], load_format: Optional[str],
+                                    flush_cache: bool, weight_version: Optional[str]) -> dict:
+    """One bucket for /update_weights_from_tensor: `serialized_named_tensors` holds one base64 string per TP rank
+    of the server (MultiprocessingSerializer.serialize(payload, output_str=True), serialized once per rank)."""
+    if not serialized_named_tensors or not all(isinstance(s, str) for s in serialized_named_tensors):
+        raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
+    body = {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
+            "flush_cache": bool(flush_cache)}
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def init_weights_update_group_json(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                   group_name: str, backend: str) -> dict:
+    if not 1 <= rank_offset < world_size:
+        raise ValueError(f"rank_offset {rank_offset} outside [1, world_size={world_size}) (rank 0 is the trainer)")
+    return {"master_address": str(master_address), "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": str(group_name), "backend": str(backend)}
+
+
+def update_weights_from_distributed_json(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                                         group_name: str, flush_cache: bool, weight_version: Optional[str]) -> dict:
+    """One bucket for /update_weights_from_distributed; the tensors follow as one broadcast(src=0) each, in
+    this order (load_format left unset: per-tensor broadcasts need no shared bucket layout)."""
+    if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        raise ValueError(f"names/dtypes/shapes must be non-empty and of one length, got {len(names)}/{len(dtypes)}/"
+                         f"{len(shapes)}")
+    body = {"names": list(names), "dtypes": list(dtypes), "shapes": [[int(x) for x in s] for s in shapes],
+            "group_name": str(group_name), "flush_cache": bool(flush_cache)}
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def destroy_weights_update_group_json(group_name: str) -> dict:
+    return {"group_name": str(group_name)}
+
+
+def weight_update_result(status: int, payload) -> tuple:
+    """(ok, message) for the answer to any of the weight-update endpoints: ok needs HTTP 200 AND success true
+    (SGLang answers 400 with success false; a 200 without `success` is not taken as success)."""
+    message = ""
+    if isinstance(payload, dict):
+        message = str(payload.get("message", payload.get("detail", payload.get("error", ""))))
+    else:
+        message = str(payload)[:500]
+    ok = status == 200 and isinstance(payload, dict) and payload.get("success") is True
+    return ok, message
