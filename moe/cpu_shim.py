@@ -1,7 +1,7 @@
 """Make Megatron-Core 0.16.1 run MoE models on a host without CUDA.
 
 Applied by an explicit call, `apply_cpu_shim()`, never on import, and only when CUDA is absent. It changes
-exactly five things (shared/notes/platform.md lists the failures they answer) and logs each one:
+exactly six things (shared/notes/platform.md lists the failures they answer) and logs each one:
 
 1. `torch.cuda.current_device()` is passed as `device=` in ~175 places in Megatron: it returns "cpu".
 2. `moe_utils.te_general_gemm` is referenced although Transformer Engine is absent (a NameError in
@@ -13,6 +13,9 @@ exactly five things (shared/notes/platform.md lists the failures they answer) an
    numpy arrays, as CUDA tensors do.
 5. TP>1 in training demands sequence parallelism, which the torch-norm fallback refuses: it accepts SP and
    marks its parameters `sequence_parallel` (as TE's norms do), so `finalize_model_grads` all-reduces them.
+6. `dist_checkpointing`'s torch_dist save calls `torch.cuda.synchronize()` after staging tensors to host
+   memory (`FileSystemWriterAsync.preload_tensors`): a no-op (CPU tensors are already on the host and CPU
+   ops are synchronous).
 
 Every patched symbol is checked against the signature it had when this shim was written
 (`verify_patch_targets`), so a Megatron upgrade that moves or reshapes one fails loudly here instead of
@@ -71,6 +74,13 @@ PATCH_TARGETS: tuple[PatchTarget, ...] = (
                 "(3) dispatcher compares and waits on the current stream"),
     PatchTarget("torch.cuda", "stream", "(stream: Optional[ForwardRef('torch.cuda.Stream')]) -> torch.cuda.StreamContext",
                 "(3) dispatcher enters the side stream"),
+    PatchTarget("torch.cuda", "synchronize", "(device: torch.device | str | int | None = None) -> None",
+                "(6) dist_checkpointing save synchronizes the device after staging tensors"),
+    PatchTarget("megatron.core.dist_checkpointing.strategies.filesystem_async",
+                "FileSystemWriterAsync.preload_tensors",
+                "(write_buckets: List[Tuple[pathlib.Path, str, Tuple[list, list]]], non_blocking=True) -> "
+                "List[Tuple[pathlib.Path, str, Tuple[list, list]]]",
+                "(6) the caller of torch.cuda.synchronize in the torch_dist save path"),
     PatchTarget("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction.forward", None,
                 "(2) references te_general_gemm"),
     PatchTarget("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
@@ -166,6 +176,10 @@ def _cpu_current_device() -> str:
     return "cpu"
 
 
+def _cpu_synchronize(device=None) -> None:
+    return None
+
+
 def _cpu_current_stream(device=None) -> _CpuStream:
     return _CURRENT_STREAM
 
@@ -252,6 +266,10 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
 
     torch_norm.WrappedTorchNorm.__new__ = _mark_original(wrapped_torch_norm_new, original_new)
     changes.append("megatron WrappedTorchNorm accepts sequence_parallel and marks its params")
+
+    # (6)
+    torch.cuda.synchronize = _mark_original(_cpu_synchronize, torch.cuda.synchronize)
+    changes.append("torch.cuda.synchronize() -> no-op (dist_checkpointing save path; CPU work is synchronous)")
 
     for line in changes:
         logger.warning("megagspo CPU shim: %s", line)

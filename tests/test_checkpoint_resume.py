@@ -3,9 +3,10 @@
 
 - SIGKILL mid-step, `--resume`: every metric of every step equals the uninterrupted run's (timings aside);
 - SIGTERM: the current step finishes, a checkpoint is written on the signal, exit 143; resume equals;
-- the newest checkpoint's model shard truncated: detected, the run resumes from the previous one (equal);
-- a checkpoint written at EP=2 (2 gloo processes) resumes at EP=1, and the restored weights and AdamW
-  moments are exactly the saved ones.
+- the newest checkpoint's model shard (a dist_checkpointing .distcp file) truncated: detected by the manifest,
+  the run resumes from the previous one, saying which file was wrong (equal);
+- a checkpoint written at EP=2 (2 gloo processes, one shard file per rank) resumes at EP=1, and the restored
+  weights and AdamW moments are exactly the saved ones.
 """
 
 import json
@@ -17,6 +18,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from multiprocess import run_distributed
 
@@ -127,10 +129,10 @@ def test_truncated_newest_shard_falls_back_to_previous(uninterrupted, tmp_path):
     shutil.copytree(uninterrupted, run_dir)
     ckpts = run_dir / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["step_000002", "step_000004", "step_000006"]  # keep_last = 3
-    shard = ckpts / "step_000006" / "model.safetensors"
+    shard = ckpts / "step_000006" / "model" / "__0_0.distcp"
     os.truncate(shard, os.path.getsize(shard) // 2)
     out = _run(_cmd(tmp_path, "ref", "--resume"))
-    assert ("checkpoint step_000006 is corrupt (model.safetensors has" in out.stdout
+    assert ("checkpoint step_000006 is corrupt (model/__0_0.distcp has" in out.stdout
             and "falling back to step_000004" in out.stdout), out.stdout
     assert "resuming from" in out.stdout and "step_000004" in out.stdout
     _assert_same_metrics(uninterrupted, run_dir)
@@ -141,10 +143,10 @@ def test_truncated_newest_shard_falls_back_to_previous(uninterrupted, tmp_path):
 
 
 def _reload_body(rank, world_size, ckpt_dir, cfg_overrides):
-    """At EP=1 (1 process): load a checkpoint written at EP=2 and gather it back: must equal the files."""
+    """At EP=1 (1 process): load a checkpoint written at EP=2 the way resume does; -> the full weights and
+    the full AdamW state (under full names) as loaded."""
     import torch
 
-    from megagspo.checkpoint.guards import load_safetensors
     from megagspo.checkpoint.state import CheckpointManager, gather_optimizer_state
     from megagspo.config import load_config
     from megagspo.data import build_datasets
@@ -156,15 +158,10 @@ def _reload_body(rank, world_size, ckpt_dir, cfg_overrides):
     policy = MegatronPolicy(cfg.model.architecture(tok.vocab_size), layout, cfg.parallel)
     opt = torch.optim.AdamW(policy.model.parameters())
     mgr = CheckpointManager(cfg, 0, 1)
-    point = {"path": ckpt_dir}
+    point = {"path": ckpt_dir, "state": json.load(open(os.path.join(ckpt_dir, "trainer_state.json")))}
     mgr.load_model(policy, point)
     mgr.load_optimizer(policy, opt, point)
-    same_model = all(torch.equal(policy.full_state_dict()[k], v)
-                     for k, v in load_safetensors(os.path.join(ckpt_dir, "model.safetensors")).items())
-    saved_opt = load_safetensors(os.path.join(ckpt_dir, "optimizer.safetensors"))
-    regathered = gather_optimizer_state(policy, opt)
-    same_opt = set(saved_opt) == set(regathered) and all(torch.equal(regathered[k], v) for k, v in saved_opt.items())
-    return same_model, same_opt, len(saved_opt)
+    return policy.full_state_dict(), gather_optimizer_state(policy, opt)
 
 
 @pytest.mark.slow
@@ -176,11 +173,25 @@ def test_checkpoint_from_ep2_resumes_at_ep1(tmp_path):
           "name=ep"], timeout=300)
     ckpt = tmp_path / "ep" / "checkpoints" / "step_000002"
     state = json.load(open(ckpt / "trainer_state.json"))
-    assert state["world"] == 2 and state["layout"]["expert_parallel"] == 2
-    same_model, same_opt, n_opt = run_distributed(
-        _reload_body, world_size=1, timeout_s=180,
-        args=(str(ckpt), ["data.train_size=200", "data.eval_size=20"]))[0]
-    assert same_model and same_opt and n_opt > 0
+    assert state["world"] == 2 and state["layout"]["expert_parallel"] == 2 and state["optimizer"]
+    for part in ("model", "optimizer"):  # one torch_dist shard file per rank
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(os.listdir(ckpt / part))
+    manifest = json.load(open(ckpt / "manifest.json"))
+    assert {"model/__1_0.distcp", "optimizer/__1_0.distcp", "model/.metadata"} <= set(manifest["files"])
+    from megagspo.checkpoint import load_run_checkpoint
+
+    saved = load_run_checkpoint(str(ckpt))["state"]  # rebuilt from the shards in this process
+    model, opt = run_distributed(_reload_body, world_size=1, timeout_s=180,
+                                 args=(str(ckpt), ["data.train_size=200", "data.eval_size=20"]))[0]
+    assert set(model) == set(saved) and all(torch.equal(model[k], v) for k, v in saved.items())
+    assert len(opt) == 3 * len(saved)
+    from moe.dist_checkpoint import read_full_state_dict
+
+    for kind in ("exp_avg", "exp_avg_sq"):  # the moments as stored (both ranks' files), gathered in this process
+        index = {n: {"key": f"optimizer.state.{kind}.{w['key']}", "offset": w["offset"]}
+                 for n, w in state["model_index"].items()}
+        stored = read_full_state_dict(str(ckpt / "optimizer"), index)
+        assert all(torch.equal(opt[f"{kind}/{n}"], t) for n, t in stored.items())
     out = _run(_cmd(tmp_path, "ep", "rl.steps=3", "--resume"))  # 1 process, EP=1
     assert "resumed on 1" in out.stdout
     rl = [r for r in _rows(tmp_path / "ep") if r["phase"] == "rl"]

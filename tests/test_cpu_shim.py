@@ -16,7 +16,10 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 def test_every_patched_symbol_exists_with_the_recorded_signature():
     from moe.cpu_shim import PATCH_TARGETS, verify_patch_targets
 
-    assert len(PATCH_TARGETS) >= 5
+    assert len(PATCH_TARGETS) >= 6
+    assert {("torch.cuda", "synchronize"), ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+                                            "FileSystemWriterAsync.preload_tensors")} <= {
+        (t.module, t.attribute) for t in PATCH_TARGETS}
     verify_patch_targets()
 
 
@@ -56,8 +59,9 @@ def test_import_changes_nothing_and_apply_logs_each_change_once():
             pass
         assert not shim.is_applied()
         changes = shim.apply_cpu_shim()
-        assert len(changes) == 5, changes
+        assert len(changes) == 6, changes
         assert torch.cuda.current_device() == "cpu"
+        assert torch.cuda.synchronize() is None  # (6) the dist_checkpointing save path calls it
         assert shim.apply_cpu_shim() == changes  # idempotent
         import megatron.core.transformer.moe.moe_utils as moe_utils
         assert moe_utils.te_general_gemm is None
@@ -67,7 +71,7 @@ def test_import_changes_nothing_and_apply_logs_each_change_once():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("OK")
     logged = [line for line in result.stderr.splitlines() if line.startswith("megagspo CPU shim:")]
-    assert len(logged) == 5, result.stderr[-3000:]
+    assert len(logged) == 6, result.stderr[-3000:]
 
 
 def test_cuda_host_is_left_alone(monkeypatch):

@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -235,11 +236,38 @@ def test_unsafe_or_damaged_weight_files_get_a_clear_error(tmp_path, kind):
     assert not marker.exists()
 
 
+def test_sharded_checkpoint_whose_metadata_carries_code_is_refused(tmp_path):
+    """A crafted step folder with a self-consistent manifest: torch.distributed.checkpoint would unpickle its
+    `.metadata` with plain pickle; megagspo reads it with an allow-list first, so the code never runs."""
+    import torch
+
+    from megagspo.trainer.trainer import TrainError, load_checkpoint
+
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    pickle.dump({"x": _Evil(str(marker))}, buf)
+    state = _fake_state()
+    state.update(config={}, model_index={"w": {"key": "w", "offset": []}})
+
+    def common(p):
+        torch.save({}, p)
+
+    writers = {"model/.metadata": _put(buf.getvalue()),
+               "model/metadata.json": _put(json.dumps({"sharded_backend": "torch_dist"}).encode()),
+               "model/common.pt": common, "rng.safetensors": _put(b"x"),
+               "trainer_state.json": _put(json.dumps(state).encode())}
+    path = write_checkpoint(str(tmp_path / "checkpoints"), 3, writers)
+    assert verify(path, REQUIRED) is None  # the manifest is consistent: only the content is hostile
+    with pytest.raises(TrainError, match="refusing to unpickle io.open"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
 def test_every_torch_load_in_the_package_is_weights_only():
     import re
 
     offenders = []
-    for dirpath, _, files in os.walk(os.path.join(REPO, "megagspo")):
+    for dirpath, _, files in [w for top in ("megagspo", "moe") for w in os.walk(os.path.join(REPO, top))]:
         for name in files:
             if name.endswith(".py"):
                 text = open(os.path.join(dirpath, name)).read()
@@ -262,7 +290,7 @@ def test_bad_checkpoints_on_resume_fail_cleanly_and_are_left_alone(run, case):
     else:
         writers = {name: _put(b"x") for name in REQUIRED}
         path = write_checkpoint(str(target / "checkpoints"), 4, writers)
-        os.truncate(os.path.join(path, "model.safetensors"), 0)
+        os.truncate(os.path.join(path, "model", ".metadata"), 0)
         needle = "no intact checkpoint"
     other_before = _snapshot(target)
     # resume another folder's checkpoint, with the intact run `r` as the output folder: neither may change

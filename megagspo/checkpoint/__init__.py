@@ -2,7 +2,8 @@
 fallback to the previous good one, exact resume, preemption signals, and safe readers for user paths.
 
     store.py    folder protocol (tmp name -> rename, manifest written last, sha256), verify, fallback, prune
-    state.py    what a training checkpoint holds; CheckpointManager (save / find_resume / restore)
+    state.py    what a training checkpoint holds (model / optimizer as Megatron dist_checkpointing shards, via
+                moe.dist_checkpoint); CheckpointManager (save / find_resume / restore)
     signals.py  SIGTERM / SIGINT -> finish the step, checkpoint, exit 128+signal; second signal exits at once
     guards.py   safetensors / weights-only torch readers; verifier time limit
 """

@@ -1,20 +1,29 @@
 """What a training checkpoint holds and how the trainer saves / restores it (collectives over all ranks).
 
-Files in `step_X/` (all written by rank 0 after gathering; see store.py for the atomic protocol):
-    model.safetensors      the full TP=EP=1 Megatron state (experts gathered over EP) -> layout-independent
-    optimizer.safetensors  AdamW `exp_avg/<full name>`, `exp_avg_sq/<full name>`, `step/<full name>`, gathered
-                           like the weights (empty before the first RL update)
+Files in `step_X/` (see store.py for the atomic protocol; the manifest lists every one of them):
+    model/                 Megatron `dist_checkpointing` folder (torch_dist backend) of model.sharded_state_dict():
+        __<rank>_0.distcp  the weights each rank holds as main replica (at EP=2: rank 1 writes its experts)
+        .metadata          torch.distributed.checkpoint global metadata (which chunk of which key is where)
+        common.pt          the non-sharded part (empty for the model)
+        metadata.json      backend and version
+    optimizer/             the same for AdamW (absent at step_000000, before the first RL update): exp_avg /
+                           exp_avg_sq as ShardedTensors mirroring their parameters (`optimizer.state.<moment>.
+                           <param key>`); common.pt: param-group hyper-parameters, every parameter's step
     rng.safetensors        per rank: `rank<r>/torch` (global CPU generator: HF `generate` samples with it),
                            `rank<r>/sample_gen` (the mini-batch permutation generator)
     trainer_state.json     step, run id, layout, model architecture, tokenizer, config, data-loader position
                            (sampler RNG + epoch order), Python / NumPy RNG per rank, last eval, summary so far,
-                           metrics (row count + tail)
-    manifest.json          sizes and sha256 of the above, written last
+                           metrics (row count + tail), whether optimizer/ exists, and `model_index` (full
+                           parameter name -> checkpoint key and expert index) for single-process readers
+    manifest.json          sizes and sha256 of all of the above, written last
 
-Because weights and optimizer moments are stored at TP=EP=1 under full names, a checkpoint written at EP=2
-loads at EP=1 (and back): each rank takes its slice with moe.sharding.local_view_of_full. RNG states are
-restored per rank when the world size is unchanged; otherwise each rank reseeds from (seed, step, rank)
-and says so (a run resumed on another layout is continued, not reproduced bit-for-bit).
+Every rank writes its own shards (moe.dist_checkpoint); rank 0 writes the rest and commits. Loading goes
+against the current model's sharded_state_dict, so a checkpoint written at EP=2 loads at EP=1 (and back),
+moments included. The learning-rate schedule is a function of the step (trainer.lr_at), so the step is the
+scheduler's state. RNG states are restored per rank when the world size is unchanged; otherwise each rank
+reseeds from (seed, step, rank) and says so (a run resumed on another layout is continued, not reproduced
+bit-for-bit). `load_run_checkpoint` rebuilds the full TP=EP=1 weights from the shards in one process, with
+no process group, for `megagspo export` and `model.init_from`.
 """
 
 from __future__ import annotations
@@ -33,11 +42,11 @@ from . import store
 from .guards import load_safetensors
 from .store import CheckpointError
 
-MODEL = "model.safetensors"
-OPTIMIZER = "optimizer.safetensors"
+MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
 RNG = "rng.safetensors"
 STATE = "trainer_state.json"
-REQUIRED = (MODEL, OPTIMIZER, RNG, STATE)
+REQUIRED = (f"{MODEL_DIR}/.metadata", f"{MODEL_DIR}/metadata.json", f"{MODEL_DIR}/common.pt", RNG, STATE)
 OPT_KINDS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -83,7 +92,8 @@ def _expert_full_names(policy, local_name: str):
 
 @torch.no_grad()
 def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
-    """AdamW moments of every parameter under full (TP=EP=1) names; collective over EP, like the weights."""
+    """AdamW moments of every parameter under full (TP=EP=1) names, `<kind>/<full name>`; collective over EP,
+    like the weights (for checks and tests: checkpoints store the moments sharded)."""
     from moe.sharding import RankCoordinates, is_expert_param, local_to_full_name
 
     out: Dict[str, torch.Tensor] = {}
@@ -105,34 +115,6 @@ def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
             else:
                 out[f"{kind}/{local_to_full_name(local_name, coords, num_local)}"] = t.clone()
     return out
-
-
-@torch.no_grad()
-def load_optimizer_state(policy, optimizer, full: Dict[str, torch.Tensor]) -> None:
-    from moe.sharding import local_view_of_full
-
-    if not full:
-        return
-    by_kind = {k: {} for k in OPT_KINDS}
-    for key, t in full.items():
-        kind, _, name = key.partition("/")
-        if kind not in by_kind:
-            raise CheckpointError(f"optimizer state has an unknown entry {key!r}")
-        by_kind[kind][name] = t
-    steps = {n: t.reshape(()).expand(1) for n, t in by_kind["step"].items()}
-    try:
-        avg = local_view_of_full(policy.model, by_kind["exp_avg"])
-        avg_sq = local_view_of_full(policy.model, by_kind["exp_avg_sq"])
-        from moe.sharding import RankCoordinates, local_to_full_name
-
-        coords = RankCoordinates.current()
-        num_local = policy.arch.num_experts // policy.ep_size
-        for local_name, p in policy.model.named_parameters():
-            step = steps[local_to_full_name(local_name, coords, num_local)]
-            optimizer.state[p] = {"step": step.reshape(()).clone().float(), "exp_avg": avg[local_name].clone(),
-                                  "exp_avg_sq": avg_sq[local_name].clone()}
-    except (KeyError, ValueError) as exc:
-        raise CheckpointError(f"optimizer state does not fit this model: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------- manager
@@ -212,16 +194,28 @@ class CheckpointManager:
             raise CheckpointError(f"{path} was trained on {state.get('dataset_size')} training prompts, this run "
                                   f"has {dataset_size}: the data-loader position would not carry over")
 
-    # ---- restore -----------------------------------------------------------------------------------
+    # ---- restore ----------------------------------------------------------------------------------
     def load_model(self, policy, point: dict) -> None:
-        full = load_safetensors(os.path.join(point["path"], MODEL))
+        """Collective: this rank's slices of the weights, whatever layout wrote them."""
+        from moe.dist_checkpoint import DistCheckpointError, load_model
+
         try:
-            policy.load_full_state_dict(full)
-        except (KeyError, ValueError) as exc:
-            raise CheckpointError(f"{point['path']}: weights do not fit this model: {exc}") from None
+            load_model(policy.model, os.path.join(point["path"], MODEL_DIR))
+        except DistCheckpointError as exc:
+            raise CheckpointError(f"{point['path']}: weights do not fit this model or are unreadable: {exc}") from None
 
     def load_optimizer(self, policy, optimizer, point: dict) -> None:
-        load_optimizer_state(policy, optimizer, load_safetensors(os.path.join(point["path"], OPTIMIZER)))
+        """Collective: AdamW moments (resharded to this layout), hyper-parameters and steps; nothing when the
+        checkpoint was written before the first update."""
+        from moe.dist_checkpoint import DistCheckpointError, load_optimizer
+
+        if not point["state"].get("optimizer"):
+            return
+        try:
+            load_optimizer(policy.model, optimizer, os.path.join(point["path"], OPTIMIZER_DIR))
+        except DistCheckpointError as exc:
+            raise CheckpointError(f"{point['path']}: optimizer state does not fit this model or is unreadable: "
+                                  f"{exc}") from None
 
     def restore_rng_and_data(self, trainer, point: dict) -> None:
         state = point["state"]
@@ -265,19 +259,49 @@ class CheckpointManager:
         return steps_done == total or (every > 0 and steps_done % every == 0)
 
     def save(self, trainer, steps_done: int, last_eval: dict, phase: str = "rl") -> Optional[str]:
-        """Collective. Writes step_<steps_done> (rank 0), prunes to keep_last, returns its path on rank 0."""
+        """Collective. Every rank writes its model / optimizer shards into step_<steps_done>.tmp-<pid>, rank 0
+        adds RNG, trainer state and the manifest and renames; prunes to keep_last. -> the path on rank 0."""
+        from moe import dist_checkpoint
+
         t0 = time.perf_counter()
         policy = trainer.policy
-        model_full = policy.full_state_dict()
-        opt_full = gather_optimizer_state(policy, getattr(trainer, "optimizer", None))
+        optimizer = getattr(trainer, "optimizer", None)
         rng = capture_rng(trainer.sample_gen)
         rngs = [None] * self.world
         if self.world > 1:
             torch.distributed.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
-        path = None
+        # 1. rank 0 opens the temporary folder; every rank learns its path (or that it failed)
+        box = [None, None]
         if self.rank == 0:
+            try:
+                box[0] = store.begin_checkpoint(self.root, steps_done)
+            except OSError as exc:
+                box[1] = self._failed(steps_done, exc)
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(box, src=0)
+        tmp, failure = box
+        if failure:
+            raise CheckpointError(failure)
+        # 2. every rank writes its shards (collective)
+        has_optimizer = optimizer is not None and dist_checkpoint.optimizer_has_state(optimizer)
+        try:
+            dist_checkpoint.save_model(policy.model, os.path.join(tmp, MODEL_DIR))
+            if has_optimizer:
+                dist_checkpoint.save_optimizer(policy.model, optimizer, os.path.join(tmp, OPTIMIZER_DIR))
+            index = dist_checkpoint.model_index(policy.model)
+            failure = None
+        except (OSError, dist_checkpoint.DistCheckpointError) as exc:
+            failure = self._failed(steps_done, exc)
+        failures = [failure]
+        if self.world > 1:
+            failures = [None] * self.world
+            torch.distributed.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f), None)
+        # 3. rank 0 writes the rest, the manifest, renames
+        path = None
+        if self.rank == 0 and failure is None:
             from safetensors.torch import save_file
 
             ds = trainer.train_ds
@@ -294,6 +318,7 @@ class CheckpointManager:
                 "rng": [{"python": r["python"], "numpy": r["numpy"]} for r in rngs],
                 "last_eval": last_eval, "summary": _jsonable(trainer.summary),
                 "metrics": {"count": len(rows), "rows": rows[-tail:] if tail else []},
+                "optimizer": has_optimizer, "model_index": index,
             }
             rng_t = {}
             for r, s in enumerate(rngs):
@@ -304,24 +329,14 @@ class CheckpointManager:
                 with open(p, "w") as f:
                     json.dump(state, f)
 
-            writers = {
-                MODEL: lambda p: save_file({k: v.contiguous() for k, v in model_full.items()}, p,
-                                           metadata={"format": "pt"}),
-                OPTIMIZER: lambda p: save_file({k: v.contiguous() for k, v in opt_full.items()}, p,
-                                               metadata={"format": "pt"}),
-                RNG: lambda p: save_file(rng_t, p),
-                STATE: dump_json,
-            }
+            writers = {RNG: lambda p: save_file(rng_t, p), STATE: dump_json}
             try:
-                path = store.write_checkpoint(self.root, steps_done, writers, {"run_id": self.run_id})
+                path = store.commit_checkpoint(self.root, steps_done, tmp, writers, {"run_id": self.run_id})
                 store.prune(self.root, self.ck.keep_last)
-                failure = None
             except OSError as exc:  # disk full, quota, permissions: earlier checkpoints are untouched
-                store.remove_stale_tmp(self.root)
-                failure = f"writing checkpoint {store.step_dir_name(steps_done)} under {self.root} failed " \
-                          f"({type(exc).__name__}: {exc}); the earlier checkpoints are intact"
-        else:
-            failure = None
+                failure = self._failed(steps_done, exc)
+        if failure and self.rank == 0:
+            store.remove_stale_tmp(self.root)
         box = [failure]
         if self.world > 1:
             torch.distributed.broadcast_object_list(box, src=0)  # every rank stops together on a failure
@@ -330,6 +345,10 @@ class CheckpointManager:
         if self.rank == 0:
             self.say_quiet(f"checkpoint {path} written in {time.perf_counter() - t0:.1f} s")
         return path
+
+    def _failed(self, steps_done: int, exc: Exception) -> str:
+        return (f"writing checkpoint {store.step_dir_name(steps_done)} under {self.root} failed "
+                f"({type(exc).__name__}: {exc}); the earlier checkpoints are intact")
 
     def say(self, msg: str) -> None:
         if self.rank == 0:
@@ -343,7 +362,11 @@ class CheckpointManager:
 def load_run_checkpoint(path: str, say: Callable[[str], None] = print) -> dict:
     """Weights + identity of a checkpoint folder (`step_XXXXXX`, a `checkpoints` folder or a run folder; the
     newest intact one, falling back past corrupt ones) in `load_checkpoint`'s form:
-    {"state", "arch", "tokenizer", "config", "path"}. Only safetensors and JSON are read."""
+    {"state", "arch", "tokenizer", "config", "path"}; "state" is the full TP=EP=1 state dict rebuilt from the
+    shards in this process (no process group needed). Only JSON, safetensors, allow-listed metadata and
+    weights-only tensors are read."""
+    from moe.dist_checkpoint import DistCheckpointError, read_full_state_dict
+
     if os.path.isfile(os.path.join(path, store.MANIFEST)):
         reason = store.verify(path, REQUIRED)
         if reason:
@@ -360,5 +383,12 @@ def load_run_checkpoint(path: str, say: Callable[[str], None] = print) -> dict:
                                   "checkpoints folder or a run folder)")
     with open(os.path.join(chosen, STATE)) as f:
         state = json.load(f)
-    return {"state": load_safetensors(os.path.join(chosen, MODEL)), "arch": state["arch"],
-            "tokenizer": state["tokenizer"], "config": state["config"], "path": chosen}
+    index = state.get("model_index")
+    if not isinstance(index, dict) or not index:
+        raise CheckpointError(f"{chosen}/{STATE} has no model_index (written by another megagspo version?)")
+    try:
+        full = read_full_state_dict(os.path.join(chosen, MODEL_DIR), index)
+    except DistCheckpointError as exc:
+        raise CheckpointError(f"checkpoint {chosen}: {exc}") from None
+    return {"state": full, "arch": state["arch"], "tokenizer": state["tokenizer"], "config": state["config"],
+            "path": chosen}

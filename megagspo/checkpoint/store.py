@@ -3,13 +3,15 @@
 Layout (one directory per checkpoint; `step` = RL steps completed, 0 = after cold-start SFT):
 
     <root>/step_000010/             the finished checkpoint
-        model.safetensors           ...payload files (see megagspo.checkpoint.state)
-        manifest.json               {"format", "step", "files": {name: {"bytes", "sha256"}}}, written LAST
+        model/__0_0.distcp, ...     ...payload files, in sub-folders too (see megagspo.checkpoint.state)
+        manifest.json               {"format", "step", "files": {relative path: {"bytes", "sha256"}}}, written
+                                    LAST, listing every file under the folder
     <root>/step_000012.tmp-<pid>/   a checkpoint being written (never read; removed when stale)
 
-A checkpoint is written into `step_X.tmp-<pid>`, every file fsync'ed, its checksums computed from what is
-on disk, the manifest written last, and only then the directory renamed to `step_X` (one atomic rename on
-POSIX). A preempted or crashed writer therefore leaves a `.tmp-` directory, never a half-written `step_X`.
+A checkpoint is written into `step_X.tmp-<pid>` (`begin_checkpoint`; under several processes every rank
+writes its own shards there), then `commit_checkpoint` adds the remaining files, fsyncs every file, computes
+the checksums from what is on disk, writes the manifest last, and only then renames the directory to
+`step_X` (one atomic rename on POSIX). A preempted or crashed writer therefore leaves a `.tmp-` directory, never a half-written `step_X`.
 Readers trust nothing: `verify` re-checks sizes and sha256 of every file the manifest lists, and
 `latest_good` walks back from the newest checkpoint to the first one that verifies, saying which ones it
 skipped and why.
@@ -25,7 +27,7 @@ import shutil
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-FORMAT = "megagspo-checkpoint/1"
+FORMAT = "megagspo-checkpoint/2"  # /2: model and optimizer as dist_checkpointing shards
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _TMP_DIR = re.compile(r"^step_\d{6,}\.tmp-(\d+)$")
@@ -72,23 +74,47 @@ def list_checkpoints(root: str) -> List[Tuple[int, str]]:
     return sorted(out, reverse=True)
 
 
-def write_checkpoint(root: str, step: int, writers: Dict[str, Callable[[str], None]],
-                     extra_manifest: Optional[dict] = None) -> str:
-    """Write one checkpoint atomically. `writers` maps a file name to a function that writes that file at
-    the path it is given. -> the final directory. Nothing named `step_X` exists until everything is on disk."""
+def _check_name(name: str) -> None:
+    parts = name.split("/")
+    if name == MANIFEST or os.path.isabs(name) or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"bad checkpoint file name {name!r}")
+
+
+def begin_checkpoint(root: str, step: int) -> str:
+    """Create the empty temporary folder `step_X.tmp-<pid>` a checkpoint is written into. -> its path."""
     os.makedirs(root, exist_ok=True)
     remove_stale_tmp(root)
-    final = os.path.join(root, step_dir_name(step))
-    tmp = f"{final}.tmp-{os.getpid()}"
+    tmp = f"{os.path.join(root, step_dir_name(step))}.tmp-{os.getpid()}"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    files = {}
+    return tmp
+
+
+def _files_under(folder: str) -> List[str]:
+    out = []
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            out.append(os.path.relpath(os.path.join(dirpath, name), folder).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def commit_checkpoint(root: str, step: int, tmp: str, writers: Dict[str, Callable[[str], None]],
+                      extra_manifest: Optional[dict] = None) -> str:
+    """Finish a checkpoint begun with `begin_checkpoint`: write `writers` (relative path -> function writing
+    that file at the path it is given), fsync and checksum EVERY file under `tmp` (shards written by other
+    processes included), write the manifest last, rename to `step_X`. -> the final directory."""
+    final = os.path.join(root, step_dir_name(step))
     for name, write in writers.items():
-        if name == MANIFEST or "/" in name or name.startswith("."):
-            raise ValueError(f"bad checkpoint file name {name!r}")
+        _check_name(name)
         path = os.path.join(tmp, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         write(path)
+    files = {}
+    for name in _files_under(tmp):
+        if name == MANIFEST:
+            continue
+        path = os.path.join(tmp, name)
         _fsync_path(path)
         files[name] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
     manifest = {"format": FORMAT, "step": step, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -98,7 +124,8 @@ def write_checkpoint(root: str, step: int, writers: Dict[str, Callable[[str], No
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_path(tmp)
+    for dirpath, _, _ in os.walk(tmp):
+        _fsync_path(dirpath)
     if os.path.exists(final):  # a re-run of a step (e.g. after resuming past a corrupt one): swap it out
         aside = f"{final}.replaced-{os.getpid()}"
         os.rename(final, aside)
@@ -108,6 +135,16 @@ def write_checkpoint(root: str, step: int, writers: Dict[str, Callable[[str], No
         os.rename(tmp, final)
     _fsync_path(root)
     return final
+
+
+def write_checkpoint(root: str, step: int, writers: Dict[str, Callable[[str], None]],
+                     extra_manifest: Optional[dict] = None) -> str:
+    """Write one checkpoint atomically from one process (begin + commit). -> the final directory. Nothing
+    named `step_X` exists until everything is on disk."""
+    for name in writers:
+        _check_name(name)
+    tmp = begin_checkpoint(root, step)
+    return commit_checkpoint(root, step, tmp, writers, extra_manifest)
 
 
 def remove_stale_tmp(root: str) -> None:
@@ -158,6 +195,12 @@ def verify(path: str, required: Tuple[str, ...] = ()) -> Optional[str]:
         if name not in files:
             return f"manifest.json does not list {name}"
     for name, meta in files.items():
+        if not isinstance(name, str) or not isinstance(meta, dict):
+            return "manifest.json has a malformed file entry"
+        try:
+            _check_name(name)
+        except ValueError:
+            return f"manifest.json lists {name!r}, a path outside the checkpoint folder"
         fpath = os.path.join(path, name)
         if not os.path.isfile(fpath):
             return f"{name} is missing"

@@ -1,0 +1,499 @@
+"""Sharded checkpoints of a Megatron-Core model and its torch optimizer with `dist_checkpointing`.
+
+One folder per saved state dict, written by `megatron.core.dist_checkpointing.save` with the `torch_dist`
+backend (torch.distributed.checkpoint underneath), one file per rank (`thread_count=1`):
+
+    __<rank>_0.distcp   the tensors this rank holds as main replica (a rank with nothing to save writes none)
+    .metadata           global metadata: every key's global shape, dtype, chunks and the file holding each
+                        chunk (a pickle written by torch.distributed.checkpoint; see "Safety" below)
+    common.pt           the non-sharded part (torch.save by rank 0; read back with weights_only=True)
+    metadata.json       {"sharded_backend": "torch_dist", "common_backend": "torch", ...}
+
+Model: `model.sharded_state_dict()` (Megatron's own sharding metadata: global shapes, offsets over TP / EP /
+PP, replica ids) minus the empty `_extra_state` objects of the local linear layers. Loading goes against
+the *current* model's `sharded_state_dict()`, so a folder written at one layout (EP=2) loads at another
+(EP=1): every rank reads just its slices from whichever files hold them.
+
+Optimizer (a plain torch Adam/AdamW): the per-parameter moments `exp_avg` / `exp_avg_sq` become
+ShardedTensors that copy their parameter's metadata under the key `optimizer.state.<moment>.<param key>`
+(Megatron's `make_sharded_optimizer_tensor`), so they reshard exactly like the weights. The common part
+holds the param-group hyper-parameters and every parameter's step count under its full (TP=EP=1) name.
+
+Saving is synchronous, and its file writing runs in the calling process. Megatron's torch_dist writer
+(`FileSystemWriterAsync`) forks one writer process per file and collects results through a queue made by a
+`spawn` multiprocessing Manager: a fork is refused inside daemonic processes (such as the gloo test
+harness's ranks), and the Manager is a server process that re-imports the caller's `__main__` and outlives a
+SIGKILLed trainer (measured: it and its resource tracker were left running). With one file per rank the
+forked writer bought no parallelism, so `InProcessTorchDistSaveStrategy` calls the writer's own per-file
+function (`FileSystemWriterAsync.write_preloaded_data`, fsync included) in this process, and
+`_in_process_results_queue` swaps in a plain queue for the duration of the save. The Megatron symbols this
+relies on are checked against their Megatron-Core 0.16.1 signatures (`verify_save_internals`), so an upgrade
+that changes one fails loudly.
+
+Safety: torch.distributed.checkpoint reads `.metadata` with plain `pickle.load`. Before any load, this
+module unpickles that file with an allow-list of torch.distributed.checkpoint's metadata classes, torch
+dtypes and `torch.Size` (`read_metadata_safely`) and refuses anything else, naming it; tensors are read by
+torch with `weights_only=True`; `common.pt` is read with `weights_only=True`; pickled objects
+(ShardedObjects, loaded by torch with weights_only=False) are never saved nor requested.
+
+`moe` does not import `megagspo`; megagspo.checkpoint drives these functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import os
+import pickle
+import queue
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+OPTIMIZER_PREFIX = "optimizer.state"
+SAVE_THREADS = 1  # files per rank
+METADATA = ".metadata"
+COMMON = "common.pt"
+BACKEND_CONFIG = "metadata.json"
+
+
+class DistCheckpointError(RuntimeError):
+    """A sharded checkpoint folder is unreadable, unsafe, or does not fit the model; the message says which."""
+
+
+# ------------------------------------------------------------------------------------ safe metadata read
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.planner", name) for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} (not a torch.distributed.checkpoint "
+                                     "metadata type)")
+
+
+def read_metadata_safely(directory: str):
+    """The torch.distributed.checkpoint Metadata of a folder, unpickled with an allow-list of types."""
+    path = os.path.join(directory, METADATA)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError,
+            KeyError) as exc:
+        raise DistCheckpointError(f"{path}: not a readable torch.distributed.checkpoint metadata file "
+                                  f"({type(exc).__name__}: {exc})") from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata):
+        raise DistCheckpointError(f"{path}: holds a {type(metadata).__name__}, not a Metadata")
+    return metadata
+
+
+def check_folder(directory: str) -> None:
+    """Raise DistCheckpointError unless `directory` is a torch_dist folder whose metadata unpickles with the
+    allow-list and whose every referenced shard file exists."""
+    import json
+
+    cfg_path = os.path.join(directory, BACKEND_CONFIG)
+    try:
+        with open(cfg_path) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DistCheckpointError(f"{cfg_path}: unreadable ({exc})") from None
+    if backend != "torch_dist":
+        raise DistCheckpointError(f"{cfg_path}: sharded_backend {backend!r}, expected 'torch_dist'")
+    metadata = read_metadata_safely(directory)
+    for info in (metadata.storage_data or {}).values():
+        rel = info.relative_path
+        if os.path.isabs(rel) or ".." in rel.split("/") or not os.path.isfile(os.path.join(directory, rel)):
+            raise DistCheckpointError(f"{os.path.join(directory, rel)}: shard file named by {METADATA} is missing")
+
+
+# ------------------------------------------------------------------------------------------ save internals
+# parameter names at Megatron-Core 0.16.1 (their annotations print object addresses, so names are compared)
+_SAVE_SIGNATURES = {
+    "_get_write_results_queue": (),
+    "FileSystemWriterAsync.write_preloaded_data_multiproc":
+        ("transform_list", "use_msc", "rank", "write_buckets", "global_results_queue"),
+    "FileSystemWriterAsync.write_preloaded_data":
+        ("transform_list", "local_proc_idx", "write_bucket", "results_queue", "count_queue", "use_fsync", "kwargs"),
+}
+
+
+def _filesystem_async():
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
+
+    return filesystem_async
+
+
+def verify_save_internals() -> None:
+    """The Megatron symbols the in-process save relies on must exist with their Megatron-Core 0.16.1
+    signatures; raise DistCheckpointError naming the one that changed."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    module = _filesystem_async()
+    for dotted, expected in _SAVE_SIGNATURES.items():
+        obj = module
+        for part in dotted.split("."):
+            obj = getattr(obj, part, None)
+        found = None if obj is None else tuple(inspect.signature(obj).parameters)
+        if found != expected:
+            raise DistCheckpointError(
+                f"megatron dist_checkpointing filesystem_async.{dotted} is missing or changed its parameters:\n"
+                f"  expected {expected}\n  found    {found}\nreview moe/dist_checkpoint.py (written for "
+                "Megatron-Core 0.16.1)")
+    if not hasattr(TorchDistSaveShardedStrategy, "_get_save_and_finalize_callbacks"):
+        raise DistCheckpointError("megatron TorchDistSaveShardedStrategy._get_save_and_finalize_callbacks no longer "
+                                  "exists: review moe/dist_checkpoint.py (written for Megatron-Core 0.16.1)")
+
+
+@contextlib.contextmanager
+def _in_process_results_queue():
+    module = _filesystem_async()
+    original = module._get_write_results_queue
+    results: queue.Queue = queue.Queue()
+    module._get_write_results_queue = lambda: results
+    try:
+        yield
+    finally:
+        module._get_write_results_queue = original
+
+
+def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, results_queue) -> None:
+    """What FileSystemWriterAsync.write_preloaded_data_multiproc does, without forking: each bucket (one
+    file) written and fsync'ed by write_preloaded_data, results (or the first exception) put on the queue."""
+    writer = _filesystem_async().FileSystemWriterAsync
+    results = {}
+    extra = {"use_msc": use_msc} if use_msc else {}
+    for i, bucket in enumerate(write_buckets):
+        local: queue.Queue = queue.Queue()
+        count: queue.Queue = queue.Queue()
+        count.put(i)
+        writer.write_preloaded_data(transform_list, i, bucket, local, count, True, **extra)
+        idx, outcome = local.get_nowait()
+        if isinstance(outcome, Exception):
+            results_queue.put(outcome)
+            return
+        results[idx] = outcome
+    results_queue.put(results)
+
+
+def _in_process_strategy():
+    import functools
+
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
+        """Megatron's torch_dist save strategy with the file writing done in the calling process."""
+
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+            request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+            fn = request.async_fn
+            if fn is None:  # nothing to write on this rank
+                return request
+            multiproc = _filesystem_async().FileSystemWriterAsync.write_preloaded_data_multiproc
+            if not (isinstance(fn, functools.partial) and fn.func is multiproc and len(fn.args) == 2):
+                raise DistCheckpointError(f"megatron torch_dist save returned an unexpected write function {fn!r}: "
+                                          "review moe/dist_checkpoint.py (written for Megatron-Core 0.16.1)")
+            return request._replace(async_fn=functools.partial(_write_buckets_in_process, *fn.args))
+
+    return InProcessTorchDistSaveStrategy("torch_dist", 1, thread_count=SAVE_THREADS)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def _save(sharded_state_dict: dict, directory: str) -> None:
+    """Collective: every rank writes its shards of `sharded_state_dict` into `directory`."""
+    from megatron.core import dist_checkpointing
+
+    verify_save_internals()
+    if _rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    torch.distributed.barrier()
+    with _in_process_results_queue():
+        dist_checkpointing.save(sharded_state_dict, directory, sharded_strategy=_in_process_strategy(),
+                                validate_access_integrity=True)
+
+
+class _WeightsOnlyCommonLoad:
+    """Megatron's torch common-load strategy, reading common.pt with weights_only=True and refusing
+    ShardedObjects (pickles that torch would load with weights_only=False)."""
+
+    def __new__(cls):
+        from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+        class WeightsOnlyCommonLoadStrategy(TorchCommonLoadStrategy):
+            def load_common(self, checkpoint_dir):
+                path = os.path.join(str(checkpoint_dir), COMMON)
+                try:
+                    return torch.load(path, map_location="cpu", weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - any failure to read it safely is the same error
+                    raise DistCheckpointError(f"{path}: cannot be read as a weights-only torch file "
+                                              f"({type(exc).__name__}: {exc})") from None
+
+            def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+                raise DistCheckpointError(f"{checkpoint_dir}: megagspo never loads ShardedObjects (pickles)")
+
+        return WeightsOnlyCommonLoadStrategy()
+
+
+def _load(sharded_state_dict: dict, directory: str) -> dict:
+    """Collective: the tensors of `sharded_state_dict` (this rank's slices) read from `directory`."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    check_folder(directory)  # every rank: the pickle torch will read passes the allow-list first
+    try:
+        return dist_checkpointing.load(sharded_state_dict, directory, sharded_strategy=TorchDistLoadShardedStrategy(),
+                                       common_strategy=_WeightsOnlyCommonLoad(), strict=StrictHandling.RAISE_ALL)
+    except DistCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - Megatron / torch raise many types; the message is what matters
+        raise DistCheckpointError(f"{directory}: sharded load failed ({type(exc).__name__}: {exc})") from None
+
+
+# ------------------------------------------------------------------------------------------------ model
+def _is_empty_extra_state(data) -> bool:
+    if data is None:
+        return True
+    if isinstance(data, torch.Tensor):
+        return data.numel() == 0
+    if isinstance(data, io.BytesIO):
+        return len(data.getbuffer()) == 0
+    return False
+
+
+def model_sharded_state_dict(model) -> dict:
+    """`model.sharded_state_dict()` without the empty `_extra_state` ShardedObjects of the local linear
+    layers (None: Megatron ignores them on load). A non-empty one (e.g. Transformer Engine FP8 scaling
+    state) would be saved as a pickle, so it is an error naming the key."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    def strip(d: dict) -> dict:
+        out = {}
+        for key, value in d.items():
+            if isinstance(value, dict):
+                out[key] = strip(value)
+            elif isinstance(value, ShardedObject):
+                if not _is_empty_extra_state(value.data):
+                    raise DistCheckpointError(
+                        f"{key}: a non-empty ShardedObject ({type(value.data).__name__}); megagspo checkpoints hold "
+                        "tensors only (objects would be pickled)")
+            else:
+                out[key] = value
+        return out
+
+    return strip(model.sharded_state_dict())
+
+
+def save_model(model, directory: str) -> None:
+    """Collective: the model's shards into `directory` (one .distcp file per rank that owns any)."""
+    _save(model_sharded_state_dict(model), directory)
+
+
+@torch.no_grad()
+def load_model(model, directory: str) -> None:
+    """Collective: this rank's slices of every parameter, read from `directory` whatever layout wrote it."""
+    loaded = _load(model_sharded_state_dict(model), directory)
+    try:
+        model.load_state_dict(loaded, strict=True)
+    except (RuntimeError, KeyError) as exc:
+        raise DistCheckpointError(f"{directory}: weights do not fit this model: {exc}") from None
+
+
+def full_names(model) -> Dict[str, str]:
+    """local parameter name -> its full-model (TP=EP=1) name (experts by global index, layers by global
+    number), as moe.sharding names them."""
+    from megatron.core import parallel_state as ps
+
+    from moe.sharding import RankCoordinates, _num_local_experts, local_to_full_name
+
+    coords = RankCoordinates.current()
+    num_local = _num_local_experts(model)
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    layers_per_stage = model.config.num_layers // pp_size if pp_size > 1 else 0
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    return {name: local_to_full_name(name, coords, num_local, layers_per_stage, pp_rank)
+            for name, _ in model.named_parameters()}
+
+
+def _first_sharded_tensor(value):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(value, ShardedTensorFactory):
+        built = value.build()
+        value = built[0] if isinstance(built, (list, tuple)) else next(iter(built.values()))
+    if not isinstance(value, ShardedTensor):
+        raise DistCheckpointError(f"{type(value).__name__} where a ShardedTensor was expected")
+    return value
+
+
+def model_index(model) -> Dict[str, dict]:
+    """Collective. full parameter name -> {"key", "offset"}: the checkpoint key holding it and its index on
+    that key's prepended axes (experts: the global expert index), so a single process can rebuild the full
+    TP=EP=1 state dict from the shards (`read_full_state_dict`). Identical on every rank."""
+    sd = model_sharded_state_dict(model)
+    names = full_names(model)
+    local = {}
+    for name, value in sd.items():
+        if name not in names:
+            continue
+        sh = _first_sharded_tensor(value)
+        local[names[name]] = {"key": sh.key, "offset": [int(o) for o in sh.global_offset[:sh.prepend_axis_num]]}
+    missing = sorted(set(names) - set(sd))
+    if missing:
+        raise DistCheckpointError(f"parameters without a ShardedTensor in the model's sharded_state_dict: {missing[:4]}")
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local)
+    index: Dict[str, dict] = {}
+    for part in gathered:
+        index.update(part)
+    return dict(sorted(index.items()))
+
+
+def read_full_state_dict(directory: str, index: Dict[str, dict]) -> Dict[str, torch.Tensor]:
+    """The full TP=EP=1 state dict (full name -> tensor) from a model folder, in one process without any
+    process group: each key's global tensor is read from all rank files, then split by `index`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    check_folder(directory)
+
+    class AllowListReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata_safely(directory)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    metadata = read_metadata_safely(directory)
+    targets: Dict[str, torch.Tensor] = {}
+    for name, where in index.items():
+        key = where["key"]
+        md = metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise DistCheckpointError(f"{directory}: no tensor {key!r} (for {name}) in {METADATA}")
+        if key not in targets:
+            targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(targets, storage_reader=AllowListReader(directory), no_dist=True)
+    except Exception as exc:  # noqa: BLE001
+        raise DistCheckpointError(f"{directory}: reading shards failed ({type(exc).__name__}: {exc})") from None
+    out = {}
+    for name, where in index.items():
+        t = targets[where["key"]]
+        for o in where["offset"]:
+            t = t[o]
+        out[name] = t.clone()
+    return out
+
+
+# -------------------------------------------------------------------------------------------- optimizer
+def _optimizer_params(optimizer) -> List[torch.nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_sharded_state_dict(model, optimizer, for_loading: bool) -> tuple:
+    """-> (sharded dict {"state": {local name: {moment: ShardedTensor}}}, {id(param): local name})."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+    )
+
+    params = _optimizer_params(optimizer)
+    id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict(model), params)
+    local_names = {id(p): name for name, p in model.named_parameters()}
+    state: Dict[str, dict] = {}
+    for i, p in enumerate(params):
+        name = local_names.get(id(p), f"<optimizer param {i}>")
+        if i not in id_to_sharded:
+            raise DistCheckpointError(f"optimizer parameter {name} has no ShardedTensor in the model's sharded_state_dict")
+        if for_loading:
+            moments = {k: torch.zeros_like(p) for k in MOMENTS}
+        else:
+            st = optimizer.state.get(p) or {}
+            missing = [k for k in MOMENTS if k not in st]
+            if missing:
+                raise DistCheckpointError(f"optimizer has no {missing} for parameter {name} (not an Adam-family "
+                                          "optimizer, or not stepped yet)")
+            moments = {k: st[k] for k in MOMENTS}
+        state[name] = {k: make_sharded_optimizer_tensor(id_to_sharded[i], t, prefix=f"{OPTIMIZER_PREFIX}.{k}")
+                       for k, t in moments.items()}
+    return {"state": state}, local_names
+
+
+def optimizer_has_state(optimizer) -> bool:
+    return any(optimizer.state.get(p) for p in _optimizer_params(optimizer))
+
+
+def save_optimizer(model, optimizer, directory: str) -> None:
+    """Collective: the moments as ShardedTensors mirroring their parameters, plus (common) the param-group
+    hyper-parameters and each parameter's step under its full name."""
+    sharded, local_names = _optimizer_sharded_state_dict(model, optimizer, for_loading=False)
+    names = full_names(model)
+    steps = {}
+    for p in _optimizer_params(optimizer):
+        step = optimizer.state[p]["step"]
+        steps[names[local_names[id(p)]]] = float(step)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, steps)
+    all_steps: Dict[str, float] = {}
+    for part in gathered:
+        all_steps.update(part)
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+              for g in optimizer.param_groups]
+    sharded["common"] = {"param_groups": groups, "step": dict(sorted(all_steps.items()))}
+    _save(sharded, directory)
+
+
+@torch.no_grad()
+def load_optimizer(model, optimizer, directory: str) -> None:
+    """Collective: this rank's slices of the moments (whatever layout wrote them), the hyper-parameters and
+    the steps, into `optimizer` (its state is replaced)."""
+    sharded, local_names = _optimizer_sharded_state_dict(model, optimizer, for_loading=True)
+    loaded = _load(sharded, directory)
+    common = loaded.get("common") or {}
+    groups, steps = common.get("param_groups"), common.get("step")
+    if not isinstance(groups, list) or not isinstance(steps, dict) or len(groups) != len(optimizer.param_groups):
+        raise DistCheckpointError(f"{directory}: common state holds {len(groups) if isinstance(groups, list) else None} "
+                                  f"param groups, this optimizer has {len(optimizer.param_groups)}")
+    names = full_names(model)
+    for group, saved in zip(optimizer.param_groups, groups):
+        for k, v in saved.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+    for p in _optimizer_params(optimizer):
+        local = local_names[id(p)]
+        full = names[local]
+        if full not in steps:
+            raise DistCheckpointError(f"{directory}: no optimizer step for {full}")
+        moments = loaded["state"][local]
+        optimizer.state[p] = {"step": torch.tensor(float(steps[full]), dtype=torch.float32),
+                              **{k: moments[k].clone() for k in MOMENTS}}
