@@ -242,10 +242,14 @@ class SFTConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     eval_every: int = 0             # held-out greedy accuracy every N SFT steps (0 = only at the end)
+    # Sequences per forward/backward on each rank; gradients accumulate over the micro-batches of a step
+    # (one reduction, clip and optimizer step). 0 = the whole per-rank batch (batch_size / data-parallel).
+    micro_batch_size: int = 0
 
     def __post_init__(self) -> None:
         _nonneg_int("sft", "steps", self.steps)
         _nonneg_int("sft", "eval_every", self.eval_every)
+        _nonneg_int("sft", "micro_batch_size", self.micro_batch_size)
         _pos_int("sft", "batch_size", self.batch_size)
         _num("sft", "lr", self.lr, 0.0, 1.0, lo_open=True)
         _nonneg_int("sft", "warmup_steps", self.warmup_steps)
@@ -267,6 +271,11 @@ class RLConfig:
     prompts_per_step: int = 16      # B
     group_size: int = 8             # G
     mini_batches: int = 4           # optimizer updates per rollout batch (paper: 4)
+    # Sequences per forward/backward on each rank: each mini-batch's share on a rank is split into
+    # micro-batches whose gradients accumulate before the one reduction / clip / optimizer step of that
+    # mini-batch (losses divide by global counts, so the sum equals the unsplit gradient).
+    # 0 = the whole per-rank mini-batch in one forward/backward.
+    micro_batch_size: int = 0
     loss: str = "gspo"              # gspo | gspo_token | grpo
     clip_low: float = 3e-4
     clip_high: float = 4e-4
@@ -292,6 +301,7 @@ class RLConfig:
         _nonneg_int("rl", "steps", self.steps)
         _nonneg_int("rl", "warmup_steps", self.warmup_steps)
         _nonneg_int("rl", "eval_samples", self.eval_samples)
+        _nonneg_int("rl", "micro_batch_size", self.micro_batch_size)
         if self.group_size < 2:
             raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
         _choice("rl", "loss", self.loss, LOSSES)
@@ -334,9 +344,6 @@ class ParallelConfig:
         _choice("parallel", "token_dispatcher", self.token_dispatcher, ("alltoall", "allgather"))
         _nonneg_int("parallel", "world_size", self.world_size)
         _num("parallel", "gpu_memory_gib", self.gpu_memory_gib, 0.0, lo_open=True)
-        if self.tensor_parallel != 1:
-            raise ConfigError("parallel.tensor_parallel > 1 is not wired into the trainer yet (the weight "
-                              "export gathers experts only); use data or expert parallelism")
 
 
 @dataclass

@@ -33,7 +33,8 @@ class DryRunReport:
             f"checkpoint: {self.checkpoint}",
             *[f"not on this machine (checked when the run starts): {key} = {path}"
               for key, path in self.missing_paths],
-            f"micro-batch: {self.micro_batch_tokens} tokens x {self.num_micro_batches} per rollout batch per rank "
+            f"micro-batch (rl.micro_batch_size = {cfg.rl.micro_batch_size or 'whole mini-batch'}): "
+            f"{self.micro_batch_tokens} tokens x {self.num_micro_batches} per rollout batch per rank "
             f"(loss {cfg.rl.loss}, routing replay {cfg.rl.routing_replay}, log-prob "
             f"{'fused kernel' if cfg.rl.logprob_impl != 'torch' else 'naive torch'})",
             f"per-GPU memory ({cfg.parallel.gpu_memory_gib:.0f} GiB GPUs):",
@@ -98,11 +99,13 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     rl = cfg.rl
     seq_tokens = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
     samples_per_rank = rl.prompts_per_step // data_parallel * rl.group_size
-    rollout_tokens = samples_per_rank * seq_tokens
-    # The trainer runs each mini-batch as one forward/backward per rank (no gradient accumulation inside a
-    # mini-batch yet), so a micro-batch is a mini-batch's share of the rollout at the maximum length.
-    micro = rollout_tokens // rl.mini_batches
-    num_micro_batches = rl.mini_batches
+    # One forward/backward holds rl.micro_batch_size sequences of this rank's share of a mini-batch (0 = the
+    # whole share) at the maximum length; the trainer accumulates gradients over the micro-batches of a
+    # mini-batch, so a rollout batch is mini_batches x (share / micro-batch) micro-batches per rank.
+    mini_rows = samples_per_rank // rl.mini_batches
+    micro_rows = rl.micro_batch_size or mini_rows
+    micro = micro_rows * seq_tokens
+    num_micro_batches = rl.mini_batches * (mini_rows // micro_rows)
     inputs = PlanInputs(world_size=world, layout=layout, micro_batch_tokens=micro,
                         num_micro_batches=num_micro_batches, fused_logprob=rl.logprob_impl != "torch",
                         routing_replay=rl.routing_replay != "none", gpu_memory_gib=cfg.parallel.gpu_memory_gib)

@@ -38,8 +38,10 @@ class PlanError(ValueError):
 class PlanInputs:
     world_size: int
     layout: ParallelLayout
-    micro_batch_tokens: int  # tokens in one micro-batch on one DP rank (sequence packing: the packed length)
-    num_micro_batches: int = 1  # per optimizer step per DP rank (bounds pipeline micro-batches in flight)
+    micro_batch_tokens: int  # tokens in one forward/backward on one DP rank (rl.micro_batch_size x length)
+    # micro-batches per rollout batch per DP rank (mini-batches x micro-batches each): the routing-replay
+    # buffer holds all of them; bounds pipeline micro-batches in flight
+    num_micro_batches: int = 1
     fused_logprob: bool = True
     routing_replay: bool = False
     gpu_memory_gib: float = 80.0

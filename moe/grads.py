@@ -5,6 +5,7 @@
    and the q/k layernorms (shared over heads that TP splits) hold partial gradients: sum over the TP group.
 2. Dense parameters are replicated over data parallelism, expert parameters over expert-data parallelism:
    sum over that group (losses normalised by global counts), or average (each rank saw the same batch).
+`clip_grad_norm_` then takes the global gradient norm over the TP / expert-TP / EP grid (each element once).
 """
 
 from __future__ import annotations
@@ -32,3 +33,45 @@ def reduce_gradients(model, *, average_replicas: bool = False) -> None:
             torch.distributed.all_reduce(param.grad, group=group)
             if average_replicas:
                 param.grad /= replicas
+
+
+@torch.no_grad()
+def clip_grad_norm_(model, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """Global L2 norm of the (already reduced) gradients over the whole model, and in-place clipping by
+    min(1, max_norm / (norm + eps)); returns the pre-clip norm, equal on every rank.
+
+    Each gradient element is counted once across the model-parallel grid: a tensor-parallel shard
+    (`tensor_model_parallel`) on every rank of its TP group (expert-TP for experts), a TP-replicated tensor
+    (norms, router, q/k layernorms; expert weights when expert-TP = 1) on TP rank 0 only; dense squares are
+    summed over TP, expert squares over expert-TP and then EP (the replicas over data parallelism hold the
+    same reduced gradient and are not summed)."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    etp_rank, etp_size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    ep_size = ps.get_expert_model_parallel_world_size()
+    grads = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+    device = grads[0][1].grad.device if grads else torch.device("cpu")
+    dense_sq = torch.zeros((), dtype=torch.float32, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for name, p in grads:
+        expert = is_expert_param(name)
+        sharded = bool(getattr(p, "tensor_model_parallel", False))
+        if not sharded and (etp_rank if expert else tp_rank) != 0:
+            continue
+        sq = p.grad.detach().float().pow(2).sum()
+        if expert:
+            expert_sq += sq
+        else:
+            dense_sq += sq
+    if tp_size > 1:
+        torch.distributed.all_reduce(dense_sq, group=ps.get_tensor_model_parallel_group())
+    if etp_size > 1:
+        torch.distributed.all_reduce(expert_sq, group=ps.get_expert_tensor_parallel_group())
+    if ep_size > 1:
+        torch.distributed.all_reduce(expert_sq, group=ps.get_expert_model_parallel_group())
+    norm = (dense_sq + expert_sq).sqrt()
+    scale = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for _, p in grads:
+        p.grad.mul_(scale.to(p.grad.dtype))
+    return norm

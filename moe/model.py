@@ -89,10 +89,23 @@ def causal_attention_mask(seq_len: int, device=None) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def forward_logits(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits [B, S, V/TP] (vocab-parallel shard) of a padded batch of causal sequences."""
+def forward_logits(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None,
+                   padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, S, V/TP] (vocab-parallel shard: this TP rank's vocab ids [r*V/TP, (r+1)*V/TP)) of a padded
+    batch of causal sequences. With sequence parallelism (TP > 1) S must be a multiple of TP.
+
+    padding_mask_BS: bool, True at padding positions (Megatron's code convention, despite its docstrings):
+    left out of the router's load-balancing / z losses (routing and logits are computed as without it)."""
     batch, seq_len = input_ids_BS.shape
+    config = getattr(model, "config", None)
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if getattr(config, "sequence_parallel", False) and seq_len % tp:
+        raise ValueError(f"forward_logits: sequence length {seq_len} is not a multiple of tensor_parallel={tp} "
+                         "(sequence parallelism splits the sequence over TP ranks); right-pad the batch")
     if position_ids_BS is None:
         position_ids_BS = torch.arange(seq_len, device=input_ids_BS.device).expand(batch, seq_len)
     mask = causal_attention_mask(seq_len, device=input_ids_BS.device)
+    if padding_mask_BS is not None:
+        return model(input_ids=input_ids_BS, position_ids=position_ids_BS, attention_mask=mask,
+                     padding_mask=padding_mask_BS.bool())
     return model(input_ids=input_ids_BS, position_ids=position_ids_BS, attention_mask=mask)

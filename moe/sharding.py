@@ -5,12 +5,14 @@ a rank's module names them by local index. Tensor-parallel parameters carry Mega
 `tensor_model_parallel` / `partition_dim` attributes; the SwiGLU `linear_fc1` is [gate; up] stacked, and
 TP splits gate and up separately, so its shard is [gate_r; up_r], not a contiguous slice.
 Pipeline stages own a contiguous range of layers; a stage's module numbers its layers from 0.
+`local_view_of_full` / `load_full_state_dict` go full -> shard (no communication); `gather_full_state_dict`
+goes shard -> full (all-gathers over TP, expert-TP and EP).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -122,3 +124,53 @@ def _num_local_experts(model) -> int:
     from megatron.core import parallel_state as ps
 
     return num_experts // ps.get_expert_model_parallel_world_size()
+
+
+@torch.no_grad()
+def gather_full_state_dict(model, tensors: dict[str, torch.Tensor] | None = None,
+                           coords: RankCoordinates | None = None) -> dict[str, torch.Tensor]:
+    """The inverse of `local_view_of_full`: the full (TP=EP=1) tensors under full names, on every rank.
+
+    `tensors` maps local parameter names to tensors of the parameter's shape (default: the parameters
+    themselves; Adam moments or gradients work the same way). Tensor-parallel shards are all-gathered over
+    the TP group (expert-TP group for experts) and concatenated on `partition_dim` (the SwiGLU fc1 as
+    [gate_0..gate_{n-1}; up_0..up_{n-1}], undoing `shard_tensor`), then experts over the EP group.
+    Collective: every rank of those groups calls it with the same parameters in the same order. One pipeline
+    stage holds only its own layers, so this refuses pipeline parallelism (gather the stages separately).
+    """
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("gather_full_state_dict: pipeline_parallel > 1 is not supported (each stage holds "
+                         "only its layers); use pipeline_parallel = 1")
+    coords = coords or RankCoordinates.current()
+    gated = bool(getattr(model.config, "gated_linear_unit", True))
+    num_local_experts = _num_local_experts(model)
+    out: dict[str, torch.Tensor] = {}
+    for local_name, param in model.named_parameters():
+        t = (param if tensors is None else tensors[local_name]).detach()
+        expert = is_expert_param(local_name)
+        size = coords.etp_size if expert else coords.tp_size
+        if getattr(param, "tensor_model_parallel", False) and size > 1:
+            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+            parts = _all_gather(t, size, group)
+            dim = param.partition_dim
+            if gated and local_name.endswith("linear_fc1.weight"):
+                halves = [torch.chunk(p, 2, dim=dim) for p in parts]
+                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+            else:
+                t = torch.cat(parts, dim=dim)
+        if expert and coords.ep_size > 1:
+            parts = _all_gather(t, coords.ep_size, ps.get_expert_model_parallel_group())
+            for r, part in enumerate(parts):
+                out[local_to_full_name(local_name, replace(coords, ep_rank=r), num_local_experts)] = part
+        else:
+            out[local_to_full_name(local_name, coords, num_local_experts)] = t.clone()
+    return out
+
+
+def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(size)]
+    torch.distributed.all_gather(parts, t, group=group)
+    return parts

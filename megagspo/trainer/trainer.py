@@ -2,13 +2,19 @@
 
     B prompts (this DP rank's share) -> rollout engine: G samples each (tokens, log-probs, routes)
     -> rewards (verifiers; errors score 0 and are counted) -> group advantages (eq. 7)
-    -> pi_old: recompute on Megatron (no-grad forward per mini-batch, routes recorded for R2 and for
+    -> pi_old: recompute on Megatron (no-grad forward per micro-batch, routes recorded for R2 and for
        volatility; R3 replays the engine's routes) or the engine's log-probs (§5.4)
-    -> for each of `mini_batches` mini-batches: forward (routes replayed under R2/R3), registered loss
-       (GSPO eq. 6 / GSPO-token eq. 14 / GRPO eq. 2) normalised by GLOBAL counts, backward, gradients
-       SUMMED over DP, global-norm clip, AdamW step
-    -> weights exported (full Megatron state, experts gathered over EP) -> rollout engine
+    -> for each of `mini_batches` mini-batches: for each micro-batch (`rl.micro_batch_size` rows on this
+       rank, 0 = all): forward (routes replayed under R2/R3), registered loss (GSPO eq. 6 / GSPO-token
+       eq. 14 / GRPO eq. 2) normalised by GLOBAL counts of the mini-batch, backward (gradients accumulate);
+       then once per mini-batch: gradients SUMMED over DP, global-norm clip, AdamW step
+    -> weights exported (full Megatron state: TP shards and EP experts gathered) -> rollout engine
     -> metrics (JSONL / TensorBoard / progress bar), held-out greedy accuracy every `eval_every` steps.
+
+Tensor parallelism: the TP ranks of one data-parallel rank get the same prompts and the same rollouts (TP
+rank 0 generates and broadcasts), sequences are right-padded to a multiple of TP (sequence parallelism; the
+alignment padding is kept out of the router aux loss), and metrics are summed over the data-parallel group
+only, so nothing is counted twice.
 
 Legend: B prompts, G samples per prompt, R = B*G responses, M mini-batches, S model input length,
 L response length, T = rows*S tokens in storage order (b*S + s).
@@ -50,7 +56,7 @@ def check_layout(cfg: Config, world: int) -> int:
         num_experts = architecture_from_hf_config(cfg.model.arch_file).num_experts
     if num_experts % ep:
         raise ConfigError(f"model.num_experts={num_experts} is not divisible by parallel.expert_parallel={ep}")
-    dp = world // tp
+    dp = world // tp  # the TP ranks of one data-parallel rank share its prompts, rollouts and batches
     rl = cfg.rl
     if rl.prompts_per_step % dp:
         raise ConfigError(f"rl.prompts_per_step = {rl.prompts_per_step} does not divide over {dp} data-parallel ranks")
@@ -59,9 +65,32 @@ def check_layout(cfg: Config, world: int) -> int:
         raise ConfigError(
             f"each of the {dp} data-parallel ranks gets {rl.prompts_per_step // dp} prompts x {rl.group_size} = "
             f"{local} samples, which do not divide into rl.mini_batches = {rl.mini_batches}")
+    mini = local // rl.mini_batches
+    if rl.micro_batch_size and mini % rl.micro_batch_size:
+        raise ConfigError(
+            f"rl.micro_batch_size = {rl.micro_batch_size} does not divide the {mini} sequences of each mini-batch "
+            f"on each data-parallel rank (rl.prompts_per_step {rl.prompts_per_step} / {dp} ranks x rl.group_size "
+            f"{rl.group_size} / rl.mini_batches {rl.mini_batches}); valid values: 0 (whole mini-batch) or "
+            f"{', '.join(str(d) for d in _divisors(mini))}")
     if cfg.sft.steps and cfg.sft.batch_size % dp:
         raise ConfigError(f"sft.batch_size = {cfg.sft.batch_size} does not divide over {dp} data-parallel ranks")
+    sft_local = cfg.sft.batch_size // dp
+    if cfg.sft.steps and cfg.sft.micro_batch_size and sft_local % cfg.sft.micro_batch_size:
+        raise ConfigError(
+            f"sft.micro_batch_size = {cfg.sft.micro_batch_size} does not divide the {sft_local} sequences of each "
+            f"SFT batch on each data-parallel rank (sft.batch_size {cfg.sft.batch_size} / {dp} ranks); valid "
+            f"values: 0 (whole batch) or {', '.join(str(d) for d in _divisors(sft_local))}")
     return dp
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _micro_slices(rows: int, micro_batch_size: int) -> list:
+    """Row slices of the micro-batches of `rows` sequences on a rank (micro_batch_size 0 = all in one)."""
+    size = micro_batch_size or rows
+    return [slice(i, i + size) for i in range(0, rows, size)]
 
 
 def lr_at(step: int, total: int, base: float, warmup: int, schedule: str, min_ratio: float) -> float:
@@ -96,6 +125,14 @@ class Trainer:
         if need > arch.max_position_embeddings:
             raise ConfigError(f"data.max_prompt_tokens + data.max_response_tokens = {need} exceeds "
                               f"model.max_position_embeddings = {arch.max_position_embeddings}")
+        from moe.parallel import LayoutError, ParallelLayout
+
+        try:
+            ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel
+                           ).check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
+                                         arch.num_key_value_heads, arch.vocab_size)
+        except LayoutError as exc:
+            raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel do not fit the model: {exc}") from None
         from megagspo.checkpoint import with_time_limit
 
         self.reward_fn = with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
@@ -143,7 +180,9 @@ class Trainer:
         for row in prior:  # metrics.jsonl = the rows up to the checkpoint, then the resumed steps
             self.logger.log(row)
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dp_rank)
-        torch.manual_seed(cfg.seed * 7919 + self.rank)  # sampling randomness differs per rank
+        # Sampling randomness differs per data-parallel rank; the TP ranks of one DP rank draw the same
+        # (rank == dp_rank without TP). Training rollouts are also broadcast from TP rank 0 (_generate).
+        torch.manual_seed(cfg.seed * 7919 + self.dp_rank)
         if self.resume:
             self.ckpt.restore_rng_and_data(self, self.resume)
         self.summary: dict = {"data": self.data_stats}
@@ -166,6 +205,22 @@ class Trainer:
         t0 = time.perf_counter()
         self.engine.update_weights(self.policy.full_state_dict())
         return time.perf_counter() - t0
+
+    def _generate(self, prompts: list, n: int, sampling):
+        """The rollout engine's samples; under TP only TP rank 0 of each data-parallel rank generates and
+        broadcasts to its TP peers, so every rank of a TP group trains on the same rollouts."""
+        policy = self.policy
+        if policy.tp_size == 1:
+            return self.engine.generate(prompts, n, sampling)
+        box = [self.engine.generate(prompts, n, sampling) if policy.tp_rank == 0 else None]
+        src = torch.distributed.get_global_rank(policy.tp_group, 0)
+        torch.distributed.broadcast_object_list(box, src=src, group=policy.tp_group)
+        return box[0]
+
+    def _seq_length(self, natural: int) -> int:
+        """Model input length >= natural, a multiple of TP (sequence parallelism splits S over TP ranks)."""
+        m = self.policy.seq_multiple
+        return -(-natural // m) * m
 
     def _local_slice(self, items: list) -> list:
         n = len(items) // self.dp
@@ -221,6 +276,9 @@ class Trainer:
         bar = self._progress(cfg.steps, "cold-start SFT")
         tok = self.tokenizer
         sft_ds = self.train_ds
+        per_rank = cfg.batch_size // self.dp
+        micro_rows = _micro_slices(per_rank, cfg.micro_batch_size)
+        self.policy.set_micro_batches(len(micro_rows))
         t_start = time.perf_counter()
         for step in range(cfg.steps):
             lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, "cosine", 0.1)
@@ -234,15 +292,20 @@ class Trainer:
             for i, a in enumerate(answers):
                 resp[i, :len(a)] = torch.tensor(a)
                 mask[i, :len(a)] = True
-            inp, tgt, lmask, _ = build_sequences([list(ex.prompt_ids) for ex in batch], resp, mask, tok.pad_id)
+            prompt_ids = [list(ex.prompt_ids) for ex in batch]
+            natural = max(map(len, prompt_ids)) + width - 1
+            inp, tgt, lmask, _ = build_sequences(prompt_ids, resp, mask, tok.pad_id, length=self._seq_length(natural))
             (n_tok,) = self._all_sum([float(lmask.sum())])
             model.zero_grad(set_to_none=True)
-            loss = self.policy.lm_loss(inp, tgt, lmask.float(), n_tok)
-            loss.backward()
+            loss_local = 0.0
+            for rows in micro_rows:  # gradients accumulate; the loss divides by the GLOBAL token count
+                loss = self.policy.lm_loss(inp[rows], tgt[rows], lmask[rows].float(), n_tok, natural)
+                loss.backward()
+                loss_local += float(loss.detach())
             self.policy.reduce_grads()
             gnorm = self.policy.clip_grad_norm(cfg.grad_clip)
             opt.step()
-            (loss_sum,) = self._all_sum([float(loss.detach())])
+            (loss_sum,) = self._all_sum([loss_local])
             do_eval = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0
             if step % 10 == 0 or step == cfg.steps - 1 or do_eval:
                 row = {"phase": "sft", "step": step, "sft/loss": loss_sum, "sft/lr": lr, "grad_norm": float(gnorm)}
@@ -300,7 +363,7 @@ class Trainer:
         prompts = self._local_slice(self.train_ds.sample(cfg.prompts_per_step))
         sampling = SamplingParams(self.cfg.data.max_response_tokens, temperature=self.cfg.rollout.temperature,
                                   top_p=self.cfg.rollout.top_p)
-        out = self.engine.generate([ex.prompt_ids for ex in prompts], cfg.group_size, sampling)
+        out = self._generate([ex.prompt_ids for ex in prompts], cfg.group_size, sampling)
         times["time/rollout_s"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -311,38 +374,43 @@ class Trainer:
         adv_R = group_advantages(rewards_R, group_size=cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
         times["time/reward_s"] = time.perf_counter() - t1
 
-        inp_RS, tgt_RS, mask_RS, pos_RL = build_sequences(out.prompt_ids, out.response_ids_RL,
-                                                          out.response_mask_RL, tok.pad_id)
+        natural = max(map(len, out.prompt_ids)) + out.response_ids_RL.shape[1] - 1  # before TP alignment
+        inp_RS, tgt_RS, mask_RS, pos_RL = build_sequences(out.prompt_ids, out.response_ids_RL, out.response_mask_RL,
+                                                          tok.pad_id, length=self._seq_length(natural))
         num_rows, seq_len = inp_RS.shape
         rollout_logp_RS = torch.zeros(num_rows, seq_len)
         rollout_logp_RS.scatter_(1, pos_RL, torch.where(out.response_mask_RL, out.logp_RL, 0.0))
         perm = torch.randperm(num_rows, generator=self.sample_gen)
         mbs = list(perm.chunk(cfg.mini_batches))
+        # micro[k][j]: rows of micro-batch j of mini-batch k (one forward/backward each; the gradients of a
+        # mini-batch's micro-batches accumulate before its one reduction / clip / optimizer step)
+        micro = [[mb[sl] for sl in _micro_slices(len(mb), cfg.micro_batch_size)] for mb in mbs]
+        self.policy.set_micro_batches(len(micro[0]))
         num_global_seqs = cfg.prompts_per_step * cfg.group_size // cfg.mini_batches
         tok_counts = self._all_sum([float(mask_RS[mb].sum()) for mb in mbs])
 
         replay = cfg.routing_replay
-        # ---- pi_old ----
+        # ---- pi_old (per micro-batch: its log-probs and routes, [rows*S, L, K] in storage order) ----
         t2 = time.perf_counter()
-        old_logp, old_routes = [], []
-        if cfg.old_logp == "recompute":
-            with torch.no_grad():
-                for mb in mbs:
-                    if replay == "r3":
-                        routes = self._engine_routes_TLK(out.routes_RPLyK, mb, seq_len)
-                        with self._replay_ctx("replay", routes):
-                            lp, _ = self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
-                        old_routes.append(routes)
-                    else:
-                        with self._replay_ctx("record") as rec:
-                            lp, _ = self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
-                        old_routes.append(rec.routes)
-                    old_logp.append(lp)
-        else:
-            for mb in mbs:
-                old_logp.append(rollout_logp_RS[mb])
-                old_routes.append(self._engine_routes_TLK(out.routes_RPLyK, mb, seq_len)
-                                  if out.routes_RPLyK is not None else None)
+        old_logp = [[None] * len(m) for m in micro]
+        old_routes = [[None] * len(m) for m in micro]
+        for k, rows_k in enumerate(micro):
+            for j, rows in enumerate(rows_k):
+                if cfg.old_logp == "recompute":
+                    with torch.no_grad():
+                        if replay == "r3":
+                            routes = self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len)
+                            with self._replay_ctx("replay", routes):
+                                lp, _ = self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
+                        else:
+                            with self._replay_ctx("record") as rec:
+                                lp, _ = self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
+                            routes = rec.routes
+                else:
+                    lp = rollout_logp_RS[rows]
+                    routes = (self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len)
+                              if out.routes_RPLyK is not None else None)
+                old_logp[k][j], old_routes[k][j] = lp, routes
         times["time/old_logp_s"] = time.perf_counter() - t2
 
         # ---- updates ----
@@ -353,35 +421,41 @@ class Trainer:
         parts, gnorms = [], []
         vol_changed = vol_total = 0.0
         model = self.policy.model
-        for k, mb in enumerate(mbs):
+        for k, rows_k in enumerate(micro):
             model.zero_grad(set_to_none=True)
-            if replay in ("r2", "r3"):
-                with self._replay_ctx("replay", old_routes[k]):
-                    logp, ent = self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
-            else:
-                with self._replay_ctx("record") as rec:
-                    logp, ent = self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
-            batch = PackedBatch.from_padded(
-                logp_BL=logp, loss_mask_BL=mask_RS[mb], num_global_sequences=num_global_seqs,
-                old_logp_BL=old_logp[k] if cfg.old_logp == "recompute" else None,
-                rollout_logp_BL=rollout_logp_RS[mb], advantages_B=adv_R[mb],
-                num_global_tokens=max(tok_counts[k], 1.0), entropy_BL=ent)
-            loss, metrics = self.loss_fn(batch, self.loss_cfg)
-            loss.backward()
+            new_routes = [None] * len(rows_k)
+            for j, rows in enumerate(rows_k):
+                if replay in ("r2", "r3"):
+                    with self._replay_ctx("replay", old_routes[k][j]):
+                        logp, ent = self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
+                else:
+                    with self._replay_ctx("record") as rec:
+                        logp, ent = self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
+                    new_routes[j] = rec.routes
+                # GLOBAL normalisers (the whole mini-batch over all DP ranks): micro-batch losses add up to
+                # the mini-batch loss, and their accumulated gradients to its gradient
+                batch = PackedBatch.from_padded(
+                    logp_BL=logp, loss_mask_BL=mask_RS[rows], num_global_sequences=num_global_seqs,
+                    old_logp_BL=old_logp[k][j] if cfg.old_logp == "recompute" else None,
+                    rollout_logp_BL=rollout_logp_RS[rows], advantages_B=adv_R[rows],
+                    num_global_tokens=max(tok_counts[k], 1.0), entropy_BL=ent)
+                loss, metrics = self.loss_fn(batch, self.loss_cfg)
+                loss.backward()
+                parts.append(metrics)
             self.policy.reduce_grads()
             gnorms.append(float(self.policy.clip_grad_norm(cfg.grad_clip)))
             self.optimizer.step()
-            parts.append(metrics)
-            # expert volatility: top-k choices of this forward vs pi_old's on the same tokens
-            if old_routes[k] is not None:
+            # expert volatility: top-k choices of this forward (under replay: a free forward of the updated
+            # policy) vs pi_old's on the same tokens, micro-batch by micro-batch
+            for j, rows in enumerate(rows_k):
+                if old_routes[k][j] is None:
+                    continue
                 if replay in ("r2", "r3"):
                     with torch.no_grad(), self._replay_ctx("record") as rec2:
-                        self.policy.token_logprobs(inp_RS[mb], tgt_RS[mb])
-                    new_routes = rec2.routes
-                else:
-                    new_routes = rec.routes
-                changed_L, total_L = volatility_counts(old_routes[k].long(), new_routes.long(),
-                                                       mask_RS[mb].reshape(-1))
+                        self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
+                    new_routes[j] = rec2.routes
+                changed_L, total_L = volatility_counts(old_routes[k][j].long(), new_routes[j].long(),
+                                                       mask_RS[rows].reshape(-1))
                 vol_changed += float(changed_L.sum())
                 vol_total += float(total_L.sum())
         times["time/train_s"] = time.perf_counter() - t3

@@ -1,0 +1,276 @@
+"""The trainer at cluster layouts on CPU: gradient accumulation over micro-batches equals the unsplit
+mini-batch, a tensor-parallel (TP=2, TP=2+EP=2) run on 2 gloo ranks equals the 1-process run, the full-state
+gather undoes TP / expert-TP / EP sharding exactly and the clipping norm counts every gradient element once,
+and a micro-batch size that does not divide the per-rank batch is refused naming the field and the numbers.
+
+Tolerance: float32 throughout, as in tests/test_megatron_cpu.py: a layout or a micro-batch split changes
+only the order of float32 reductions, so gradients, weights and metrics agree to a few ulps of the largest
+value: rtol 1e-5, atol 2e-6 * max|reference| + 1e-7 (metrics: rtol 1e-5, atol 1e-6). Each test draws a
+fresh seed and prints it.
+
+The optimizers (SFT and RL) are plain SGD in these runs, so that updated weights are linear in the
+gradients: a fresh AdamW's first steps are sign-like (update lr * g / (|g| + eps)) and turn ulp-level
+differences of near-zero gradients into weight differences of up to lr / eps times larger, which says
+nothing about the gradients. Gradients (after the data-parallel reduction, before clipping) are compared at
+every optimizer step.
+
+The router aux loss is switched off in the micro-batch test: like Megatron, each micro-batch adds its own
+load-balancing loss (a per-micro-batch estimate, scaled 1 / micro-batches), which alone is not additive over
+the split. The TP test keeps it on: Megatron combines the TP ranks' sequence chunks in the router.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from multiprocess import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RTOL, ATOL_SCALE = 1e-5, 2e-6
+
+# A few seconds per trainer: 4 prompts x 4 samples, 2 mini-batches of 8 sequences (1 data-parallel rank).
+BASE = ["threads=1", "data.train_size=200", "data.eval_size=8", "rl.prompts_per_step=4", "rl.group_size=4",
+        "rl.mini_batches=2", "rl.lr=0.001", "rl.warmup_steps=0", "rl.eval_samples=0", "sft.batch_size=8",
+        "sft.warmup_steps=0", "log.progress=false", "log.plots=false", "log.tensorboard=false",
+        "log.save_checkpoint=false"]
+# Metrics that depend on wall time, not on the computation.
+_TIMING = ("time/", "throughput/")
+
+
+def _fresh_seed() -> int:
+    seed = int(torch.randint(0, 2**20, ()).item())
+    print(f"seed {seed}")
+    return seed
+
+
+def _text_reward(response: str, answer: str) -> float:
+    return (sum(map(ord, response)) % 7) / 6.0
+
+
+class _SGD(torch.optim.SGD):
+    """Stands in for torch.optim.AdamW inside the spawned test ranks (see the module docstring)."""
+
+    def __init__(self, params, lr, betas=None, weight_decay=0.0):
+        super().__init__(params, lr=lr, weight_decay=weight_decay)
+
+
+def _trainer(overrides):
+    from megagspo.config import load_config
+    from megagspo.trainer.trainer import Trainer
+
+    torch.optim.AdamW = _SGD  # this spawned rank only
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
+    trainer = Trainer(cfg, quiet=True)
+    # A freshly initialised model never answers an addition right (every advantage 0, no gradient): score
+    # the response by its text instead, deterministic and spread over [0, 1].
+    trainer.reward_fn = _text_reward
+    rl = cfg.rl
+    trainer.optimizer = torch.optim.AdamW(trainer.policy.model.parameters(), lr=rl.lr, betas=(rl.beta1, rl.beta2),
+                                          weight_decay=rl.weight_decay)
+    return trainer
+
+
+def _run(trainer, rl_steps):
+    """SFT (its configured steps), then `rl_steps` RL steps. -> (metrics rows, final full state dict, the
+    gradients of every optimizer step (reduced over data parallelism, before clipping) under full names)."""
+    grads = []
+    policy = trainer.policy
+    clip = policy.clip_grad_norm
+
+    def capture_then_clip(max_norm):
+        grads.append(policy.gather_full({n: p.grad for n, p in policy.model.named_parameters()}))
+        return clip(max_norm)
+
+    policy.clip_grad_norm = capture_then_clip
+    trainer.run_sft()
+    rows = []
+    for step in range(rl_steps):
+        row = trainer.rl_step(step)
+        rows.append({k: v for k, v in row.items() if not k.startswith(_TIMING)})
+    return rows, policy.full_state_dict(), grads
+
+
+def _grads_close(grads, ref_grads, what):
+    assert len(grads) == len(ref_grads)
+    for step, (g, ref) in enumerate(zip(grads, ref_grads)):
+        assert g.keys() == ref.keys()
+        assert any(t.abs().max() > 0 for t in ref.values()), f"{what} optimizer step {step}: all gradients zero"
+        for name in ref:
+            _close(g[name], ref[name], f"{what} optimizer step {step} grad {name}")
+
+
+def _close(actual, expected, what):
+    atol = ATOL_SCALE * float(expected.abs().max()) + 1e-7
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _metrics_close(rows, ref_rows, what):
+    assert len(rows) == len(ref_rows)
+    for step, (row, ref) in enumerate(zip(rows, ref_rows)):
+        assert row.keys() == ref.keys(), f"{what} step {step}: metric keys differ"
+        for key, value in ref.items():
+            assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{what} step {step} {key}: {row[key]} vs {value}"
+
+
+# ------------------------------------------------------------------------------------ micro-batches
+def _accumulation_body(rank, world_size, out_dir, seed, extra):
+    results = {}
+    for rl_micro, sft_micro in ((0, 0), (2, 4)):
+        trainer = _trainer([*BASE, *extra, f"seed={seed}", "sft.steps=2", "sft.lr=0.5", "rl.lr=0.5",
+                            f"sft.micro_batch_size={sft_micro}", f"rl.micro_batch_size={rl_micro}",
+                            "model.router_aux_loss_coef=0.0", f"log.out_dir={out_dir}", f"name=micro{rl_micro}"])
+        results[rl_micro] = _run(trainer, rl_steps=1)
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("extra", [["rl.loss=gspo"],
+                                   ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.routing_replay=r2"]],
+                         ids=["gspo", "grpo_r2"])
+def test_micro_batch_accumulation_equals_the_whole_mini_batch(tmp_path, extra):
+    """rl.micro_batch_size=2 (4 forward/backward passes per mini-batch of 8) and sft.micro_batch_size=4
+    (2 per SFT batch of 8) give the gradients, weights and metrics of one pass per (mini-)batch; under R2
+    the routes recorded per micro-batch are replayed on the same micro-batch."""
+    seed = _fresh_seed()
+    results = run_distributed(_accumulation_body, world_size=1, args=(str(tmp_path), seed, extra), timeout_s=240)[0]
+    (ref_rows, ref_weights, ref_grads), (rows, weights, grads) = results[0], results[2]
+    assert len(ref_grads) == 2 + 2, "one optimizer step per SFT batch and per RL mini-batch"
+    _grads_close(grads, ref_grads, f"seed {seed}")
+    for name in ref_weights:
+        _close(weights[name], ref_weights[name], f"seed {seed} weight {name}")
+    _metrics_close(rows, ref_rows, f"seed {seed}")
+    assert ref_rows[0]["grad_norm"] > 0
+
+
+# ------------------------------------------------------------------------------- tensor parallelism
+TP_RUN = ["sft.steps=2", "sft.lr=0.5", "rl.lr=0.5"]
+
+
+def _reference_body(rank, world_size, out_dir, seed, init_path, extra):
+    from safetensors.torch import save_file
+
+    trainer = _trainer([*BASE, *TP_RUN, *extra, f"seed={seed}", f"log.out_dir={out_dir}", "name=tp1"])
+    save_file({k: v.contiguous() for k, v in trainer.policy.full_state_dict().items()}, init_path)
+    return _run(trainer, rl_steps=2)
+
+
+def _tp_body(rank, world_size, out_dir, seed, init_path, extra, layout):
+    trainer = _trainer([*BASE, *TP_RUN, *extra, *layout, f"seed={seed}", f"model.init_from={init_path}",
+                        f"log.out_dir={out_dir}", "name=tp2"])
+    assert trainer.policy.tp_size == 2 and trainer.dp == 1
+    # The TP shards really are shards: the LM head holds half the vocabulary on each rank.
+    head = dict(trainer.policy.model.named_parameters())["output_layer.weight"]
+    assert head.shape[0] * 2 == trainer.arch.vocab_size
+    return _run(trainer, rl_steps=2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("extra, layout", [
+    (["rl.loss=gspo"], ["parallel.tensor_parallel=2"]),
+    (["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.routing_replay=r2"],
+     ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"]),
+], ids=["tp2_gspo", "tp2_ep2_grpo_r2"])
+def test_tensor_parallel_run_equals_single_process(tmp_path, extra, layout):
+    """parallel.tensor_parallel=2 on 2 gloo ranks (one data-parallel rank; experts also split over EP=2 in
+    the second case, with R2 routes recorded and replayed across the sequence-parallel split): 2 SFT steps
+    and 2 RL steps from the same weights give the 1-process gradients, metrics and final weights on BOTH
+    ranks (weights gathered from the shards; log-probs from the vocab-parallel kernel; rollouts broadcast
+    from TP rank 0)."""
+    seed = _fresh_seed()
+    init_path = str(tmp_path / "init.safetensors")
+    ref_rows, ref_weights, ref_grads = run_distributed(
+        _reference_body, world_size=1, args=(str(tmp_path / "ref"), seed, init_path, extra), timeout_s=240)[0]
+    reports = run_distributed(_tp_body, world_size=2, args=(str(tmp_path / "tp"), seed, init_path, extra, layout),
+                              timeout_s=300)
+    assert ref_rows[-1]["grad_norm"] > 0
+    for rank, (rows, weights, grads) in enumerate(reports):
+        _grads_close(grads, ref_grads, f"seed {seed} rank {rank}")
+        assert weights.keys() == ref_weights.keys()
+        for name, ref in ref_weights.items():
+            _close(weights[name], ref, f"seed {seed} rank {rank} weight {name}")
+        _metrics_close(rows, ref_rows, f"seed {seed} rank {rank}")
+
+
+# ------------------------------------------------------------------- weight gather and gradient norm
+def _gather_and_norm_body(rank, world_size, layout_kwargs, seed):
+    from megatron.core import parallel_state as ps
+
+    from moe.architecture import Qwen3MoeArchitecture
+    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+    from moe.grads import clip_grad_norm_
+    from moe.model import build_model
+    from moe.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from moe.sharding import gather_full_state_dict, load_full_state_dict, local_view_of_full
+
+    apply_cpu_shim()
+    arch = Qwen3MoeArchitecture(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                                num_experts_per_tok=2, max_position_embeddings=64, mlp_only_layers=(0,),
+                                intermediate_size=24)
+    initialize_model_parallel(ParallelLayout())
+    initialize_cpu_rng(seed)
+    reference = build_model(arch)
+    gen = torch.Generator().manual_seed(seed)
+    full = {n: torch.randn(p.shape, generator=gen) for n, p in reference.named_parameters()}
+    full_grads = {n: torch.randn(p.shape, generator=gen) for n, p in reference.named_parameters()}
+    destroy_model_parallel()
+
+    initialize_model_parallel(ParallelLayout(**layout_kwargs))
+    model = build_model(arch, ParallelLayout(**layout_kwargs))
+    load_full_state_dict(model, full)
+    gathered = gather_full_state_dict(model)
+    for name, p in model.named_parameters():
+        p.grad = local_view_of_full(model, full_grads)[name].clone()
+    norm = clip_grad_norm_(model, max_norm=1e9)
+    sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+             ps.get_expert_tensor_parallel_world_size())
+    destroy_model_parallel()
+    return gathered, full, norm, full_grads, sizes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [dict(tensor_parallel=2, expert_parallel=2),
+                                    dict(tensor_parallel=2, expert_tensor_parallel=2)], ids=["tp2_ep2", "tp2_etp2"])
+def test_full_state_dict_gathers_shards_and_grad_norm_counts_each_element_once(layout):
+    """gather_full_state_dict undoes the TP / expert-TP / EP sharding bit for bit (SwiGLU fc1 included), and
+    the clipping norm of sharded gradients equals the norm of the full gradient."""
+    seed = _fresh_seed()
+    reports = run_distributed(_gather_and_norm_body, world_size=2, args=(layout, seed), timeout_s=180)
+    for rank, (gathered, full, norm, full_grads, sizes) in enumerate(reports):
+        assert sizes[0] == 2 and max(sizes[1], sizes[2]) == 2, sizes
+        assert gathered.keys() == full.keys()
+        for name, tensor in full.items():
+            assert torch.equal(gathered[name], tensor), f"seed {seed} rank {rank}: {name} not gathered exactly"
+        expected = torch.sqrt(sum(g.double().pow(2).sum() for g in full_grads.values()))
+        assert float(norm) == pytest.approx(float(expected), rel=1e-6), f"seed {seed} rank {rank} grad norm"
+
+
+# ------------------------------------------------------------------------------------- bad input
+def test_micro_batch_size_that_does_not_divide_is_refused():
+    from megagspo.config import ConfigError, load_config
+    from megagspo.trainer.trainer import check_layout
+
+    path = os.path.join(REPO, "configs/tiny_cpu.yaml")
+    cfg = load_config(path, [*BASE, "rl.micro_batch_size=3"])
+    with pytest.raises(ConfigError) as err:
+        check_layout(cfg, 1)
+    msg = str(err.value)
+    assert "rl.micro_batch_size = 3" in msg and "the 8 sequences" in msg and "rl.mini_batches 2" in msg
+    assert "valid values: 0 (whole mini-batch) or 1, 2, 4, 8" in msg
+    # per rank: 2 data-parallel ranks leave 4 sequences per mini-batch, so 8 no longer fits
+    cfg = load_config(path, [*BASE, "rl.micro_batch_size=8"])
+    assert check_layout(cfg, 1) == 1
+    with pytest.raises(ConfigError, match=r"rl.micro_batch_size = 8 does not divide the 4 sequences.*/ 2 ranks"):
+        check_layout(cfg, 2)
+    # at TP=2 the two ranks form ONE data-parallel rank: the whole mini-batch of 8 is per rank again
+    cfg = load_config(path, [*BASE, "rl.micro_batch_size=8", "parallel.tensor_parallel=2"])
+    assert check_layout(cfg, 2) == 1
+    cfg = load_config(path, [*BASE, "sft.micro_batch_size=3"])
+    with pytest.raises(ConfigError, match=r"sft.micro_batch_size = 3 does not divide the 8 sequences .*valid "
+                                          r"values: 0 \(whole batch\) or 1, 2, 4, 8"):
+        check_layout(cfg, 1)
+    with pytest.raises(ConfigError, match=r"rl.micro_batch_size must be an integer >= 0, got -1"):
+        load_config(path, ["rl.micro_batch_size=-1"])
