@@ -318,11 +318,47 @@ def write_plots(arms: Dict[str, ArmResult], out_dir: str) -> Dict[str, str]:
         ax_a.set_xlabel("RL step"), ax_a.set_ylabel("held-out accuracy (greedy)")
         ax_r.legend(fontsize=7), ax_a.legend(fontsize=7)
 
+    def paired_axes(ax_r, ax_a, selected):
+        """Each arm minus the reference arm, seed by seed (same cold start): the arm effect without the spread
+        of the cold starts between seeds. Line = mean over seeds, band = min..max."""
+        ref_name = next(iter(selected))
+        ref = {c.seed: c for c in selected[ref_name].cells}
+        for name, arm in list(selected.items())[1:]:
+            cells = [c for c in arm.cells if c.seed in ref]
+            if not cells:
+                continue
+            n = min(min(len(c.rl_rows) for c in cells), min(len(ref[c.seed].rl_rows) for c in cells))
+            steps = [int(r["step"]) + 1 for r in cells[0].rl_rows[:n]]
+            diffs = [[a - b for a, b in zip(smooth([r["reward/mean"] for r in c.rl_rows[:n]], window),
+                                            smooth([r["reward/mean"] for r in ref[c.seed].rl_rows[:n]], window))]
+                     for c in cells]
+            ax_r.plot(steps, [sum(d[i] for d in diffs) / len(diffs) for i in range(n)], color=colors[name],
+                      label=f"{name} - {ref_name}")
+            ax_r.fill_between(steps, [min(d[i] for d in diffs) for i in range(n)],
+                              [max(d[i] for d in diffs) for i in range(n)], color=colors[name], alpha=0.2)
+            es, _, _ = _eval_points(cells)
+            ref_pts = {s: dict(zip(*_eval_points([ref[s]])[:2])) for s in ref}
+            own_pts = {c.seed: dict(zip(*_eval_points([c])[:2])) for c in cells}
+            es = [s for s in es if all(s in ref_pts[c.seed] for c in cells)]
+            d_acc = [[own_pts[c.seed][s] - ref_pts[c.seed][s] for c in cells] for s in es]
+            ax_a.errorbar(es, [sum(v) / len(v) for v in d_acc],
+                          yerr=[[sum(v) / len(v) - min(v) for v in d_acc], [max(v) - sum(v) / len(v) for v in d_acc]],
+                          color=colors[name], marker="o", capsize=3, label=f"{name} - {ref_name}")
+        for ax, what in ((ax_r, "training reward"), (ax_a, "held-out accuracy")):
+            ax.axhline(0.0, color=colors[ref_name], ls="--", lw=1)
+            ax.set_xlabel("RL step"), ax.set_ylabel(f"{what}: arm - {ref_name}, same seed")
+            ax.legend(fontsize=7)
+
     n_seeds = max(len(a.cells) for a in arms.values())
     spread = f"{n_seeds} seeds: line = mean, band = min..max, bars = std" if n_seeds > 1 else "1 seed"
-    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
-    reward_acc_axes(ax_r, ax_a, arms)
-    fig.suptitle(f"Training reward and held-out accuracy per arm ({spread})")
+    if len(arms) > 1:
+        fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+        reward_acc_axes(axes[0][0], axes[0][1], arms)
+        paired_axes(axes[1][0], axes[1][1], arms)
+    else:
+        fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
+        reward_acc_axes(ax_r, ax_a, arms)
+    fig.suptitle(f"Training reward and held-out accuracy per arm ({spread})" + ("; bottom: each arm minus the first on the same seed (band, bars = min..max)" if len(arms) > 1 else ""))
     save(fig, "reward_accuracy", "ablation_reward_accuracy.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -346,9 +382,11 @@ def write_plots(arms: Dict[str, ArmResult], out_dir: str) -> Dict[str, str]:
 
     grpo_arms = {n: a for n, a in arms.items() if a.role in ("grpo", "grpo_replay")}
     if any(a.role == "grpo" for a in grpo_arms.values()) and any(a.role == "grpo_replay" for a in grpo_arms.values()):
-        fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
-        reward_acc_axes(ax_r, ax_a, grpo_arms)
-        fig.suptitle("GRPO with vs without routing replay")
+        replay_first = dict(sorted(grpo_arms.items(), key=lambda kv: kv[1].role != "grpo_replay"))
+        fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+        reward_acc_axes(axes[0][0], axes[0][1], replay_first)
+        paired_axes(axes[1][0], axes[1][1], replay_first)
+        fig.suptitle("GRPO with vs without routing replay; bottom: paired differences (same seed)")
         save(fig, "routing_replay", "ablation_routing_replay.png")
     return written
 
