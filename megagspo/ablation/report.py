@@ -358,7 +358,8 @@ def write_plots(arms: Dict[str, ArmResult], out_dir: str) -> Dict[str, str]:
     else:
         fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
         reward_acc_axes(ax_r, ax_a, arms)
-    fig.suptitle(f"Training reward and held-out accuracy per arm ({spread})" + ("; bottom: each arm minus the first on the same seed (band, bars = min..max)" if len(arms) > 1 else ""))
+    paired_note = "; bottom: each arm minus the first on the same seed (band, bars = min..max)" if len(arms) > 1 else ""
+    fig.suptitle(f"Training reward and held-out accuracy per arm ({spread}){paired_note}")
     save(fig, "reward_accuracy", "ablation_reward_accuracy.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
