@@ -499,18 +499,21 @@ def config_from_dict(raw: dict, overrides=None) -> Config:
     return _build(Config, _merge(raw or {}, parse_overrides(overrides)), "")
 
 
+def read_yaml_mapping(path: str, what: str = "config file") -> dict:
+    """A YAML file holding a mapping at the top level; every way it can be wrong is a ConfigError naming it."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what} {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path!r} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path!r} is not UTF-8 text ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {path!r} must hold a mapping at the top level")
+    return raw
+
+
 def load_config(path: Optional[str] = None, overrides=None) -> Config:
-    raw: dict = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {path!r} is not UTF-8 text ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
-    return config_from_dict(raw, overrides)
+    return config_from_dict(read_yaml_mapping(path) if path else {}, overrides)

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from megagspo.config import Config, ConfigError, deferred_path_checks, load_config
+from megagspo.config import Config, ConfigError, deferred_path_checks, load_config, read_yaml_mapping
 
 COLD_START_MODES = ("sft", "recipe")
 # Keys the harness sets itself, per run.
@@ -161,15 +161,7 @@ class AblationSpec:
 def load_ablation(path: str, out_dir: Optional[str] = None, seeds: Optional[List[int]] = None,
                   arms: Optional[List[str]] = None) -> AblationSpec:
     """Read an ablation YAML; optionally restrict it to some seeds / arms (names checked)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"ablation recipe {path!r} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"ablation recipe {path!r} is not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"ablation recipe {path!r} must hold a mapping")
+    raw = read_yaml_mapping(path, "ablation recipe")
     unknown = [k for k in raw if k not in _SPEC_KEYS]
     if unknown:
         raise ConfigError(f"unknown ablation key {unknown[0]!r} in {path}; valid keys: {', '.join(_SPEC_KEYS)}")
