@@ -92,28 +92,35 @@ def _expert_full_names(policy, local_name: str):
 
 @torch.no_grad()
 def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
-    """AdamW moments of every parameter under full (TP=EP=1) names, `<kind>/<full name>`; collective over EP,
-    like the weights (for checks and tests: checkpoints store the moments sharded)."""
+    """AdamW state of every parameter under full (TP=EP=1) names and shapes, `<kind>/<full name>`; collective
+    over TP, expert-TP and EP, like the weights (for checks and tests: checkpoints store the moments sharded).
+    The moments go through the weights' own gather (policy.gather_full), so TP shards are concatenated like
+    their parameters; the step (a scalar per parameter) is gathered over EP for the experts."""
     from moe.sharding import RankCoordinates, is_expert_param, local_to_full_name
 
     out: Dict[str, torch.Tensor] = {}
     if optimizer is None:
         return out
+    params = dict(policy.model.named_parameters())
+    if not any(optimizer.state.get(p) for p in params.values()):
+        return out
+    missing = [name for name, p in params.items() if not optimizer.state.get(p)]
+    if missing:  # the gathers are collective over every parameter: a partial state would misalign the ranks
+        raise ValueError(f"gather_optimizer_state: no optimizer state for {missing[:4]} (not updated yet)")
+    for kind in OPT_KINDS[:2]:
+        full = policy.gather_full({name: optimizer.state[p][kind] for name, p in params.items()})
+        out.update({f"{kind}/{name}": t for name, t in full.items()})
     coords = RankCoordinates.current()
     num_local = policy.arch.num_experts // policy.ep_size
-    for local_name, p in policy.model.named_parameters():
-        st = optimizer.state.get(p)
-        if not st:
-            continue
-        for kind in OPT_KINDS:
-            t = st[kind].detach().float().reshape(-1) if kind == "step" else st[kind].detach()
-            if policy.ep_size > 1 and is_expert_param(local_name):
-                parts = [torch.empty_like(t) for _ in range(policy.ep_size)]
-                torch.distributed.all_gather(parts, t.contiguous(), group=policy.ep_group)
-                for name, part in zip(_expert_full_names(policy, local_name), parts):
-                    out[f"{kind}/{name}"] = part
-            else:
-                out[f"{kind}/{local_to_full_name(local_name, coords, num_local)}"] = t.clone()
+    for local_name, p in params.items():
+        t = optimizer.state[p]["step"].detach().float().reshape(-1)
+        if policy.ep_size > 1 and is_expert_param(local_name):
+            parts = [torch.empty_like(t) for _ in range(policy.ep_size)]
+            torch.distributed.all_gather(parts, t.contiguous(), group=policy.ep_group)
+            names = _expert_full_names(policy, local_name)
+        else:
+            parts, names = [t.clone()], [local_to_full_name(local_name, coords, num_local)]
+        out.update({f"step/{name}": part for name, part in zip(names, parts)})
     return out
 
 
