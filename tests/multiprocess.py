@@ -75,6 +75,12 @@ def _child(fn, rank, world_size, port, args, kwargs, env, queue):
         queue.put((rank, False, traceback.format_exc()))
 
 
+# The parent picks a free port and closes it; the ranks bind it later, so another process on a shared machine
+# can take it in between. That failure is the harness's, not the test's: it is retried with a new port.
+_PORT_TAKEN = ("EADDRINUSE", "Address already in use")
+PORT_ATTEMPTS = 3
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -84,6 +90,17 @@ def run_distributed(
     env: dict | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return results by rank."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout_s, env)
+        except DistributedTestError as exc:
+            if attempt == PORT_ATTEMPTS - 1 or not any(m in str(exc) for m in _PORT_TAKEN):
+                raise
+            print(f"run_distributed: rendezvous port taken by another process; retrying {fn.__name__} on a new port")
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world_size, args, kwargs, timeout_s, env) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

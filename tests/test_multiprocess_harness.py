@@ -48,3 +48,22 @@ def test_hanging_rank_is_killed_after_timeout():
     with pytest.raises(DistributedTestError, match=r"ranks \[0\] still running"):
         run_distributed(_hanging_body, world_size=2, timeout_s=10)
     assert time.monotonic() - start < 60
+
+
+def _port_taken_once_body(rank, world_size, marker):
+    import os
+
+    if not os.path.exists(marker):
+        if rank == 0:
+            open(marker, "w").close()
+        raise RuntimeError("The server socket has failed to listen on any local network address. "
+                           "port: 12345, useIpv6: 0, code: -98, name: EADDRINUSE, message: address already in use")
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_a_taken_rendezvous_port_is_retried_but_a_real_failure_is_not(tmp_path):
+    # rank 1 may race rank 0's marker; either way the first attempt fails with EADDRINUSE on some rank
+    assert run_distributed(_port_taken_once_body, world_size=2, args=(str(tmp_path / "marker"),)) == [0, 1]
+    with pytest.raises(DistributedTestError, match="rank one refuses"):
+        run_distributed(_failing_body, world_size=2)
