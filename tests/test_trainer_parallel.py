@@ -41,7 +41,8 @@ _TIMING = ("time/", "throughput/")
 
 
 def _fresh_seed() -> int:
-    seed = int(torch.randint(0, 2**20, ()).item())
+    """A fresh seed per test, printed; MEGAGSPO_TEST_SEED=N reruns a failure's seed."""
+    seed = int(os.environ.get("MEGAGSPO_TEST_SEED") or torch.randint(0, 2**20, ()).item())
     print(f"seed {seed}")
     return seed
 
@@ -93,11 +94,16 @@ def _run(trainer, rl_steps):
     return rows, policy.full_state_dict(), grads
 
 
-def _grads_close(grads, ref_grads, what):
+def _grads_close(grads, ref_grads, what, sft_steps=2, mini_batches=2):
     assert len(grads) == len(ref_grads)
     for step, (g, ref) in enumerate(zip(grads, ref_grads)):
         assert g.keys() == ref.keys()
-        assert any(t.abs().max() > 0 for t in ref.values()), f"{what} optimizer step {step}: all gradients zero"
+        # Not a vacuous comparison: every SFT step and the first mini-batch of each RL step (on-policy, ratio 1,
+        # nothing clipped) must have a gradient. A later mini-batch may legitimately have none: after an
+        # lr-0.5 update every sequence can fall outside GSPO's narrow clip range (seen with seed 427152).
+        on_policy = step < sft_steps or (step - sft_steps) % mini_batches == 0
+        if on_policy:
+            assert any(t.abs().max() > 0 for t in ref.values()), f"{what} optimizer step {step}: all gradients zero"
         for name in ref:
             _close(g[name], ref[name], f"{what} optimizer step {step} grad {name}")
 
