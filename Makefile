@@ -1,7 +1,7 @@
 # megagspo: every target installs what it needs, by dependency, into $(VENV).
 #   make train       the main job: GSPO on a tiny Qwen3-MoE, CPU, embedded defaults
 #   make test        install everything, then run the whole test suite
-#   make ablate      GSPO vs GRPO vs GRPO without routing replay, 3 seeds, report (about 30 min on 2 cores)
+#   make ablate      GSPO vs GRPO vs GRPO without routing replay, 3 seeds, report (~21 min measured on 2 cores)
 #   make cuda-check  compile every csrc/**/*.cu for sm_90 with nvcc against torch's headers (no GPU needed)
 
 PYTHON ?= python3

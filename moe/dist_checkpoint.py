@@ -223,14 +223,31 @@ def _rank() -> int:
     return torch.distributed.get_rank()
 
 
+def save_errors() -> tuple:
+    """What a failed save raises besides OSError / DistCheckpointError: torch's CheckpointException (a
+    BaseException, re-raised on every rank when any rank's write failed, e.g. a full disk) and Megatron's
+    CheckpointingException."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (CheckpointException, CheckpointingException)
+
+
 def _save(sharded_state_dict: dict, directory: str) -> None:
     """Collective: every rank writes its shards of `sharded_state_dict` into `directory`."""
     from megatron.core import dist_checkpointing
 
     verify_save_internals()
+    # Rank 0 creates the folder; its failure is shared, so no rank waits in a collective the others left.
+    box = [None]
     if _rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-    torch.distributed.barrier()
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            box[0] = f"{type(exc).__name__}: {exc}"
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise DistCheckpointError(f"cannot create {directory} on rank 0: {box[0]}")
     with _in_process_results_queue():
         dist_checkpointing.save(sharded_state_dict, directory, sharded_strategy=_in_process_strategy(),
                                 validate_access_integrity=True)
@@ -475,9 +492,11 @@ def save_optimizer(model, optimizer, directory: str) -> None:
 
 
 @torch.no_grad()
-def load_optimizer(model, optimizer, directory: str) -> None:
-    """Collective: this rank's slices of the moments (whatever layout wrote them), the hyper-parameters and
-    the steps, into `optimizer` (its state is replaced)."""
+def load_optimizer(model, optimizer, directory: str) -> list:
+    """Collective: this rank's slices of the moments (whatever layout wrote them) and the steps, into
+    `optimizer` (its state is replaced). Hyper-parameters stay the live optimizer's (the run's config, which
+    a resumed run may change on purpose, e.g. `--resume rl.weight_decay=0.1`). -> ["key: saved -> now", ...]
+    for each hyper-parameter that differs from the checkpoint's, so the caller can say so."""
     sharded, local_names = _optimizer_sharded_state_dict(model, optimizer, for_loading=True)
     loaded = _load(sharded, directory)
     common = loaded.get("common") or {}
@@ -486,9 +505,15 @@ def load_optimizer(model, optimizer, directory: str) -> None:
         raise DistCheckpointError(f"{directory}: common state holds {len(groups) if isinstance(groups, list) else None} "
                                   f"param groups, this optimizer has {len(optimizer.param_groups)}")
     names = full_names(model)
-    for group, saved in zip(optimizer.param_groups, groups):
+    changed = []
+    for i, (group, saved) in enumerate(zip(optimizer.param_groups, groups)):
         for k, v in saved.items():
-            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+            if k in ("params", "lr", "initial_lr") or k not in group:
+                continue  # the learning rate is the schedule's, set again every step
+            was = tuple(v) if isinstance(group[k], tuple) and isinstance(v, (list, tuple)) else v
+            if was != group[k]:
+                changed.append(f"{k}: {was!r} in the checkpoint -> {group[k]!r} now"
+                               + (f" (param group {i})" if len(groups) > 1 else ""))
     for p in _optimizer_params(optimizer):
         local = local_names[id(p)]
         full = names[local]
@@ -497,3 +522,4 @@ def load_optimizer(model, optimizer, directory: str) -> None:
         moments = loaded["state"][local]
         optimizer.state[p] = {"step": torch.tensor(float(steps[full]), dtype=torch.float32),
                               **{k: moments[k].clone() for k in MOMENTS}}
+    return changed

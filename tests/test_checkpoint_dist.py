@@ -55,10 +55,10 @@ def _load_body(rank, world_size, directory):
     from moe import dist_checkpoint
 
     policy = _policy(1)
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=0.5)
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=0.5, weight_decay=0.2)
     dist_checkpoint.load_model(policy.model, os.path.join(directory, "model"))
-    dist_checkpoint.load_optimizer(policy.model, opt, os.path.join(directory, "optimizer"))
-    return policy.full_state_dict(), gather_optimizer_state(policy, opt), opt.param_groups[0]["weight_decay"]
+    changed = dist_checkpoint.load_optimizer(policy.model, opt, os.path.join(directory, "optimizer"))
+    return policy.full_state_dict(), gather_optimizer_state(policy, opt), opt.param_groups[0]["weight_decay"], changed
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +97,17 @@ def test_each_rank_writes_its_own_shard_file(ep2_checkpoint):
 @pytest.mark.multiprocess
 def test_ep2_checkpoint_loads_at_ep1_with_identical_weights_and_moments(ep2_checkpoint):
     directory, full, opt_full, _ = ep2_checkpoint
-    got_full, got_opt, weight_decay = run_distributed(_load_body, world_size=1, timeout_s=240, args=(directory,))[0]
+    got_full, got_opt, weight_decay, changed = run_distributed(_load_body, world_size=1, timeout_s=240,
+                                                               args=(directory,))[0]
     assert set(got_full) == set(full) and all(torch.equal(got_full[k], full[k]) for k in full)
     assert set(got_opt) == set(opt_full) and len(opt_full) == 3 * len(full)
     for key, value in opt_full.items():  # exp_avg / exp_avg_sq / step of every parameter, experts 2-3 included
         assert torch.equal(got_opt[key], value), key
     assert any(key.startswith("exp_avg/") and "local_experts.3." in key for key in opt_full)
-    assert weight_decay == 0.01  # hyper-parameters come from the checkpoint's common state
+    # Hyper-parameters stay the configured ones (a resumed run may change them on purpose); the change is
+    # reported. The learning rate is the schedule's and never reported.
+    assert weight_decay == 0.2
+    assert changed == ["weight_decay: 0.01 in the checkpoint -> 0.2 now"]
 
 
 def test_single_process_rebuilds_the_full_state_dict(ep2_checkpoint):
@@ -168,3 +172,31 @@ def test_save_internals_are_checked(monkeypatch):
     monkeypatch.setattr(filesystem_async, "_get_write_results_queue", _get_write_results_queue)
     with pytest.raises(DistCheckpointError, match="_get_write_results_queue is missing or changed"):
         verify_save_internals()
+
+
+def _save_fails_body(rank, world_size, directory):
+    """A write error inside Megatron's save (a full disk) surfaces as one of moe.dist_checkpoint's documented
+    save errors on every rank (torch re-raises it as CheckpointException, a BaseException)."""
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from moe import dist_checkpoint
+
+    policy = _policy(world_size)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    filesystem_async._write_item = no_space
+    try:
+        dist_checkpoint.save_model(policy.model, os.path.join(directory, "model"))
+    except (OSError, dist_checkpoint.DistCheckpointError, *dist_checkpoint.save_errors()) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_failed_shard_write_is_a_catchable_save_error(tmp_path):
+    outcome = run_distributed(_save_fails_body, world_size=1, timeout_s=240, args=(str(tmp_path),))[0]
+    assert outcome != "no error" and "No space left on device" in outcome, outcome

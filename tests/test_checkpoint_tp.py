@@ -187,3 +187,33 @@ def test_tp2_run_stopped_and_resumed_equals_uninterrupted(tp2_run, tmp_path):
     for rank, (_, got_full, got_opt, _, _) in enumerate(resumed):
         _assert_equal(got_full, full, f"resumed rank {rank} final weights")
         _assert_equal(got_opt, opt_full, f"resumed rank {rank} final AdamW state")
+
+
+def _resume_into_tp2_body(rank, world_size, out_dir, name, overrides):
+    """Resume a 1-process checkpoint on 2 ranks at TP=2 (another layout: RNG states are reseeded). -> (the
+    mini-batch shuffle generator's state right after resuming, the step resumed at, exit code of the rest)."""
+    from megagspo.config import load_config
+    from megagspo.trainer.trainer import Trainer
+
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
+                      [*overrides, f"log.out_dir={out_dir}", f"name={name}"])
+    trainer = Trainer(cfg, quiet=True)
+    gen_state = trainer.sample_gen.get_state().clone()
+    resumed_at = trainer.resume["state"]["step"] if trainer.resume else None
+    trainer.train()
+    return gen_state, resumed_at
+
+
+@pytest.mark.multiprocess
+def test_resuming_another_layout_at_tp2_gives_tp_peers_the_same_minibatch_shuffle(tmp_path):
+    """TP peers hold chunks of the same rows (sequence parallelism): after a cross-layout resume, which reseeds
+    the RNG, both must draw the same mini-batch permutation — seeded by data-parallel rank, not process rank."""
+    tp1 = [*ARGS[2:], "rl.steps=2", "checkpoint.every_steps=2"]
+    (code, *_rest), = run_distributed(_trainer_body, world_size=1, timeout_s=300, args=(str(tmp_path), "x", tp1, 0))
+    assert code == 0
+    reports = run_distributed(_resume_into_tp2_body, world_size=2, timeout_s=300,
+                              args=(str(tmp_path), "x", [*ARGS[2:], "rl.steps=3", "checkpoint.every_steps=2",
+                                                         "parallel.tensor_parallel=2", "checkpoint.resume=auto"]))
+    (gen0, at0), (gen1, at1) = reports
+    assert at0 == at1 == 2
+    assert torch.equal(gen0, gen1), "TP peers reseeded their mini-batch shuffle differently"

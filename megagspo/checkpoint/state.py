@@ -212,17 +212,20 @@ class CheckpointManager:
             raise CheckpointError(f"{point['path']}: weights do not fit this model or are unreadable: {exc}") from None
 
     def load_optimizer(self, policy, optimizer, point: dict) -> None:
-        """Collective: AdamW moments (resharded to this layout), hyper-parameters and steps; nothing when the
-        checkpoint was written before the first update."""
+        """Collective: AdamW moments (resharded to this layout) and steps; nothing when the checkpoint was
+        written before the first update. Hyper-parameters come from the config (a change is reported)."""
         from moe.dist_checkpoint import DistCheckpointError, load_optimizer
 
         if not point["state"].get("optimizer"):
             return
         try:
-            load_optimizer(policy.model, optimizer, os.path.join(point["path"], OPTIMIZER_DIR))
+            changed = load_optimizer(policy.model, optimizer, os.path.join(point["path"], OPTIMIZER_DIR))
         except DistCheckpointError as exc:
             raise CheckpointError(f"{point['path']}: optimizer state does not fit this model or is unreadable: "
                                   f"{exc}") from None
+        if changed:
+            self.say("optimizer hyper-parameters differ from the checkpoint's; the config's are used: "
+                     + "; ".join(changed))
 
     def restore_rng_and_data(self, trainer, point: dict) -> None:
         state = point["state"]
@@ -230,16 +233,21 @@ class CheckpointManager:
         py = ds["rng"]
         trainer.train_ds.rng.setstate((py[0], tuple(py[1]), py[2]))
         trainer.train_ds._order = list(ds["order"])
-        if state["world"] == self.world:
+        layout_now = {"tensor_parallel": self.cfg.parallel.tensor_parallel,
+                      "expert_parallel": self.cfg.parallel.expert_parallel, "data_parallel": trainer.dp}
+        if state["world"] == self.world and state.get("layout") == layout_now:
             tensors = load_safetensors(os.path.join(point["path"], RNG))
             restore_rng(tensors, state["rng"][self.rank], self.rank, trainer.sample_gen)
         else:
-            seed = self.cfg.seed * 7919 + 1_000_003 * int(state["step"]) + self.rank
+            # Seeded by the DATA-parallel rank, as a fresh run is: tensor-parallel peers must draw the same
+            # mini-batch permutation (they hold chunks of the same rows under sequence parallelism).
+            seed = self.cfg.seed * 7919 + 1_000_003 * int(state["step"]) + trainer.dp_rank
             torch.manual_seed(seed)
             trainer.sample_gen.manual_seed(seed)
             random.seed(seed)
-            self.say(f"checkpoint written by {state['world']} processes, resumed on {self.world}: RNG states "
-                     "reseeded (the run continues; it is not a bit-for-bit replay of the uninterrupted one)")
+            self.say(f"checkpoint written by {state['world']} processes with layout {state.get('layout')}, resumed "
+                     f"on {self.world} with {layout_now}: RNG states reseeded (the run continues; it is not a "
+                     "bit-for-bit replay of the uninterrupted one)")
 
     def prior_metrics(self, point: dict, metrics_path: str) -> list:
         """The metrics rows logged up to the checkpoint: from metrics.jsonl when it still holds them all,
@@ -299,7 +307,7 @@ class CheckpointManager:
                 dist_checkpoint.save_optimizer(policy.model, optimizer, os.path.join(tmp, OPTIMIZER_DIR))
             index = dist_checkpoint.model_index(policy.model)
             failure = None
-        except (OSError, dist_checkpoint.DistCheckpointError) as exc:
+        except (OSError, dist_checkpoint.DistCheckpointError, *dist_checkpoint.save_errors()) as exc:
             failure = self._failed(steps_done, exc)
         failures = [failure]
         if self.world > 1:
