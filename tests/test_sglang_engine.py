@@ -835,14 +835,64 @@ def test_only_rank_zero_sends_then_all_ranks_wait(fake, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
-    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src=0, **k: calls.append(("broadcast", src, box)))
     eng = SGLangEngine(ARCH, TOK, ipc_codec=CpuCodec(), config=SGLangEngineConfig(urls=[fake.url], weight_sync="tensor"))
     monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
     eng.update_weights(random_megatron_state())
-    assert fake.posted("/update_weights_from_tensor") == [] and calls == ["barrier"]
+    assert fake.posted("/update_weights_from_tensor") == [] and calls == [("broadcast", 0, [None])]
     monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
     eng.update_weights(random_megatron_state())
-    assert len(fake.posted("/update_weights_from_tensor")) == 1 and calls == ["barrier", "barrier"]
+    # rank 0 reports success (None) to the others after sending
+    assert len(fake.posted("/update_weights_from_tensor")) == 1 and calls[1] == ("broadcast", 0, [None])
+
+
+def _update_weights_on_ranks_body(rank, world_size, url, sync_dir):
+    eng = SGLangEngine(ARCH, TOK, config=SGLangEngineConfig(urls=[url], sync_dir=sync_dir))
+    results = []
+    for seed in (0, 1):  # the fake accepts the first update and refuses the second
+        try:
+            eng.update_weights(random_megatron_state(seed))
+            results.append(None)
+        except Exception as exc:  # noqa: BLE001 - the error each rank raised is the result
+            results.append((type(exc).__name__, str(exc)))
+    return results
+
+
+class _RefuseSecondUpdate(FakeSGLang):
+    """Accepts the first /update_weights_from_disk and refuses the later ones."""
+    accepted = None
+
+    @property
+    def update_result(self):
+        if len(self.posted("/update_weights_from_disk")) <= 1:
+            return self.accepted
+        return 400, {"success": False, "message": "Failed to get weights iterator: size mismatch for "
+                                                  "model.layers.1.mlp.gate.weight"}
+
+    @update_result.setter
+    def update_result(self, value):
+        self.accepted = value
+
+
+@pytest.mark.multiprocess
+def test_rank_zero_update_failure_raises_on_every_rank(tmp_path):
+    """2 gloo ranks: only rank 0 talks to the server. When the server refuses the update, rank 0 raises the
+    server's error and rank 1 raises SGLangServerError naming rank 0's failure, instead of waiting forever
+    for rank 0 at the end of the update."""
+    from multiprocess import run_distributed
+
+    fake = _RefuseSecondUpdate()
+    try:
+        reports = run_distributed(_update_weights_on_ranks_body, world_size=2, args=(fake.url, str(tmp_path / "sync")),
+                                  timeout_s=120)
+    finally:
+        fake.close()
+    assert len(fake.posted("/update_weights_from_disk")) == 2  # rank 0's two updates only
+    (ok0, err0), (ok1, err1) = reports
+    assert ok0 is None and ok1 is None
+    assert err0[0] == err1[0] == "SGLangServerError", (err0, err1)
+    assert "size mismatch for model.layers.1.mlp.gate.weight" in err0[1] and "rank 0" not in err0[1]
+    assert "rank 0" in err1[1] and "size mismatch for model.layers.1.mlp.gate.weight" in err1[1], err1
 
 
 def test_weight_update_bodies_validate_against_io_struct():

@@ -24,7 +24,8 @@ in one of three ways (`weight_sync`):
                  /update_weights_from_distributed (names, dtypes, shapes) while rank 0 broadcasts its tensors.
 The cache is flushed only with the last bucket (flush_cache), which also carries the new weight_version. A
 server that answers a bucket with success false stops the update with its message. Under torch.distributed
-with several ranks only rank 0 sends; every rank then waits at a barrier, so nobody generates with old weights.
+with several ranks only rank 0 sends, then broadcasts the outcome: nobody generates with old weights, and a
+failure on rank 0 raises on every rank (SGLangServerError naming it) instead of leaving the others waiting.
 
 Legend as in base.py.
 """
@@ -506,21 +507,37 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------------------ weights
     def update_weights(self, megatron_state: Dict[str, torch.Tensor]) -> None:
-        """Every rank calls this with the full state; rank 0 (or the only process) sends, then all meet at a
-        barrier of the default group, so no rank generates before the servers hold the new weights."""
+        """Every rank calls this with the full state; rank 0 (or the only process) sends, then broadcasts the
+        outcome over the default group (None, or its error), so no rank generates before the servers hold the
+        new weights, and a failure on rank 0 raises on every rank (SGLangServerError on the others, naming
+        rank 0's error) instead of leaving them waiting."""
         import torch.distributed as dist
 
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if not multi or dist.get_rank() == 0:
-            self.resume_memory()
-            if self.config.weight_sync == "disk":
-                self._update_from_disk(megatron_state)
-            elif self.config.weight_sync == "tensor":
-                self._update_from_tensor(megatron_state)
-            else:
-                self._update_from_distributed(megatron_state)
-        if multi:
-            dist.barrier()
+        if not multi:
+            self._send_weights(megatron_state)
+            return
+        box, error = [None], None
+        if dist.get_rank() == 0:
+            try:
+                self._send_weights(megatron_state)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
+                error = exc
+                box = [f"{type(exc).__name__}: {exc}"]
+        dist.broadcast_object_list(box, src=0)
+        if error is not None:
+            raise error
+        if box[0] is not None:
+            raise SGLangServerError(f"weight update failed on rank 0: {box[0]}")
+
+    def _send_weights(self, megatron_state: Dict[str, torch.Tensor]) -> None:
+        self.resume_memory()
+        if self.config.weight_sync == "disk":
+            self._update_from_disk(megatron_state)
+        elif self.config.weight_sync == "tensor":
+            self._update_from_tensor(megatron_state)
+        else:
+            self._update_from_distributed(megatron_state)
 
     def _sync_buckets(self, megatron_state: Dict[str, torch.Tensor]):
         """(HF (name, tensor) pairs in send order, buckets of their indices) for tensor / distributed sync."""

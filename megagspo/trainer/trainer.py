@@ -209,13 +209,42 @@ class Trainer:
     def _generate(self, prompts: list, n: int, sampling):
         """The rollout engine's samples; under TP only TP rank 0 of each data-parallel rank generates and
         broadcasts to its TP peers, so every rank of a TP group trains on the same rollouts."""
-        policy = self.policy
-        if policy.tp_size == 1:
+        if self.policy.tp_size == 1:
             return self.engine.generate(prompts, n, sampling)
-        box = [self.engine.generate(prompts, n, sampling) if policy.tp_rank == 0 else None]
+        return self._from_tp_rank0("rollout generation", lambda: self.engine.generate(prompts, n, sampling))
+
+    def _from_tp_rank0(self, what: str, fn):
+        """fn() on TP rank 0 only, its result broadcast to the TP peers. If fn raises, TP rank 0 broadcasts the
+        error instead and re-raises it, and each peer raises the same exception type (RuntimeError where that
+        type cannot be rebuilt from a message) naming the rank-0 failure: no peer is left blocked."""
+        import pickle
+
+        policy = self.policy
         src = torch.distributed.get_global_rank(policy.tp_group, 0)
+        box, error = [None], None
+        if policy.tp_rank == 0:
+            try:
+                box = [(True, fn())]
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers are told
+                error, cls = exc, type(exc)
+                try:
+                    pickle.loads(pickle.dumps(cls))  # an unpicklable class would fail the broadcast on rank 0
+                except Exception:  # noqa: BLE001
+                    cls = RuntimeError
+                box = [(False, (cls, f"{type(exc).__name__}: {exc}"))]
         torch.distributed.broadcast_object_list(box, src=src, group=policy.tp_group)
-        return box[0]
+        ok, payload = box[0]
+        if error is not None:
+            raise error
+        if ok:
+            return payload
+        cls, message = payload
+        message = f"{what} failed on tensor-parallel rank 0 (global rank {src}): {message}"
+        try:
+            peer_error = cls(message)
+        except Exception:  # noqa: BLE001 - a type that is not built from one message
+            peer_error = None
+        raise peer_error if isinstance(peer_error, Exception) else RuntimeError(message)
 
     def _seq_length(self, natural: int) -> int:
         """Model input length >= natural, a multiple of TP (sequence parallelism splits S over TP ranks)."""
@@ -370,7 +399,12 @@ class Trainer:
         texts = [tok.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
         answers = [ex.answer for ex in prompts for _ in range(cfg.group_size)]
         rstats = RewardStats()
-        rewards_R = torch.tensor(score_batch(self.reward_fn, texts, answers, rstats), dtype=torch.float32)
+        if self.policy.tp_size == 1:
+            scores = score_batch(self.reward_fn, texts, answers, rstats)
+        else:  # the verifier (time-limited, maybe non-deterministic) runs once per TP group: peers must agree
+            scores, rstats = self._from_tp_rank0(
+                "reward scoring", lambda: (score_batch(self.reward_fn, texts, answers, rstats), rstats))
+        rewards_R = torch.tensor(scores, dtype=torch.float32)
         adv_R = group_advantages(rewards_R, group_size=cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
         times["time/reward_s"] = time.perf_counter() - t1
 
