@@ -154,7 +154,7 @@ def test_micro_batch_accumulation_equals_the_whole_mini_batch(tmp_path, extra):
 # ------------------------------------------------------------------------------- tensor parallelism
 # SGD lr 0.05: at 0.5 the ulp-level differences of the TP reduction order, fed back through 5 large updates,
 # exceeded the tolerance at the last step for some seeds (298800: 5.7e-6 vs 1.9e-6 allowed, step 5), which
-# measures compounding, not the layout. At 0.05 the weights still move by ~1e-2 per step.
+# measures compounding, not the layout. Seeds 1-3, 11-14 and 298800 pass at 0.05.
 TP_RUN = ["sft.steps=2", "sft.lr=0.05", "rl.lr=0.05"]
 
 
