@@ -265,7 +265,18 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Greedy decoding on the held-out set (split over DP ranks); exact reward as accuracy."""
+        """Greedy decoding on the held-out set (split over DP ranks); exact reward as accuracy. Under TP only
+        TP rank 0 decodes and scores (its peers hold the same engine weights); its counts are shared."""
+        if self.policy.tp_size > 1:
+            local = self._from_tp_rank0("held-out evaluation", self._evaluate_local)
+        else:
+            local = self._evaluate_local()
+        total, correct, lengths, sampled_correct = self._all_sum(local)
+        return {"eval/accuracy": correct / max(total, 1), "eval/response_length": lengths / max(total, 1),
+                "eval/sampled_accuracy": sampled_correct / max(total, 1), "eval/count": total}
+
+    def _evaluate_local(self) -> list:
+        """This data-parallel rank's share: [problems, greedy correct, response tokens, sampled correct]."""
         from megagspo.rewards import RewardStats, score_batch
         from megagspo.rollout import SamplingParams
 
@@ -287,10 +298,7 @@ class Trainer:
                        for r, m in zip(sampled.response_ids_RL, sampled.response_mask_RL)]
             scores_s = score_batch(self.reward_fn, texts_s, [ex.answer for ex in examples for _ in range(n_s)], stats)
             sampled_correct = sum(1.0 for s in scores_s if s >= 1.0) / n_s
-        total, correct, lengths, sampled_correct = self._all_sum(
-            [len(examples), correct, float(out.response_mask_RL.sum()), sampled_correct])
-        return {"eval/accuracy": correct / max(total, 1), "eval/response_length": lengths / max(total, 1),
-                "eval/sampled_accuracy": sampled_correct / max(total, 1), "eval/count": total}
+        return [float(len(examples)), correct, float(out.response_mask_RL.sum()), sampled_correct]
 
     # ----------------------------------------------------------------------------------------------- SFT
     def run_sft(self) -> dict:
