@@ -281,6 +281,8 @@ class RLConfig:
     clip_high: float = 4e-4
     old_logp: str = "recompute"     # recompute (Megatron no-grad forward) | rollout (engine log-probs, §5.4)
     routing_replay: str = "none"    # none | r2 | r3
+    # > 0: loss += kl_coef * k3 KL(pi_theta || pi_ref) to a frozen copy of the policy at the start of RL
+    # (a second model's weights in memory; <run>/reference.safetensors). 0 = off (the GSPO paper trains without).
     kl_coef: float = 0.0
     lr: float = 1e-3
     lr_schedule: str = "constant"
@@ -323,9 +325,6 @@ class RLConfig:
             raise ConfigError(
                 f"rl.prompts_per_step * rl.group_size = {samples} samples do not divide into "
                 f"rl.mini_batches = {self.mini_batches} equal mini-batches")
-        if self.kl_coef > 0:
-            raise ConfigError("rl.kl_coef > 0 needs a reference model, which this trainer does not keep yet; "
-                              "set rl.kl_coef = 0 (the GSPO paper trains without KL)")
 
 
 @dataclass

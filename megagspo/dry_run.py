@@ -35,7 +35,7 @@ class DryRunReport:
               for key, path in self.missing_paths],
             f"micro-batch (rl.micro_batch_size = {cfg.rl.micro_batch_size or 'whole mini-batch'}): "
             f"{self.micro_batch_tokens} tokens x {self.num_micro_batches} per rollout batch per rank "
-            f"(loss {cfg.rl.loss}, routing replay {cfg.rl.routing_replay}, log-prob "
+            f"(loss {cfg.rl.loss}, routing replay {cfg.rl.routing_replay}, KL coef {cfg.rl.kl_coef:g}, log-prob "
             f"{'fused kernel' if cfg.rl.logprob_impl != 'torch' else 'naive torch'})",
             f"per-GPU memory ({cfg.parallel.gpu_memory_gib:.0f} GiB GPUs):",
             self.plan.table(),
@@ -108,7 +108,8 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     num_micro_batches = rl.mini_batches * (mini_rows // micro_rows)
     inputs = PlanInputs(world_size=world, layout=layout, micro_batch_tokens=micro,
                         num_micro_batches=num_micro_batches, fused_logprob=rl.logprob_impl != "torch",
-                        routing_replay=rl.routing_replay != "none", gpu_memory_gib=cfg.parallel.gpu_memory_gib)
+                        routing_replay=rl.routing_replay != "none", reference_model=rl.kl_coef > 0,
+                        gpu_memory_gib=cfg.parallel.gpu_memory_gib)
     plan = plan_memory(arch, inputs)
     if require_fitting:
         require_fit(plan)

@@ -17,6 +17,9 @@ parallel so that every term is divided by TP):
 Log-prob path (last stage), per token: logits bf16 2 V/TP; naive adds an fp32 log-softmax 4 V/TP and its
 fp32 gradient 4 V/TP, fused adds 16 B (per-token lse, max, log-prob, entropy).
 Routing replay: tokens * (MoE layers on the stage) * top-k * (1 B if experts <= 256 else 2 B).
+KL reference policy (rl.kl_coef > 0): a frozen second copy of the weights, bf16 2 B per parameter, sharded over
+TP / EP / PP exactly like the policy's (no gradients, no optimizer state; its no-grad forward's activations
+are freed before the training forward, so they add nothing to the peak).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class PlanInputs:
     num_micro_batches: int = 1
     fused_logprob: bool = True
     routing_replay: bool = False
+    reference_model: bool = False  # rl.kl_coef > 0: the frozen KL reference policy's weights
     gpu_memory_gib: float = 80.0
     reserve_gib: float = 6.0  # CUDA context, NCCL buffers, allocator fragmentation
 
@@ -146,6 +150,8 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
 
     terms = {
         "weights (bf16)": 2 * (dense_params + expert_params),
+        **({"reference model weights (bf16, frozen, KL)": 2 * (dense_params + expert_params)}
+           if inputs.reference_model else {}),
         "gradients (fp32 main grad)": 4 * (dense_params + expert_params),
         "optimizer (fp32 master + Adam, sharded over DP)": 12 * dense_params / dp + 12 * expert_params / expert_dp,
         "activations": activations,

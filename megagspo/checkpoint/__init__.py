@@ -6,13 +6,16 @@ fallback to the previous good one, exact resume, preemption signals, and safe re
                 moe.dist_checkpoint); CheckpointManager (save / find_resume / restore)
     signals.py  SIGTERM / SIGINT -> finish the step, checkpoint, exit 128+signal; second signal exits at once
     guards.py   safetensors / weights-only torch readers; verifier time limit
+    reference.py the frozen KL reference policy's weights (<run>/reference.safetensors, written once, verified)
 """
 
 from .guards import VerifierTimeout, load_safetensors, safe_torch_load, with_time_limit
+from .reference import REFERENCE, load_reference, save_reference
 from .signals import Preempted, StopRequest
 from .state import REQUIRED, CheckpointManager, load_run_checkpoint
 from .store import CheckpointError, latest_good, list_checkpoints, prune, verify, write_checkpoint
 
-__all__ = ["REQUIRED", "CheckpointError", "CheckpointManager", "Preempted", "StopRequest", "VerifierTimeout",
-           "latest_good", "list_checkpoints", "load_run_checkpoint", "load_safetensors", "prune", "safe_torch_load", "verify",
-           "with_time_limit", "write_checkpoint"]
+__all__ = ["REFERENCE", "REQUIRED", "CheckpointError", "CheckpointManager", "Preempted", "StopRequest",
+           "VerifierTimeout", "latest_good", "list_checkpoints", "load_reference", "load_run_checkpoint",
+           "load_safetensors", "prune", "safe_torch_load", "save_reference", "verify", "with_time_limit",
+           "write_checkpoint"]

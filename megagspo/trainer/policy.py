@@ -60,13 +60,20 @@ def _logprob_fn(impl: str, tp_group=None):
 
 
 class MegatronPolicy:
-    def __init__(self, arch, layout, parallel_cfg, logprob_impl: str = "auto") -> None:
+    def __init__(self, arch, layout, parallel_cfg, logprob_impl: str = "auto", *, frozen: bool = False) -> None:
+        """frozen=True: the KL reference policy (rl.kl_coef > 0): the same layout and log-prob path, no
+        gradients, eval mode, and no routing replay (it always routes with its own router; see rl_step)."""
         from megatron.core import parallel_state as ps
 
         from moe.model import build_model
 
         self.arch = arch
-        self.model = build_model(arch, layout, token_dispatcher=parallel_cfg.token_dispatcher, routing_replay=True)
+        self.frozen = frozen
+        self.model = build_model(arch, layout, token_dispatcher=parallel_cfg.token_dispatcher,
+                                 routing_replay=not frozen)
+        if frozen:
+            self.model.requires_grad_(False)
+            self.model.eval()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -78,6 +85,9 @@ class MegatronPolicy:
         self.ep_group = ps.get_expert_model_parallel_group()
         self.ep_size = ps.get_expert_model_parallel_world_size()
         self.ep_rank = ps.get_expert_model_parallel_rank()
+        if frozen:
+            self.replay = None
+            return
         from moe.routing_replay import RoutingReplay
 
         self.replay = RoutingReplay(self.model)

@@ -139,6 +139,8 @@ class Trainer:
         self.loss_fn = get_loss(cfg.rl.loss)
         loss_fields = dict(clip_low=cfg.rl.clip_low, clip_high=cfg.rl.clip_high,
                            old_policy={"source": cfg.rl.old_logp})
+        if cfg.rl.kl_coef > 0:  # loss += kl_coef * k3 KL to the frozen reference (algorithm/kl.py, losses._finish)
+            loss_fields["kl"] = {"coef": cfg.rl.kl_coef, "estimator": "k3"}
         self.loss_cfg = self.loss_fn.Config(**loss_fields)
         engine_cls = get_engine_class(cfg.rollout.engine)
         if cfg.rl.routing_replay == "r3" and not cfg.rollout.record_routes:
@@ -164,6 +166,16 @@ class Trainer:
                 raise ConfigError(f"model.init_from = {cfg.model.init_from!r} does not fit this model: {exc}") from None
         if self.resume:
             self.ckpt.load_model(self.policy, self.resume)  # the engine gets these weights just below
+        # KL reference policy (rl.kl_coef > 0 only): a second, frozen Megatron model of the same layout. Built
+        # here, before the RNG is reseeded below, so building it changes no random draw of the run. Its weights
+        # are the policy's at the start of RL: copied by _start_reference (a fresh run, or a resume from the
+        # step_000000 checkpoint, whose weights ARE the start of RL) or read back from <run>/reference.safetensors.
+        self.reference: Optional[MegatronPolicy] = None
+        self._reference_ready = False
+        if cfg.rl.kl_coef > 0:
+            self.reference = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl, frozen=True)
+            if self.resume and self.resume["state"]["step"] > 0:
+                self._resume_reference()
         engine_kwargs = {"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang" else {}
         self.engine = engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes, **engine_kwargs)
         self.sync_weights()
@@ -193,6 +205,37 @@ class Trainer:
                 yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
             if self.logger.tb_note and not self.quiet:
                 print(self.logger.tb_note)
+
+    # ------------------------------------------------------------------------------------- KL reference
+    def _start_reference(self) -> None:
+        """Collective: reference := the policy's full state now (start of RL); rank 0 writes it to
+        <run>/reference.safetensors (atomic, checksummed) so that a resume gets the same reference."""
+        from megagspo.checkpoint import CheckpointError, save_reference
+
+        full = self.policy.full_state_dict()
+        self.reference.load_full_state_dict(full)
+        box = [None]
+        if self.rank == 0:
+            try:
+                save_reference(self.cfg.run_dir(), full, self.ckpt.run_id)
+            except OSError as exc:
+                box[0] = f"writing the KL reference weights under {self.cfg.run_dir()} failed ({type(exc).__name__}: {exc})"
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(box, src=0)  # every rank stops together on a failure
+        if box[0]:
+            raise CheckpointError(box[0])
+        self._reference_ready = True
+
+    def _resume_reference(self) -> None:
+        """Every rank reads the verified reference weights of the resumed run and loads its own shards."""
+        from megagspo.checkpoint import CheckpointError, load_reference
+
+        full = load_reference(self.cfg.run_dir(), self.ckpt.run_id)
+        try:
+            self.reference.load_full_state_dict(full)
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"the KL reference weights do not fit this model: {exc}") from None
+        self._reference_ready = True
 
     # ------------------------------------------------------------------------------------------- utils
     def _all_sum(self, values: list) -> list:
@@ -436,6 +479,7 @@ class Trainer:
         t2 = time.perf_counter()
         old_logp = [[None] * len(m) for m in micro]
         old_routes = [[None] * len(m) for m in micro]
+        ref_logp = [[None] * len(m) for m in micro]  # stays None (no KL term, no extra forward) at kl_coef = 0
         for k, rows_k in enumerate(micro):
             for j, rows in enumerate(rows_k):
                 if cfg.old_logp == "recompute":
@@ -453,6 +497,12 @@ class Trainer:
                     routes = (self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len)
                               if out.routes_RPLyK is not None else None)
                 old_logp[k][j], old_routes[k][j] = lp, routes
+                if self.reference is not None:
+                    # log pi_ref: the frozen reference always routes with its own router, never replaying
+                    # (its model has no replay hooks): under R2/R3 the replayed routes are pi_old's / the
+                    # engine's, and the reference must stay the fixed start-of-RL policy, not follow them.
+                    with torch.no_grad():
+                        ref_logp[k][j], _ = self.reference.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
         times["time/old_logp_s"] = time.perf_counter() - t2
 
         # ---- updates ----
@@ -480,7 +530,7 @@ class Trainer:
                     logp_BL=logp, loss_mask_BL=mask_RS[rows], num_global_sequences=num_global_seqs,
                     old_logp_BL=old_logp[k][j] if cfg.old_logp == "recompute" else None,
                     rollout_logp_BL=rollout_logp_RS[rows], advantages_B=adv_R[rows],
-                    num_global_tokens=max(tok_counts[k], 1.0), entropy_BL=ent)
+                    num_global_tokens=max(tok_counts[k], 1.0), entropy_BL=ent, ref_logp_BL=ref_logp[k][j])
                 loss, metrics = self.loss_fn(batch, self.loss_cfg)
                 loss.backward()
                 parts.append(metrics)
@@ -524,6 +574,9 @@ class Trainer:
             "kl/approx_old": sums[11] / d, "entropy/mean": sums[12] / d, "ratio/mean": sums[13] / d,
             "loss": sums[14], "grad_norm": sum(gnorms) / len(gnorms), "grad_norm/max": max(gnorms), "lr": lr,
         }
+        if self.reference is not None:  # k3 KL to the reference per response token; the KL share of the loss
+            kl_ref, loss_kl = self._all_sum([m["kl/ref"], m["loss/kl"]])
+            row["kl/ref"], row["loss/kl"] = kl_ref / d, loss_kl
         row.update(times)
         step_time = time.perf_counter() - t0
         row["time/step_s"] = step_time
@@ -536,6 +589,8 @@ class Trainer:
                                            weight_decay=cfg.weight_decay)
         if self.resume:
             self.ckpt.load_optimizer(self.policy, self.optimizer, self.resume)
+        if self.reference is not None and not self._reference_ready:
+            self._start_reference()
         bar = self._progress(cfg.steps, f"{cfg.loss.upper()} RL")
         last_eval = dict(cold_start)
         if bar is not None and start_step:
@@ -613,6 +668,8 @@ class Trainer:
         self.logger.log({"phase": "cold_start", "step": 0, "eval/accuracy": cold["eval/accuracy"],
                          "init/accuracy": base["eval/accuracy"]})
         if rl and self.cfg.rl.steps:
+            if self.reference is not None:  # written before step_000000: every RL checkpoint has its reference
+                self._start_reference()
             self.ckpt.save(self, 0, cold, phase="cold_start")  # step_000000: SFT is never redone
             signum = self.stop.requested()
             if signum:
