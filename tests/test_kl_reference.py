@@ -213,6 +213,26 @@ def test_sigkill_then_resume_with_kl_equals_uninterrupted(runs, tmp_path):
     out = _run(_cmd(tmp_path, "k", "rl.kl_coef=0.1", "--resume"))
     assert "resuming from" in out.stdout
     assert _rl_rows(run_dir) == _rl_rows(runs / "kl")
+    # another run resumed from this run's checkpoint finds the reference next to that checkpoint, continues
+    # exactly, and keeps a verified copy in its own folder for its own later resumes
+    out = _run(_cmd(tmp_path, "b", "rl.kl_coef=0.1", f"checkpoint.resume={run_dir / 'checkpoints' / 'step_000002'}"))
+    assert "resuming from" in out.stdout
+    assert _rl_rows(tmp_path / "b") == _rl_rows(runs / "kl")
+    assert (tmp_path / "b" / "reference.safetensors").read_bytes() == good
+
+
+def test_a_failed_reference_write_is_an_oserror_and_leaves_nothing(tmp_path):
+    """safetensors reports write failures as SafetensorError; the trainer's collective error path catches
+    OSError, so the writer must turn one into the other (else rank 0 escapes and its peers wait forever)."""
+    import torch as _torch
+
+    from megagspo.checkpoint.reference import REFERENCE, save_reference
+
+    blocker = tmp_path / f"{REFERENCE}.tmp-{os.getpid()}"
+    blocker.mkdir()  # the temporary file cannot be created: a directory has its name
+    with pytest.raises(OSError, match="tmp-"):
+        save_reference(str(tmp_path), {"w": _torch.zeros(2)}, "run")
+    assert not (tmp_path / REFERENCE).exists() and blocker.is_dir()
 
 
 # ------------------------------------------------------------------------------------------------ planner

@@ -10,12 +10,12 @@ fallback to the previous good one, exact resume, preemption signals, and safe re
 """
 
 from .guards import VerifierTimeout, load_safetensors, safe_torch_load, with_time_limit
-from .reference import REFERENCE, load_reference, save_reference
+from .reference import REFERENCE, load_reference, save_reference, verify_reference
 from .signals import Preempted, StopRequest
 from .state import REQUIRED, CheckpointManager, load_run_checkpoint
 from .store import CheckpointError, latest_good, list_checkpoints, prune, verify, write_checkpoint
 
 __all__ = ["REFERENCE", "REQUIRED", "CheckpointError", "CheckpointManager", "Preempted", "StopRequest",
            "VerifierTimeout", "latest_good", "list_checkpoints", "load_reference", "load_run_checkpoint",
-           "load_safetensors", "prune", "safe_torch_load", "save_reference", "verify", "with_time_limit",
+           "load_safetensors", "prune", "safe_torch_load", "save_reference", "verify", "verify_reference", "with_time_limit",
            "write_checkpoint"]

@@ -25,13 +25,18 @@ REFERENCE_META = "reference.json"
 
 
 def _atomic_write(path: str, write) -> None:
+    from safetensors import SafetensorError
+
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except SafetensorError as exc:  # safetensors reports a full disk / quota this way, not as OSError
+            raise OSError(f"{tmp}: {exc}") from None
         _fsync_path(tmp)
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.isfile(tmp):
             os.remove(tmp)
     _fsync_path(os.path.dirname(os.path.abspath(path)))
 
@@ -56,6 +61,12 @@ def save_reference(run_dir: str, state: Dict[str, torch.Tensor], run_id: str) ->
 
 def load_reference(run_dir: str, run_id: str) -> Dict[str, torch.Tensor]:
     """The verified reference weights of this run; CheckpointError naming what is wrong otherwise."""
+    return load_safetensors(verify_reference(run_dir, run_id))
+
+
+def verify_reference(run_dir: str, run_id: str) -> str:
+    """Size, sha256 and run id of <run_dir>/reference.safetensors against its manifest. -> its path;
+    CheckpointError naming what is wrong otherwise."""
     path = os.path.join(run_dir, REFERENCE)
     meta_path = os.path.join(run_dir, REFERENCE_META)
     if not os.path.isfile(path) or not os.path.isfile(meta_path):
@@ -76,4 +87,4 @@ def load_reference(run_dir: str, run_id: str) -> Dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} has {size} bytes, {REFERENCE_META} says {want_bytes} (truncated?)")
     if sha256_file(path) != want_sha:
         raise CheckpointError(f"{path}: sha256 differs from {REFERENCE_META} (corrupt)")
-    return load_safetensors(path)
+    return path

@@ -37,6 +37,7 @@ import uuid
 from typing import Callable, Dict, Optional
 
 import torch
+from safetensors import SafetensorError
 
 from . import store
 from .guards import load_safetensors
@@ -348,7 +349,7 @@ class CheckpointManager:
             try:
                 path = store.commit_checkpoint(self.root, steps_done, tmp, writers, {"run_id": self.run_id})
                 store.prune(self.root, self.ck.keep_last)
-            except OSError as exc:  # disk full, quota, permissions: earlier checkpoints are untouched
+            except (OSError, SafetensorError) as exc:  # disk full, quota, permissions: earlier ones are untouched
                 failure = self._failed(steps_done, exc)
         if failure and self.rank == 0:
             store.remove_stale_tmp(self.root)

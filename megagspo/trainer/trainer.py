@@ -219,7 +219,8 @@ class Trainer:
             try:
                 save_reference(self.cfg.run_dir(), full, self.ckpt.run_id)
             except OSError as exc:
-                box[0] = f"writing the KL reference weights under {self.cfg.run_dir()} failed ({type(exc).__name__}: {exc})"
+                box[0] = (f"writing the KL reference weights under {self.cfg.run_dir()} failed "
+                          f"({type(exc).__name__}: {exc})")
         if self.world > 1:
             torch.distributed.broadcast_object_list(box, src=0)  # every rank stops together on a failure
         if box[0]:
@@ -227,14 +228,42 @@ class Trainer:
         self._reference_ready = True
 
     def _resume_reference(self) -> None:
-        """Every rank reads the verified reference weights of the resumed run and loads its own shards."""
-        from megagspo.checkpoint import CheckpointError, load_reference
+        """Collective: the reference weights of the run the resumed checkpoint belongs to (its folder may be
+        another run's: checkpoint.resume can name one). Rank 0 verifies size, sha256 and run id once and
+        shares the verdict (no rank is left in a collective when the file is bad); every rank then loads
+        its shards. A reference read from another run's folder is copied into this run's."""
+        from megagspo.checkpoint import CheckpointError, load_safetensors, save_reference, verify_reference
 
-        full = load_reference(self.cfg.run_dir(), self.ckpt.run_id)
+        # <run>/checkpoints/step_XXXXXX -> <run>
+        source_dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume["path"])))
+        box = [None, None]
+        if self.rank == 0:
+            try:
+                box[0] = verify_reference(source_dir, self.ckpt.run_id)
+            except CheckpointError as exc:
+                box[1] = str(exc)
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(box, src=0)
+        path, failure = box
+        if failure:
+            raise CheckpointError(failure)
+        full = load_safetensors(path)
         try:
             self.reference.load_full_state_dict(full)
         except (KeyError, ValueError) as exc:
-            raise CheckpointError(f"the KL reference weights do not fit this model: {exc}") from None
+            raise CheckpointError(f"the KL reference weights {path} do not fit this model: {exc}") from None
+        here = os.path.abspath(self.cfg.run_dir())
+        if source_dir != here:
+            box = [None]
+            if self.rank == 0:
+                try:
+                    save_reference(here, full, self.ckpt.run_id)
+                except OSError as exc:
+                    box[0] = f"copying the KL reference weights into {here} failed ({type(exc).__name__}: {exc})"
+            if self.world > 1:
+                torch.distributed.broadcast_object_list(box, src=0)
+            if box[0]:
+                raise CheckpointError(box[0])
         self._reference_ready = True
 
     # ------------------------------------------------------------------------------------------- utils
