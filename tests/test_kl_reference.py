@@ -25,6 +25,8 @@ import torch
 
 from test_algo_common import F64, gen, random_packed  # noqa: F401 - gen is a fixture (prints its seed)
 
+from test_checkpoint_resume import ARGS as RESUME_ARGS, VOLATILE, _env, _run
+
 from megagspo.algorithm import PackedBatch, get_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,31 +117,14 @@ def test_policy_equal_to_reference_gives_zero_kl_and_zero_gradient(gen):  # noqa
 
 
 # ------------------------------------------------------------------------------------------------ trainer
-ARGS = ["--config", "configs/tiny_cpu.yaml", "sft.steps=4", "sft.batch_size=16", "rl.steps=4",
-        "rl.prompts_per_step=4", "rl.group_size=4", "rl.mini_batches=1", "rl.eval_every=2", "rl.eval_samples=1",
-        "data.train_size=200", "data.eval_size=20", "log.progress=false", "log.plots=false",
-        "log.tensorboard=false", "threads=1", "checkpoint.every_steps=2",
-        "reward.name=digit_match"]  # partial credit: nonzero advantages from step 0, so the policy moves
-VOLATILE = ("time/", "throughput/")
+# the resume tests' tiny run, with one mini-batch per step (step 0's update is then at the reference weights)
+ARGS = [*RESUME_ARGS, "rl.steps=4", "rl.mini_batches=1"]
 TRAINING = ("loss", "grad_norm", "ratio/mean", "kl/approx_old", "entropy/mean", "clip/seq_frac", "clip/tok_frac",
             "reward/mean")
 
 
-def _env():
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _cmd(out_dir, name, *extra):
     return [sys.executable, "-m", "megagspo.cli", "train", *ARGS, f"log.out_dir={out_dir}", f"name={name}", *extra]
-
-
-def _run(cmd, rc=0, timeout=240):
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == rc, f"{' '.join(cmd)} -> {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
 
 
 def _rl_rows(run_dir):
