@@ -210,43 +210,33 @@ class Trainer:
     def _start_reference(self) -> None:
         """Collective: reference := the policy's full state now (start of RL); rank 0 writes it to
         <run>/reference.safetensors (atomic, checksummed) so that a resume gets the same reference."""
-        from megagspo.checkpoint import CheckpointError, save_reference
-
         full = self.policy.full_state_dict()
         self.reference.load_full_state_dict(full)
-        box = [None]
-        if self.rank == 0:
-            try:
-                save_reference(self.cfg.run_dir(), full, self.ckpt.run_id)
-            except OSError as exc:
-                box[0] = (f"writing the KL reference weights under {self.cfg.run_dir()} failed "
-                          f"({type(exc).__name__}: {exc})")
-        if self.world > 1:
-            torch.distributed.broadcast_object_list(box, src=0)  # every rank stops together on a failure
-        if box[0]:
-            raise CheckpointError(box[0])
+        self._save_reference_on_rank0(self.cfg.run_dir(), full, "writing the KL reference weights under")
         self._reference_ready = True
+
+    def _save_reference_on_rank0(self, run_dir: str, full: dict, what: str) -> None:
+        """Collective: rank 0 writes the reference; a failure (disk full, quota) stops every rank together."""
+        from megagspo.checkpoint import CheckpointError, save_reference
+
+        def write():
+            try:
+                save_reference(run_dir, full, self.ckpt.run_id)
+            except OSError as exc:
+                raise CheckpointError(f"{what} {run_dir} failed ({type(exc).__name__}: {exc})") from None
+
+        self._from_rank0("the KL reference write", write)
 
     def _resume_reference(self) -> None:
         """Collective: the reference weights of the run the resumed checkpoint belongs to (its folder may be
         another run's: checkpoint.resume can name one). Rank 0 verifies size, sha256 and run id once and
         shares the verdict (no rank is left in a collective when the file is bad); every rank then loads
         its shards. A reference read from another run's folder is copied into this run's."""
-        from megagspo.checkpoint import CheckpointError, load_safetensors, save_reference, verify_reference
+        from megagspo.checkpoint import CheckpointError, load_safetensors, verify_reference
 
         # <run>/checkpoints/step_XXXXXX -> <run>
         source_dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume["path"])))
-        box = [None, None]
-        if self.rank == 0:
-            try:
-                box[0] = verify_reference(source_dir, self.ckpt.run_id)
-            except CheckpointError as exc:
-                box[1] = str(exc)
-        if self.world > 1:
-            torch.distributed.broadcast_object_list(box, src=0)
-        path, failure = box
-        if failure:
-            raise CheckpointError(failure)
+        path = self._from_rank0("the KL reference check", lambda: verify_reference(source_dir, self.ckpt.run_id))
         full = load_safetensors(path)
         try:
             self.reference.load_full_state_dict(full)
@@ -254,16 +244,7 @@ class Trainer:
             raise CheckpointError(f"the KL reference weights {path} do not fit this model: {exc}") from None
         here = os.path.abspath(self.cfg.run_dir())
         if source_dir != here:
-            box = [None]
-            if self.rank == 0:
-                try:
-                    save_reference(here, full, self.ckpt.run_id)
-                except OSError as exc:
-                    box[0] = f"copying the KL reference weights into {here} failed ({type(exc).__name__}: {exc})"
-            if self.world > 1:
-                torch.distributed.broadcast_object_list(box, src=0)
-            if box[0]:
-                raise CheckpointError(box[0])
+            self._save_reference_on_rank0(here, full, "copying the KL reference weights into")
         self._reference_ready = True
 
     # ------------------------------------------------------------------------------------------- utils
@@ -286,15 +267,21 @@ class Trainer:
         return self._from_tp_rank0("rollout generation", lambda: self.engine.generate(prompts, n, sampling))
 
     def _from_tp_rank0(self, what: str, fn):
-        """fn() on TP rank 0 only, its result broadcast to the TP peers. If fn raises, TP rank 0 broadcasts the
-        error instead and re-raises it, and each peer raises the same exception type (RuntimeError where that
-        type cannot be rebuilt from a message) naming the rank-0 failure: no peer is left blocked."""
+        """fn() on TP rank 0 only, its result broadcast to the TP peers (see _from_rank0)."""
+        return self._from_rank0(what, fn, self.policy.tp_group)
+
+    def _from_rank0(self, what: str, fn, group=None):
+        """fn() on rank 0 of `group` (None: every process) only, its result broadcast to the group. If fn
+        raises, rank 0 broadcasts the error instead and re-raises it, and each peer raises the same exception
+        type (RuntimeError where that type cannot be rebuilt from a message) naming the rank-0 failure: no
+        peer is left blocked in a collective."""
         import pickle
 
-        policy = self.policy
-        src = torch.distributed.get_global_rank(policy.tp_group, 0)
+        if torch.distributed.get_world_size(group) == 1:
+            return fn()
+        src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
         box, error = [None], None
-        if policy.tp_rank == 0:
+        if torch.distributed.get_rank(group) == 0:
             try:
                 box = [(True, fn())]
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers are told
@@ -304,14 +291,15 @@ class Trainer:
                 except Exception:  # noqa: BLE001
                     cls = RuntimeError
                 box = [(False, (cls, f"{type(exc).__name__}: {exc}"))]
-        torch.distributed.broadcast_object_list(box, src=src, group=policy.tp_group)
+        torch.distributed.broadcast_object_list(box, src=src, group=group)
         ok, payload = box[0]
         if error is not None:
             raise error
         if ok:
             return payload
         cls, message = payload
-        message = f"{what} failed on tensor-parallel rank 0 (global rank {src}): {message}"
+        where = "tensor-parallel rank 0" if group is not None else "rank 0"
+        message = f"{what} failed on {where} (global rank {src}): {message}"
         try:
             peer_error = cls(message)
         except Exception:  # noqa: BLE001 - a type that is not built from one message
