@@ -14,8 +14,14 @@ import megagspo.kernels as K
 TOL = {
     torch.float64: (1e-11, 1e-10),
     torch.float32: (2e-5, 1e-4),  # the GEMMs dominate: same as a float32 torch run
-    torch.bfloat16: (5e-2, 3e-2),  # bf16 GEMM outputs (logits and their gradient) in both paths
 }
+# bf16 logits are rounded to 8 mantissa bits by the GEMM itself, so the error against float64 is set by the
+# inputs (it reached 0.094 on a 3.6 gradient entry), not by the kernel. What the kernel owes is to be as
+# accurate as the naive bf16 path: ||fused - f64|| <= LOWP_RATIO ||naive - f64|| + LOWP_FLOOR ||f64||.
+# Measured over 1000 seeds per shape the ratio is <= 1.00 for logp / entropy / d hidden and <= 1.20 for
+# d weight, whose per-chunk products are rounded to bf16 before their float32 sum.
+LOWP_RATIO, LOWP_FLOOR = 1.5, 1e-3
+LOWP_MAX_REL = 0.1  # and never worse than 10% relative (norm) error, whatever the naive path does
 
 pytestmark = pytest.mark.skipif(not K.fused_available("cpu"), reason="megagspo._C not built (make ext)")
 
@@ -44,12 +50,25 @@ def test_matches_naive(T, H, V, chunk, dtype):
     g_lp, g_h = torch.randn(T), torch.randn(T)
     fused = _run(K.linear_token_logprobs, hidden, weight, target, g_lp, g_h, chunk_size=chunk, impl="fused")
     ref = _run(K.linear_token_logprobs, hidden.double(), weight.double(), target, g_lp, g_h, impl="reference")
-    atol, rtol = TOL[dtype]
-    for name, a, b in zip(["logp", "entropy", "d hidden", "d weight"], fused, ref):
-        assert a.shape == b.shape
-        assert torch.allclose(a.double(), b, atol=atol, rtol=rtol), (
-            f"{name} ({dtype}, T={T} V={V} chunk={chunk}): max diff {(a.double() - b).abs().max().item():.3e} "
-            f"(seed {seed})")
+    names = ["logp", "entropy", "d hidden", "d weight"]
+    if dtype in TOL:
+        atol, rtol = TOL[dtype]
+        for name, a, b in zip(names, fused, ref):
+            assert a.shape == b.shape
+            assert torch.allclose(a.double(), b, atol=atol, rtol=rtol), (
+                f"{name} ({dtype}, T={T} V={V} chunk={chunk}): max diff {(a.double() - b).abs().max().item():.3e} "
+                f"(seed {seed})")
+    else:
+        naive = _run(K.linear_token_logprobs, hidden, weight, target, g_lp, g_h, impl="reference")
+        for name, a, n, b in zip(names, fused, naive, ref):
+            assert a.shape == b.shape and a.dtype == n.dtype
+            err_fused, err_naive = (a.double() - b).norm().item(), (n.double() - b).norm().item()
+            scale = b.norm().item()
+            assert err_fused <= LOWP_RATIO * err_naive + LOWP_FLOOR * scale, (
+                f"{name} ({dtype}, T={T} V={V} chunk={chunk}): fused error {err_fused:.3e} vs naive {dtype} error "
+                f"{err_naive:.3e} (norm of the float64 result {scale:.3e}; seed {seed})")
+            assert err_fused <= LOWP_MAX_REL * scale, (
+                f"{name} ({dtype}): relative error {err_fused / scale:.3e} > {LOWP_MAX_REL} (seed {seed})")
     assert (fused[0] <= 0).all()
 
 
