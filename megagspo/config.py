@@ -331,6 +331,7 @@ class RLConfig:
 class ParallelConfig:
     tensor_parallel: int = 1
     expert_parallel: int = 1
+    pipeline_parallel: int = 1      # layers split over stages; micro-batches run Megatron's 1F1B schedule
     token_dispatcher: str = "alltoall"
     # Cluster sizing, read by `megagspo plan` and `megagspo train --dry-run` (a run takes its world size
     # from torchrun; when world_size is set here, a run under another world size is refused).
@@ -340,6 +341,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _pos_int("parallel", "tensor_parallel", self.tensor_parallel)
         _pos_int("parallel", "expert_parallel", self.expert_parallel)
+        _pos_int("parallel", "pipeline_parallel", self.pipeline_parallel)
         _choice("parallel", "token_dispatcher", self.token_dispatcher, ("alltoall", "allgather"))
         _nonneg_int("parallel", "world_size", self.world_size)
         _num("parallel", "gpu_memory_gib", self.gpu_memory_gib, 0.0, lo_open=True)

@@ -27,7 +27,8 @@ class DryRunReport:
     def text(self, cfg: Config) -> str:
         p = cfg.parallel
         lines = [
-            f"recipe {cfg.name}: {self.world_size} ranks = TP {p.tensor_parallel} x EP {p.expert_parallel} "
+            f"recipe {cfg.name}: {self.world_size} ranks = TP {p.tensor_parallel} x PP {p.pipeline_parallel} x EP "
+            f"{p.expert_parallel} "
             f"(dense data-parallel {self.data_parallel})",
             f"model: {_count(self.total_params)} parameters, {_count(self.active_params)} active per token",
             f"checkpoint: {self.checkpoint}",
@@ -37,10 +38,21 @@ class DryRunReport:
             f"{self.micro_batch_tokens} tokens x {self.num_micro_batches} per rollout batch per rank "
             f"(loss {cfg.rl.loss}, routing replay {cfg.rl.routing_replay}, KL coef {cfg.rl.kl_coef:g}, log-prob "
             f"{'fused kernel' if cfg.rl.logprob_impl != 'torch' else 'naive torch'})",
+            *([_pipeline_line(p.pipeline_parallel, self.num_micro_batches // cfg.rl.mini_batches)]
+              if p.pipeline_parallel > 1 else []),
             f"per-GPU memory ({cfg.parallel.gpu_memory_gib:.0f} GiB GPUs):",
             self.plan.table(),
         ]
         return "\n".join(lines)
+
+
+def _pipeline_line(stages: int, micro_batches: int) -> str:
+    """1F1B keeps every stage busy except for a fill/drain bubble of (PP - 1) / (M + PP - 1) of the step."""
+    bubble = (stages - 1) / (micro_batches + stages - 1)
+    advice = "" if micro_batches >= 2 * stages else \
+        f"; lower rl.micro_batch_size for at least {2 * stages} micro-batches per mini-batch"
+    return (f"pipeline: {stages} stages, {micro_batches} micro-batch(es) per mini-batch through the 1F1B schedule, "
+            f"idle bubble {bubble:.0%} of each update{advice}")
 
 
 def _count(n: int) -> str:
@@ -73,7 +85,8 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     else:
         vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
     arch = cfg.model.architecture(vocab_size)
-    layout = ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel)
+    layout = ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
+                            pipeline_parallel=cfg.parallel.pipeline_parallel)
     layout.check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
                        arch.num_key_value_heads, arch.vocab_size)
 

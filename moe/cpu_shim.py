@@ -17,6 +17,15 @@ exactly six things (shared/notes/platform.md lists the failures they answer) and
    memory (`FileSystemWriterAsync.preload_tensors`): a no-op (CPU tensors are already on the host and CPU
    ops are synchronous).
 
+Besides these global patches, two scoped ones apply only inside a `with` block, only without CUDA:
+- `tensor_cuda_as_identity()`, which `moe.model.build_model` enters only around the GPTModel constructor with
+  tied word embeddings and pipeline parallelism: Megatron's `LanguageModule.setup_embeddings_and_output_layer`
+  moves the last stage's embedding copy to the GPU (`weight.data.cuda()`) before all-reducing it from the
+  first stage; on a CUDA-less host it stays on the CPU.
+- `pipeline_schedule_on_cpu()`, which the trainer's policy enters around Megatron's 1F1B pipeline schedule:
+  the schedule builds its token counter with `torch.zeros([], device="cuda")`; the schedules module then
+  sees a `torch` whose `zeros` puts device="cuda" tensors on the CPU (nothing else changes, nowhere else).
+
 Every patched symbol is checked against the signature it had when this shim was written
 (`verify_patch_targets`), so a Megatron upgrade that moves or reshapes one fails loudly here instead of
 misbehaving later. The settings a CPU run needs besides the patches are in `CPU_TRANSFORMER_SETTINGS`.
@@ -277,6 +286,31 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
     return list(changes)
 
 
+@contextlib.contextmanager
+def tensor_cuda_as_identity():
+    """Within the block, on a host without CUDA, `Tensor.cuda()` returns the tensor itself (CPU stays CPU)
+    instead of raising; restored on exit. Does nothing where CUDA is available. Checks that Megatron still
+    makes the call it is for (LanguageModule.setup_embeddings_and_output_layer, tied embeddings at PP > 1)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    if "weight.data.cuda()" not in inspect.getsource(LanguageModule.setup_embeddings_and_output_layer):
+        raise MegatronShimError("CPU shim: LanguageModule.setup_embeddings_and_output_layer no longer calls "
+                                "weight.data.cuda(); tensor_cuda_as_identity may be obsolete — review moe/cpu_shim.py")
+    original = torch.Tensor.cuda
+
+    def cuda(self, *args, **kwargs):
+        return self
+
+    torch.Tensor.cuda = cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
 def _config_without_sequence_parallel(config):
     import copy
 
@@ -295,3 +329,38 @@ def initialize_cpu_rng(seed: int) -> None:
 
     torch.manual_seed(seed)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+class _ScheduleTorch:
+    """torch as Megatron's pipeline schedules see it on a CUDA-less host: `torch.zeros(..., device="cuda")`
+    (their token counter) is made on the CPU; every other name is torch's own."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+@contextlib.contextmanager
+def pipeline_schedule_on_cpu():
+    """Within the block, on a host without CUDA, Megatron's pipeline schedules (`schedules.py`) build their
+    token counter (`torch.zeros([], device="cuda")`) on the CPU; restored on exit. Does nothing where CUDA is
+    available. Checks that the schedules still make that call."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    if 'torch.zeros([], dtype=torch.int, device="cuda")' not in inspect.getsource(
+            schedules.forward_backward_pipelining_without_interleaving):
+        raise MegatronShimError("CPU shim: forward_backward_pipelining_without_interleaving no longer builds its "
+                                "token counter on 'cuda'; pipeline_schedule_on_cpu may be obsolete — review "
+                                "moe/cpu_shim.py")
+    original = schedules.torch
+    schedules.torch = _ScheduleTorch()
+    try:
+        yield
+    finally:
+        schedules.torch = original

@@ -11,13 +11,16 @@ backend (torch.distributed.checkpoint underneath), one file per rank (`thread_co
 
 Model: `model.sharded_state_dict()` (Megatron's own sharding metadata: global shapes, offsets over TP / EP /
 PP, replica ids) minus the empty `_extra_state` objects of the local linear layers. Loading goes against
-the *current* model's `sharded_state_dict()`, so a folder written at one layout (EP=2) loads at another
-(EP=1): every rank reads just its slices from whichever files hold them.
+the *current* model's `sharded_state_dict()`, so a folder written at one layout (EP=2, PP=2) loads at
+another (EP=1, PP=1): every rank reads just its slices from whichever files hold them. Megatron keys the
+decoder layers by their global number, so pipeline stages (even or uneven splits) need nothing extra; with
+tied embeddings at PP > 1 the last stage's copy is saved under the embedding's key as a non-main replica.
 
 Optimizer (a plain torch Adam/AdamW): the per-parameter moments `exp_avg` / `exp_avg_sq` become
 ShardedTensors that copy their parameter's metadata under the key `optimizer.state.<moment>.<param key>`
-(Megatron's `make_sharded_optimizer_tensor`), so they reshard exactly like the weights. The common part
-holds the param-group hyper-parameters and every parameter's step count under its full (TP=EP=1) name.
+(Megatron's `make_sharded_optimizer_tensor`), so they reshard exactly like the weights (global layer
+number, expert index and replica id included). The common part holds the param-group hyper-parameters and
+every parameter's step count under its full (TP=EP=PP=1) name (`moe.sharding.full_names`).
 
 Saving is synchronous, and its file writing runs in the calling process. Megatron's torch_dist writer
 (`FileSystemWriterAsync`) forks one writer process per file and collects results through a queue made by a
@@ -341,19 +344,12 @@ def load_model(model, directory: str) -> None:
 
 
 def full_names(model) -> Dict[str, str]:
-    """local parameter name -> its full-model (TP=EP=1) name (experts by global index, layers by global
-    number), as moe.sharding names them."""
-    from megatron.core import parallel_state as ps
+    """local parameter name -> its full-model (TP=EP=PP=1) name (experts by global index, layers by global
+    number through Megatron's layer offset, a tied embedding's last-stage copy as the embedding), as
+    moe.sharding names them."""
+    from moe.sharding import full_names as sharding_full_names
 
-    from moe.sharding import RankCoordinates, _num_local_experts, local_to_full_name
-
-    coords = RankCoordinates.current()
-    num_local = _num_local_experts(model)
-    pp_size = ps.get_pipeline_model_parallel_world_size()
-    layers_per_stage = model.config.num_layers // pp_size if pp_size > 1 else 0
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    return {name: local_to_full_name(name, coords, num_local, layers_per_stage, pp_rank)
-            for name, _ in model.named_parameters()}
+    return sharding_full_names(model)
 
 
 def _first_sharded_tensor(value):
@@ -370,7 +366,7 @@ def _first_sharded_tensor(value):
 def model_index(model) -> Dict[str, dict]:
     """Collective. full parameter name -> {"key", "offset"}: the checkpoint key holding it and its index on
     that key's prepended axes (experts: the global expert index), so a single process can rebuild the full
-    TP=EP=1 state dict from the shards (`read_full_state_dict`). Identical on every rank."""
+    TP=EP=PP=1 state dict from the shards (`read_full_state_dict`). Identical on every rank."""
     sd = model_sharded_state_dict(model)
     names = full_names(model)
     local = {}
@@ -391,7 +387,7 @@ def model_index(model) -> Dict[str, dict]:
 
 
 def read_full_state_dict(directory: str, index: Dict[str, dict]) -> Dict[str, torch.Tensor]:
-    """The full TP=EP=1 state dict (full name -> tensor) from a model folder, in one process without any
+    """The full TP=EP=PP=1 state dict (full name -> tensor) from a model folder, in one process without any
     process group: each key's global tensor is read from all rank files, then split by `index`."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load

@@ -5,6 +5,8 @@ Shape legend: B batch, S sequence length, V vocabulary (V/TP per rank with tenso
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from moe.architecture import Qwen3MoeArchitecture, transformer_config
@@ -64,18 +66,27 @@ def build_model(
         routing_replay=routing_replay,
         **config_overrides,
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(config, use_transformer_engine),
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
-    )
+    # With tie_word_embeddings and PP > 1 the last stage holds a copy of the embedding as output_layer.weight,
+    # made equal to the first stage's by Megatron (an all-reduce over the embedding group that first moves it
+    # with .cuda(): kept on the CPU here) and kept equal by moe.grads.reduce_gradients.
+    construct = contextlib.nullcontext()
+    if cpu and arch.tie_word_embeddings and layout.pipeline_parallel > 1:
+        from moe.cpu_shim import tensor_cuda_as_identity
+
+        construct = tensor_cuda_as_identity()
+    with construct:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config, use_transformer_engine),
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        )
     if not cpu:
         model = model.cuda(torch.cuda.current_device())
     return model

@@ -83,3 +83,40 @@ def test_cuda_host_is_left_alone(monkeypatch):
     monkeypatch.setattr(shim, "_APPLIED", [])
     assert shim.apply_cpu_shim() == []
     assert not shim.is_applied()
+
+
+def test_pipeline_schedule_shim_is_scoped_to_the_schedules_module():
+    """Inside the block the schedules' `torch.zeros(device="cuda")` lands on the CPU (this host has no CUDA);
+    torch itself, and the schedules after the block, are untouched; a Megatron that no longer makes the call
+    is reported instead of patched."""
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+
+    from moe import cpu_shim
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host: the shim does nothing there (checked by test_cuda_host_is_left_alone)")
+    original = schedules.torch
+    with cpu_shim.pipeline_schedule_on_cpu():
+        counter = schedules.torch.zeros([], dtype=torch.int, device="cuda")
+        assert counter.device.type == "cpu" and counter.dtype == torch.int
+        assert schedules.torch.distributed is torch.distributed and schedules.torch.Tensor is torch.Tensor
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.zeros([], device="cuda")  # torch itself is not patched
+    assert schedules.torch is original
+
+
+def test_pipeline_schedule_shim_refuses_a_changed_megatron(monkeypatch):
+    from megatron.core.pipeline_parallel import schedules
+
+    import torch
+
+    from moe import cpu_shim
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host: the shim does nothing there (checked by test_cuda_host_is_left_alone)")
+    monkeypatch.setattr(cpu_shim.inspect, "getsource", lambda obj: "def forward_backward(): pass")
+    with pytest.raises(cpu_shim.MegatronShimError, match="token counter"):
+        with cpu_shim.pipeline_schedule_on_cpu():
+            pass
+    assert schedules.torch.__name__ == "torch"

@@ -234,8 +234,8 @@ def test_import_export_bit_for_bit_at_pp2_and_bf16_tp2_ep2(tmp_path):
     """PP=2 (dense layer 0 then MoE; decoder_sparse_step=2), TP=2+EP=2 and TP=2+ETP=2 in bfloat16 with the fused layout:
     every rank reads exactly its shard; the export equals the input tensor for tensor, bit for bit."""
     mixed = make_hf_model(MIXED, seed=3)
-    # (tied embeddings at PP>1 cannot be built on CPU: Megatron's setup_embeddings_and_output_layer calls
-    # .cuda() on the last stage's head copy; tied models are covered at TP/EP layouts in test_hf_parity.py)
+    # (tied models are covered at TP/EP layouts in test_hf_parity.py and at PP=2 in
+    # tests/test_pipeline_parallel_moe.py)
     sparse = make_hf_model(dict(MIXED, decoder_sparse_step=2), seed=4)
     bf16 = make_hf_model(dict(num_experts=8, num_experts_per_tok=2), seed=5, dtype=torch.bfloat16)
     sources = {

@@ -26,7 +26,7 @@ def _megagspo(*args, timeout=180, env=None):
 def test_recipes_exist_for_the_cluster_and_the_cpu():
     names = {os.path.basename(p) for p in RECIPES}
     assert {"tiny_cpu.yaml", "qwen3_30b_a3b_gspo.yaml", "qwen3_30b_a3b_gspo_16gpu.yaml",
-            "qwen3_30b_a3b_grpo_r2.yaml", "qwen3_30b_a3b_grpo_no_replay.yaml"} <= names
+            "qwen3_30b_a3b_gspo_16gpu_pp2.yaml", "qwen3_30b_a3b_grpo_r2.yaml", "qwen3_30b_a3b_grpo_no_replay.yaml"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -41,12 +41,32 @@ def test_30b_gspo_recipe_has_the_paper_settings_and_a_plan_that_fits():
     proc = _megagspo("plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "30.53B parameters, 3.35B active" in proc.stdout
-    assert "8 ranks = TP 1 x EP 8" in proc.stdout
+    assert "8 ranks = TP 1 x PP 1 x EP 8" in proc.stdout
     import yaml
 
     with open(os.path.join(REPO, "configs/qwen3_30b_a3b_gspo.yaml")) as f:
         rl = yaml.safe_load(f)["rl"]
     assert (rl["loss"], rl["clip_low"], rl["clip_high"], rl["mini_batches"], rl["kl_coef"]) == ("gspo", 3e-4, 4e-4, 4, 0.0)
+
+
+def test_16gpu_pp2_recipe_differs_from_the_ep16_one_only_in_layout_and_plans_its_bubble():
+    import yaml
+
+    with open(os.path.join(REPO, "configs/qwen3_30b_a3b_gspo_16gpu.yaml")) as f:
+        ep16 = yaml.safe_load(f)
+    with open(os.path.join(REPO, "configs/qwen3_30b_a3b_gspo_16gpu_pp2.yaml")) as f:
+        pp2 = yaml.safe_load(f)
+    assert pp2["parallel"] == dict(ep16["parallel"], pipeline_parallel=2, expert_parallel=8)
+    assert pp2["rl"].pop("micro_batch_size") == 2
+    for cfg in (ep16, pp2):
+        cfg.pop("name"), cfg.pop("parallel")
+    assert pp2 == ep16
+    proc = _megagspo("plan", "--config", "configs/qwen3_30b_a3b_gspo_16gpu_pp2.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "16 ranks = TP 1 x PP 2 x EP 8 (dense data-parallel 8)" in proc.stdout
+    # 32 prompts x 8 / 8 DP ranks / 4 mini-batches = 8 sequences -> 4 micro-batches of 2: bubble 1 / (4 + 1)
+    assert "pipeline: 2 stages, 4 micro-batch(es) per mini-batch" in proc.stdout and "bubble 20%" in proc.stdout
+    assert "total (first stage)" in proc.stdout
 
 
 def test_grpo_arms_differ_only_in_routing_replay():

@@ -82,7 +82,8 @@ def test_short_run_grpo_with_r2_replay_and_rollout_old_logp(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("parallel", [[], ["parallel.expert_parallel=2"]], ids=["dp2", "dp2_ep2"])
+@pytest.mark.parametrize("parallel", [[], ["parallel.expert_parallel=2"], ["parallel.pipeline_parallel=2"]],
+                         ids=["dp2", "dp2_ep2", "pp2"])
 def test_torchrun_two_processes(tmp_path, parallel):
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
           "-m", "megagspo.cli", "train", "--config", "configs/tiny_cpu.yaml", *SHORT, *parallel, "threads=1",

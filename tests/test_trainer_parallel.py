@@ -87,6 +87,8 @@ def _run(trainer, rl_steps):
 
     policy.clip_grad_norm = capture_then_clip
     trainer.run_sft()
+    if trainer.reference is not None:  # as run_rl does: the KL reference is the policy at the start of RL
+        trainer._start_reference()
     rows = []
     for step in range(rl_steps):
         row = trainer.rl_step(step)
@@ -200,6 +202,90 @@ def test_tensor_parallel_run_equals_single_process(tmp_path, extra, layout):
         assert weights.keys() == ref_weights.keys()
         for name, ref in ref_weights.items():
             _close(weights[name], ref, f"seed {seed} rank {rank} weight {name}")
+        _metrics_close(rows, ref_rows, f"seed {seed} rank {rank}")
+
+
+def _pp_body(rank, world_size, out_dir, seed, init_path, extra, layout):
+    trainer = _trainer([*BASE, *TP_RUN, *extra, *layout, f"seed={seed}", f"model.init_from={init_path}",
+                        f"log.out_dir={out_dir}", "name=pp2"])
+    policy = trainer.policy
+    assert policy.pp_size == 2 and trainer.dp == 1
+    # The stages really are stages: the embedding on the first, the LM head on the last, one layer each.
+    names = {n for n, _ in policy.model.named_parameters()}
+    assert ("embedding.word_embeddings.weight" in names) == (rank == 0)
+    assert ("output_layer.weight" in names) == (rank == 1)
+    assert len(policy.model.decoder.layers) * 2 == trainer.arch.num_hidden_layers
+    return _run(trainer, rl_steps=2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("extra", [
+    ["rl.loss=gspo", "rl.kl_coef=0.1"],
+    ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.routing_replay=r2", "rl.micro_batch_size=2",
+     "sft.micro_batch_size=4"],
+    ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.routing_replay=r3", "rollout.record_routes=true"],
+], ids=["pp2_gspo_kl", "pp2_grpo_r2_micro_batches", "pp2_grpo_r3"])
+def test_pipeline_parallel_run_equals_single_process(tmp_path, extra):
+    """parallel.pipeline_parallel=2 on 2 gloo ranks (one layer per stage; micro-batches through Megatron's
+    1F1B schedule, activations and their gradients sent between stages): 2 SFT steps and 2 RL steps from the
+    same weights give the 1-process gradients, metrics and final weights on BOTH stages — with the KL
+    reference (a second pipelined model) in the first case, 4 micro-batches per mini-batch with R2 routes
+    recorded and replayed stage by stage in the second, and the engine's all-layer R3 routes sliced to each
+    stage's layers in the third."""
+    seed = _fresh_seed()
+    init_path = str(tmp_path / "init.safetensors")
+    ref_rows, ref_weights, ref_grads = run_distributed(
+        _reference_body, world_size=1, args=(str(tmp_path / "ref"), seed, init_path, extra), timeout_s=240)[0]
+    reports = run_distributed(_pp_body, world_size=2,
+                              args=(str(tmp_path / "pp"), seed, init_path, extra, ["parallel.pipeline_parallel=2"]),
+                              timeout_s=300)
+    assert ref_rows[-1]["grad_norm"] > 0
+    for rank, (rows, weights, grads) in enumerate(reports):
+        _grads_close(grads, ref_grads, f"seed {seed} stage {rank}")
+        assert weights.keys() == ref_weights.keys()
+        for name, ref in ref_weights.items():
+            _close(weights[name], ref, f"seed {seed} stage {rank} weight {name}")
+        _metrics_close(rows, ref_rows, f"seed {seed} stage {rank}")
+
+
+def _dp2_body(rank, world_size, out_dir, seed, init_path, layout):
+    """Data-parallel 2 at `layout`; without init_path, rank 0 writes the initial weights for the other run."""
+    from safetensors.torch import save_file
+
+    args = [*BASE, *TP_RUN, *PP_DP_RUN, *layout, f"seed={seed}", f"log.out_dir={out_dir}",
+            f"name=pp{len(layout)}"]
+    trainer = _trainer([*args, f"model.init_from={init_path}"] if layout else args)
+    assert trainer.dp == 2 and trainer.policy.pp_size == (2 if layout else 1)
+    if not layout:
+        full = trainer.policy.full_state_dict()
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in full.items()}, init_path)
+        torch.distributed.barrier()
+    return _run(trainer, rl_steps=2)
+
+
+# 2 micro-batches per mini-batch (and per SFT batch) on each data-parallel rank: Megatron's schedule scales
+# every micro-batch loss and the router aux loss by 1 / micro-batches, which the policy undoes exactly (the
+# DP factor goes through grad_scale_func)
+PP_DP_RUN = ["rl.loss=gspo", "rl.micro_batch_size=2", "sft.micro_batch_size=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipeline_parallel_with_data_parallel_equals_data_parallel_alone(tmp_path):
+    """PP=2 x DP=2 on 4 gloo ranks against DP=2 on 2: the same data-parallel split (prompts, sampling seeds),
+    so the 4-rank run must give the 2-rank run's gradients, weights and metrics on all four ranks."""
+    seed = _fresh_seed()
+    init_path = str(tmp_path / "init.safetensors")
+    ref = run_distributed(_dp2_body, world_size=2, args=(str(tmp_path / "dp2"), seed, init_path, []), timeout_s=300)
+    ref_rows, ref_weights, ref_grads = ref[0]
+    reports = run_distributed(_dp2_body, world_size=4, timeout_s=400,
+                              args=(str(tmp_path / "pp2dp2"), seed, init_path, ["parallel.pipeline_parallel=2"]))
+    assert ref_rows[-1]["grad_norm"] > 0
+    for rank, (rows, weights, grads) in enumerate(reports):
+        _grads_close(grads, ref_grads, f"seed {seed} rank {rank}")
+        for name, expected in ref_weights.items():
+            _close(weights[name], expected, f"seed {seed} rank {rank} weight {name}")
         _metrics_close(rows, ref_rows, f"seed {seed} rank {rank}")
 
 

@@ -83,21 +83,23 @@ def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict, rank: int, sample_
 
 # ------------------------------------------------------------------------------------- optimizer state
 def _expert_full_names(policy, local_name: str):
-    from moe.sharding import RankCoordinates, local_to_full_name
+    from moe.sharding import RankCoordinates, layer_offset, local_to_full_name
 
     coords = RankCoordinates.current()
     num_local = policy.arch.num_experts // policy.ep_size
-    return [local_to_full_name(local_name, dataclasses.replace(coords, ep_rank=r), num_local)
+    offset = layer_offset(policy.model)
+    return [local_to_full_name(local_name, dataclasses.replace(coords, ep_rank=r), num_local, offset)
             for r in range(policy.ep_size)]
 
 
 @torch.no_grad()
 def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
-    """AdamW state of every parameter under full (TP=EP=1) names and shapes, `<kind>/<full name>`; collective
-    over TP, expert-TP and EP, like the weights (for checks and tests: checkpoints store the moments sharded).
-    The moments go through the weights' own gather (policy.gather_full), so TP shards are concatenated like
-    their parameters; the step (a scalar per parameter) is gathered over EP for the experts."""
-    from moe.sharding import RankCoordinates, is_expert_param, local_to_full_name
+    """AdamW state of every parameter under full (TP=EP=PP=1) names and shapes, `<kind>/<full name>`;
+    collective over TP, expert-TP, EP and PP, like the weights (for checks and tests: checkpoints store the
+    moments sharded). The moments go through the weights' own gather (policy.gather_full), so TP shards are
+    concatenated like their parameters; the step (a scalar per parameter) is gathered over EP for the
+    experts, then over the pipeline stages."""
+    from moe.sharding import full_names, is_expert_param
 
     out: Dict[str, torch.Tensor] = {}
     if optimizer is None:
@@ -111,17 +113,24 @@ def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
     for kind in OPT_KINDS[:2]:
         full = policy.gather_full({name: optimizer.state[p][kind] for name, p in params.items()})
         out.update({f"{kind}/{name}": t for name, t in full.items()})
-    coords = RankCoordinates.current()
-    num_local = policy.arch.num_experts // policy.ep_size
+    local_full = full_names(policy.model)
+    steps: Dict[str, torch.Tensor] = {}
     for local_name, p in params.items():
+        if local_full[local_name] in steps:  # the last stage's copy of a tied embedding (PP > 1)
+            continue
         t = optimizer.state[p]["step"].detach().float().reshape(-1)
         if policy.ep_size > 1 and is_expert_param(local_name):
             parts = [torch.empty_like(t) for _ in range(policy.ep_size)]
             torch.distributed.all_gather(parts, t.contiguous(), group=policy.ep_group)
             names = _expert_full_names(policy, local_name)
         else:
-            parts, names = [t.clone()], [local_to_full_name(local_name, coords, num_local)]
-        out.update({f"step/{name}": part for name, part in zip(names, parts)})
+            parts, names = [t.clone()], [local_full[local_name]]
+        steps.update({f"step/{name}": part for name, part in zip(names, parts)})
+    if policy.pp_size > 1:  # one scalar per parameter: plain floats over the pipeline group
+        stages: list = [None] * policy.pp_size
+        torch.distributed.all_gather_object(stages, {k: float(v) for k, v in steps.items()}, group=policy.pp_group)
+        steps = {k: torch.tensor([v]) for stage in stages for k, v in stage.items()}
+    out.update(steps)
     return out
 
 
@@ -228,15 +237,21 @@ class CheckpointManager:
             self.say("optimizer hyper-parameters differ from the checkpoint's; the config's are used: "
                      + "; ".join(changed))
 
+    def _layout(self, trainer) -> dict:
+        p = self.cfg.parallel
+        return {"tensor_parallel": p.tensor_parallel, "expert_parallel": p.expert_parallel,
+                "pipeline_parallel": p.pipeline_parallel, "data_parallel": trainer.dp}
+
     def restore_rng_and_data(self, trainer, point: dict) -> None:
         state = point["state"]
         ds = state["data"]
         py = ds["rng"]
         trainer.train_ds.rng.setstate((py[0], tuple(py[1]), py[2]))
         trainer.train_ds._order = list(ds["order"])
-        layout_now = {"tensor_parallel": self.cfg.parallel.tensor_parallel,
-                      "expert_parallel": self.cfg.parallel.expert_parallel, "data_parallel": trainer.dp}
-        if state["world"] == self.world and state.get("layout") == layout_now:
+        layout_now = self._layout(trainer)
+        saved = dict(state.get("layout") or {})
+        saved.setdefault("pipeline_parallel", 1)  # written before pipeline parallelism existed
+        if state["world"] == self.world and saved == layout_now:
             tensors = load_safetensors(os.path.join(point["path"], RNG))
             restore_rng(tensors, state["rng"][self.rank], self.rank, trainer.sample_gen)
         else:
@@ -326,8 +341,7 @@ class CheckpointManager:
             tail = self.ck.metrics_tail
             state = {
                 "step": steps_done, "phase": phase, "run_id": self.run_id, "world": self.world,
-                "layout": {"tensor_parallel": self.cfg.parallel.tensor_parallel,
-                           "expert_parallel": self.cfg.parallel.expert_parallel, "data_parallel": trainer.dp},
+                "layout": self._layout(trainer),
                 "arch": arch_dict(trainer.arch), "tokenizer": self.cfg.data.tokenizer,
                 "dataset_size": len(ds), "config": _jsonable(self.cfg.to_dict()),
                 "data": {"rng": [py[0], list(py[1]), py[2]], "order": list(ds._order)},

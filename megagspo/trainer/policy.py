@@ -6,12 +6,19 @@ the vocab-parallel log-prob kernel (megagspo.kernels.token_logprobs with the TP 
 all-reduced, no [T, V] gather); the TP ranks of one data-parallel rank get identical log-probs, losses and
 metrics. With sequence parallelism S must be a multiple of TP (`seq_multiple`).
 
+Pipeline parallelism (`run_micro_batches`): with PP > 1 each rank holds a contiguous range of layers (the
+embedding on the first stage, the LM head on the last) and the micro-batches go through Megatron-Core's
+non-interleaved 1F1B schedule (`get_forward_backward_func`): activations and their gradients travel between
+stages by p2p, only the last stage computes log-probs and the loss, and its per-micro-batch results are
+returned there (None on the other stages). With PP = 1 the same call is a plain loop, unchanged.
+
 Legend: B rows, S sequence length (model input), V vocab (V/TP local), T = B*S tokens in storage order (b*S + s).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+import contextlib
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +32,8 @@ def setup_parallel(parallel_cfg, seed: int):
     if not torch.cuda.is_available():
         apply_cpu_shim()
     init_distributed()
-    layout = ParallelLayout(tensor_parallel=parallel_cfg.tensor_parallel, expert_parallel=parallel_cfg.expert_parallel)
+    layout = ParallelLayout(tensor_parallel=parallel_cfg.tensor_parallel, expert_parallel=parallel_cfg.expert_parallel,
+                            pipeline_parallel=parallel_cfg.pipeline_parallel)
     initialize_model_parallel(layout)
     initialize_cpu_rng(seed)
     return layout, torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -85,6 +93,15 @@ class MegatronPolicy:
         self.ep_group = ps.get_expert_model_parallel_group()
         self.ep_size = ps.get_expert_model_parallel_world_size()
         self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        # TP x PP: the ranks that hold one copy of the model together (rollouts are generated once per group)
+        self.mp_group = ps.get_model_parallel_group()
+        self.mp_size = torch.distributed.get_world_size(self.mp_group)
+        if self.pp_size > 1:
+            # Megatron's p2p buffers take this dtype; the shapes are fixed per call (seq_length, micro-batch)
+            self.model.config.pipeline_dtype = next(self.model.parameters()).dtype
         if frozen:
             self.replay = None
             return
@@ -100,7 +117,8 @@ class MegatronPolicy:
         (alone) changes with the split; TP ranks combine their sequence chunks inside Megatron's router."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / (self.dp_size * num_micro_batches)))
+        # shape [1], as Megatron's pipeline schedules set it (they copy_ a [1] tensor into this one)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([1.0 / (self.dp_size * num_micro_batches)]))
 
     # ---- forward ---------------------------------------------------------------------------------------
     def token_logprobs(self, input_ids_BS: torch.Tensor, targets_BS: torch.Tensor, unpadded_len: Optional[int] = None):
@@ -111,18 +129,115 @@ class MegatronPolicy:
         from changing any earlier position's log-prob."""
         from moe.model import forward_logits
 
-        seq_len = input_ids_BS.shape[1]
-        padding_BS = None
-        if unpadded_len is not None and unpadded_len < seq_len:
-            padding_BS = (torch.arange(seq_len, device=input_ids_BS.device) >= unpadded_len).expand_as(input_ids_BS)
-        logits_BSV = forward_logits(self.model, input_ids_BS, padding_mask_BS=padding_BS)
+        logits_BSV = forward_logits(self.model, input_ids_BS,
+                                    padding_mask_BS=self._padding_mask(input_ids_BS, unpadded_len))
         b, s, v = logits_BSV.shape
         logp_T, ent_T = self.logprobs_fn(logits_BSV.reshape(b * s, v), targets_BS.reshape(-1))
         return logp_T.reshape(b, s), ent_T.reshape(b, s)
 
-    def lm_loss(self, input_ids_BS, targets_BS, mask_BS, num_global_tokens, unpadded_len: Optional[int] = None):
-        logp_BS, _ = self.token_logprobs(input_ids_BS, targets_BS, unpadded_len)
-        return -(logp_BS * mask_BS).sum() / num_global_tokens
+    def _padding_mask(self, input_ids_BS: torch.Tensor, unpadded_len: Optional[int]):
+        seq_len = input_ids_BS.shape[1]
+        if unpadded_len is None or unpadded_len >= seq_len:
+            return None
+        return (torch.arange(seq_len, device=input_ids_BS.device) >= unpadded_len).expand_as(input_ids_BS)
+
+    def run_micro_batches(
+        self,
+        batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+        unpadded_len: Optional[int] = None,
+        *,
+        context: Optional[Callable[[int], ContextManager]] = None,
+        loss_fn: Optional[Callable] = None,
+    ) -> List:
+        """Forward (and with `loss_fn`, backward) of micro-batches i = 0..n-1 of (input_BS, target_BS), all of
+        one shape. `context(i)` is entered around micro-batch i's forward on every stage (routing record /
+        replay: each stage records or replays its own layers). Where the LM head is (the last stage; every
+        rank without PP) result i is `loss_fn(i, logp_BS, entropy_BS)[1]`, whose loss [0] is backpropagated
+        (gradients accumulate in .grad), or (logp_BS, entropy_BS) without `loss_fn` (forward only, no
+        autograd graph). On the other stages result i is None.
+
+        Scaling under PP: Megatron's schedule divides each micro-batch loss by the number of micro-batches and
+        sets the router aux-loss scale to grad_scale_func(1) / n. Our losses already divide by global counts
+        and the aux scale must be 1 / (DP * n) (`set_micro_batches`), so the loss is handed over multiplied by
+        DP * n and grad_scale_func divides by DP: the backpropagated loss is exactly the one loss_fn made."""
+        n = len(batches)
+        results: List = [None] * n
+        enter = context or (lambda i: contextlib.nullcontext())
+        train = loss_fn is not None
+        if self.pp_size == 1:
+            with torch.set_grad_enabled(train):
+                for i, (input_BS, target_BS) in enumerate(batches):
+                    with enter(i):
+                        logp_BS, ent_BS = self.token_logprobs(input_BS, target_BS, unpadded_len)
+                    if not train:
+                        results[i] = (logp_BS, ent_BS)
+                        continue
+                    loss, results[i] = loss_fn(i, logp_BS, ent_BS)
+                    loss.backward()
+            return results
+        return self._run_pipeline(batches, unpadded_len, enter, loss_fn, results)
+
+    def _run_pipeline(self, batches, unpadded_len, enter, loss_fn, results):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from moe.model import forward_logits
+
+        n = len(batches)
+        train = loss_fn is not None
+        batch, seq_len = batches[0][0].shape
+        for i, (input_BS, _) in enumerate(batches):
+            if tuple(input_BS.shape) != (batch, seq_len):
+                raise ValueError(f"pipeline micro-batch {i} has shape {tuple(input_BS.shape)}; micro-batch 0 has "
+                                 f"{(batch, seq_len)} (the p2p buffers are sized once per call)")
+        loss_multiplier = float(self.dp_size * n)
+        config = self.model.config
+        config.grad_scale_func = (lambda t: t / self.dp_size) if self.dp_size > 1 else None
+
+        def forward_step(data_iterator, model):
+            i = next(data_iterator)
+            input_BS, target_BS = batches[i]
+            with enter(i):
+                output = forward_logits(model, input_BS, padding_mask_BS=self._padding_mask(input_BS, unpadded_len))
+
+            def loss_func(logits_BSV, i=i, target_BS=target_BS):
+                b, s, v = logits_BSV.shape
+                logp_T, ent_T = self.logprobs_fn(logits_BSV.reshape(b * s, v), target_BS.reshape(-1))
+                logp_BS, ent_BS = logp_T.reshape(b, s), ent_T.reshape(b, s)
+                if not train:
+                    return logits_BSV.new_zeros(()), (i, (logp_BS, ent_BS))
+                loss, result = loss_fn(i, logp_BS, ent_BS)
+                return loss * loss_multiplier, (i, result)
+
+            return output, loss_func
+
+        from moe.cpu_shim import pipeline_schedule_on_cpu
+
+        with torch.set_grad_enabled(train), pipeline_schedule_on_cpu():
+            store = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(range(n)), model=[self.model],
+                num_microbatches=n, seq_length=seq_len, micro_batch_size=batch, forward_only=not train)
+        for i, result in store:
+            results[i] = result
+        return results
+
+    def from_last_stage(self, obj):
+        """A picklable object made on the last pipeline stage (metrics), on every stage of the pipeline."""
+        if self.pp_size == 1:
+            return obj
+        from megatron.core import parallel_state as ps
+
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                                group=self.pp_group)
+        return box[0]
+
+    def pp_sum(self, values: List[float]) -> List[float]:
+        """Per-stage counts (each stage holds its own layers) summed over the pipeline."""
+        if self.pp_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=self.pp_group)
+        return t.tolist()
 
     # ---- gradients -------------------------------------------------------------------------------------
     def reduce_grads(self) -> None:

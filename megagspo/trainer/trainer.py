@@ -8,13 +8,16 @@
        rank, 0 = all): forward (routes replayed under R2/R3), registered loss (GSPO eq. 6 / GSPO-token
        eq. 14 / GRPO eq. 2) normalised by GLOBAL counts of the mini-batch, backward (gradients accumulate);
        then once per mini-batch: gradients SUMMED over DP, global-norm clip, AdamW step
-    -> weights exported (full Megatron state: TP shards and EP experts gathered) -> rollout engine
+    -> weights exported (full Megatron state: TP shards, EP experts and PP stages gathered) -> rollout engine
     -> metrics (JSONL / TensorBoard / progress bar), held-out greedy accuracy every `eval_every` steps.
 
-Tensor parallelism: the TP ranks of one data-parallel rank get the same prompts and the same rollouts (TP
-rank 0 generates and broadcasts), sequences are right-padded to a multiple of TP (sequence parallelism; the
-alignment padding is kept out of the router aux loss), and metrics are summed over the data-parallel group
-only, so nothing is counted twice.
+Tensor and pipeline parallelism: the TP x PP ranks of one data-parallel rank (its model-parallel group) get
+the same prompts and the same rollouts (model-parallel rank 0 generates and broadcasts), sequences are
+right-padded to a multiple of TP (sequence parallelism; the alignment padding is kept out of the router aux
+loss), and metrics are summed over the data-parallel group only, so nothing is counted twice. Every pass
+over micro-batches goes through `MegatronPolicy.run_micro_batches` (Megatron's 1F1B schedule when PP > 1):
+log-probs, losses and metrics exist on the last stage, routes and volatility counts on every stage for its
+own layers (volatility is summed over the stages).
 
 Legend: B prompts, G samples per prompt, R = B*G responses, M mini-batches, S model input length,
 L response length, T = rows*S tokens in storage order (b*S + s).
@@ -44,11 +47,13 @@ def check_layout(cfg: Config, world: int) -> int:
     """Batch sizes against ranks and mini-batches, before any compute. -> data-parallel size."""
     tp = cfg.parallel.tensor_parallel
     ep = cfg.parallel.expert_parallel
+    pp = cfg.parallel.pipeline_parallel
     if cfg.parallel.world_size and world != cfg.parallel.world_size:
         raise ConfigError(f"parallel.world_size = {cfg.parallel.world_size} but {world} processes were started")
-    if world % tp or world % ep:
+    if world % (tp * pp) or world % (ep * pp):
         raise ConfigError(f"{world} processes do not divide into parallel.tensor_parallel={tp} x "
-                          f"parallel.expert_parallel={ep}")
+                          f"parallel.pipeline_parallel={pp} (and parallel.expert_parallel={ep} x "
+                          f"parallel.pipeline_parallel={pp})")
     num_experts = cfg.model.num_experts
     if cfg.model.arch_file:
         from moe.hf_config import architecture_from_hf_config
@@ -56,7 +61,7 @@ def check_layout(cfg: Config, world: int) -> int:
         num_experts = architecture_from_hf_config(cfg.model.arch_file).num_experts
     if num_experts % ep:
         raise ConfigError(f"model.num_experts={num_experts} is not divisible by parallel.expert_parallel={ep}")
-    dp = world // tp  # the TP ranks of one data-parallel rank share its prompts, rollouts and batches
+    dp = world // (tp * pp)  # the TP x PP ranks of one data-parallel rank share its prompts, rollouts and batches
     rl = cfg.rl
     if rl.prompts_per_step % dp:
         raise ConfigError(f"rl.prompts_per_step = {rl.prompts_per_step} does not divide over {dp} data-parallel ranks")
@@ -128,11 +133,13 @@ class Trainer:
         from moe.parallel import LayoutError, ParallelLayout
 
         try:
-            ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel
+            ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
+                           pipeline_parallel=cfg.parallel.pipeline_parallel
                            ).check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
                                          arch.num_key_value_heads, arch.vocab_size)
         except LayoutError as exc:
-            raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel do not fit the model: {exc}") from None
+            raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel / parallel.pipeline_parallel do "
+                              f"not fit the model: {exc}") from None
         from megagspo.checkpoint import with_time_limit
 
         self.reward_fn = with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
@@ -260,15 +267,16 @@ class Trainer:
         return time.perf_counter() - t0
 
     def _generate(self, prompts: list, n: int, sampling):
-        """The rollout engine's samples; under TP only TP rank 0 of each data-parallel rank generates and
-        broadcasts to its TP peers, so every rank of a TP group trains on the same rollouts."""
-        if self.policy.tp_size == 1:
+        """The rollout engine's samples; under TP / PP only rank 0 of each model-parallel group (the TP x PP
+        ranks of one data-parallel rank) generates and broadcasts to its peers, so that they all train on the
+        same rollouts."""
+        if self.policy.mp_size == 1:
             return self.engine.generate(prompts, n, sampling)
-        return self._from_tp_rank0("rollout generation", lambda: self.engine.generate(prompts, n, sampling))
+        return self._from_mp_rank0("rollout generation", lambda: self.engine.generate(prompts, n, sampling))
 
-    def _from_tp_rank0(self, what: str, fn):
-        """fn() on TP rank 0 only, its result broadcast to the TP peers (see _from_rank0)."""
-        return self._from_rank0(what, fn, self.policy.tp_group)
+    def _from_mp_rank0(self, what: str, fn):
+        """fn() on model-parallel rank 0 only, its result broadcast to the TP x PP peers (see _from_rank0)."""
+        return self._from_rank0(what, fn, self.policy.mp_group)
 
     def _from_rank0(self, what: str, fn, group=None):
         """fn() on rank 0 of `group` (None: every process) only, its result broadcast to the group. If fn
@@ -298,7 +306,7 @@ class Trainer:
         if ok:
             return payload
         cls, message = payload
-        where = "tensor-parallel rank 0" if group is not None else "rank 0"
+        where = "model-parallel rank 0" if group is not None else "rank 0"
         message = f"{what} failed on {where} (global rank {src}): {message}"
         try:
             peer_error = cls(message)
@@ -326,9 +334,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Greedy decoding on the held-out set (split over DP ranks); exact reward as accuracy. Under TP only
-        TP rank 0 decodes and scores (its peers hold the same engine weights); its counts are shared."""
-        if self.policy.tp_size > 1:
-            local = self._from_tp_rank0("held-out evaluation", self._evaluate_local)
+        model-parallel rank 0 decodes and scores (its TP x PP peers hold the same engine weights); its counts
+        are shared."""
+        if self.policy.mp_size > 1:
+            local = self._from_mp_rank0("held-out evaluation", self._evaluate_local)
         else:
             local = self._evaluate_local()
         total, correct, lengths, sampled_correct = self._all_sum(local)
@@ -394,15 +403,19 @@ class Trainer:
             inp, tgt, lmask, _ = build_sequences(prompt_ids, resp, mask, tok.pad_id, length=self._seq_length(natural))
             (n_tok,) = self._all_sum([float(lmask.sum())])
             model.zero_grad(set_to_none=True)
-            loss_local = 0.0
-            for rows in micro_rows:  # gradients accumulate; the loss divides by the GLOBAL token count
-                loss = self.policy.lm_loss(inp[rows], tgt[rows], lmask[rows].float(), n_tok, natural)
-                loss.backward()
-                loss_local += float(loss.detach())
+            lmask = lmask.float()
+
+            def lm_loss(i, logp_BS, _entropy_BS):  # gradients accumulate; divided by the GLOBAL token count
+                loss = -(logp_BS * lmask[micro_rows[i]]).sum() / n_tok
+                return loss, float(loss.detach())
+
+            losses = self.policy.run_micro_batches([(inp[rows], tgt[rows]) for rows in micro_rows], natural,
+                                                   loss_fn=lm_loss)
+            loss_local = sum(x for x in losses if x is not None)  # 0 on the stages without the LM head
             self.policy.reduce_grads()
             gnorm = self.policy.clip_grad_norm(cfg.grad_clip)
             opt.step()
-            (loss_sum,) = self._all_sum([loss_local])
+            (loss_sum,) = self._all_sum(self.policy.pp_sum([loss_local]))
             do_eval = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0
             if step % 10 == 0 or step == cfg.steps - 1 or do_eval:
                 row = {"phase": "sft", "step": step, "sft/loss": loss_sum, "sft/lr": lr, "grad_norm": float(gnorm)}
@@ -433,9 +446,21 @@ class Trainer:
             return self.policy.replay.replaying(routes)
         return contextlib.nullcontext()
 
+    def _recording_into(self, store: list, i: int):
+        """A context recording this stage's routes of one forward into store[i] ([T, L, K])."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def record():
+            with self.policy.replay.recording() as rec:
+                yield
+            store[i] = rec.routes
+
+        return record()
+
     def _engine_routes_TLK(self, routes_RPLyK, rows, seq_len):
-        """Engine routes of the given rows as [rows*S, L, K] in storage order; unfed positions get a fixed
-        valid route (their outputs are never scored)."""
+        """Engine routes of the given rows as [rows*S, L, K] in storage order, L = this pipeline stage's MoE
+        layers; unfed positions get a fixed valid route (their outputs are never scored)."""
         r = routes_RPLyK[rows].long()
         k = r.shape[-1]
         if r.shape[1] < seq_len:
@@ -444,7 +469,8 @@ class Trainer:
         r = r[:, :seq_len]
         filler = torch.arange(k).expand_as(r)
         r = torch.where(r < 0, filler, r)
-        return r.reshape(-1, r.shape[2], k).to(self.policy.replay.spec.dtype)
+        spec = self.policy.replay.spec
+        return spec.stage_slice(r.reshape(-1, r.shape[2], k)).to(spec.dtype)
 
     def rl_step(self, step: int) -> dict:
         from megagspo.algorithm import PackedBatch, group_advantages, merge_metrics
@@ -467,10 +493,10 @@ class Trainer:
         texts = [tok.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
         answers = [ex.answer for ex in prompts for _ in range(cfg.group_size)]
         rstats = RewardStats()
-        if self.policy.tp_size == 1:
+        if self.policy.mp_size == 1:
             scores = score_batch(self.reward_fn, texts, answers, rstats)
-        else:  # the verifier (time-limited, maybe non-deterministic) runs once per TP group: peers must agree
-            scores, rstats = self._from_tp_rank0(
+        else:  # the verifier (time-limited, maybe non-deterministic) runs once per TP x PP group: peers agree
+            scores, rstats = self._from_mp_rank0(
                 "reward scoring", lambda: (score_batch(self.reward_fn, texts, answers, rstats), rstats))
         rewards_R = torch.tensor(scores, dtype=torch.float32)
         adv_R = group_advantages(rewards_R, group_size=cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
@@ -492,34 +518,39 @@ class Trainer:
         tok_counts = self._all_sum([float(mask_RS[mb].sum()) for mb in mbs])
 
         replay = cfg.routing_replay
-        # ---- pi_old (per micro-batch: its log-probs and routes, [rows*S, L, K] in storage order) ----
+        policy = self.policy
+        # micro-batches in (k, j) order, flattened for the forward-only passes
+        flat = [(k, j, rows) for k, rows_k in enumerate(micro) for j, rows in enumerate(rows_k)]
+        flat_inputs = [(inp_RS[rows], tgt_RS[rows]) for _, _, rows in flat]
+        # ---- pi_old (per micro-batch: its log-probs on the LM-head stage, and routes of this stage's layers,
+        # [rows*S, L, K] in storage order) ----
         t2 = time.perf_counter()
         old_logp = [[None] * len(m) for m in micro]
         old_routes = [[None] * len(m) for m in micro]
         ref_logp = [[None] * len(m) for m in micro]  # stays None (no KL term, no extra forward) at kl_coef = 0
-        for k, rows_k in enumerate(micro):
-            for j, rows in enumerate(rows_k):
-                if cfg.old_logp == "recompute":
-                    with torch.no_grad():
-                        if replay == "r3":
-                            routes = self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len)
-                            with self._replay_ctx("replay", routes):
-                                lp, _ = self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
-                        else:
-                            with self._replay_ctx("record") as rec:
-                                lp, _ = self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
-                            routes = rec.routes
-                else:
-                    lp = rollout_logp_RS[rows]
-                    routes = (self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len)
-                              if out.routes_RPLyK is not None else None)
-                old_logp[k][j], old_routes[k][j] = lp, routes
-                if self.reference is not None:
-                    # log pi_ref: the frozen reference always routes with its own router, never replaying
-                    # (its model has no replay hooks): under R2/R3 the replayed routes are pi_old's / the
-                    # engine's, and the reference must stay the fixed start-of-RL policy, not follow them.
-                    with torch.no_grad():
-                        ref_logp[k][j], _ = self.reference.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
+        if cfg.old_logp == "recompute":
+            if replay == "r3":
+                engine_routes = [self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len) for _, _, rows in flat]
+                context = lambda i: self._replay_ctx("replay", engine_routes[i])  # noqa: E731
+            else:
+                recorded = [None] * len(flat)
+                context = lambda i: self._recording_into(recorded, i)  # noqa: E731
+            results = policy.run_micro_batches(flat_inputs, natural, context=context)
+            for i, (k, j, _) in enumerate(flat):
+                old_logp[k][j] = results[i][0] if results[i] is not None else None
+                old_routes[k][j] = engine_routes[i] if replay == "r3" else recorded[i]
+        else:
+            for k, j, rows in flat:
+                old_logp[k][j] = rollout_logp_RS[rows]
+                old_routes[k][j] = (self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len)
+                                    if out.routes_RPLyK is not None else None)
+        if self.reference is not None:
+            # log pi_ref: the frozen reference always routes with its own router, never replaying (its model
+            # has no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the
+            # reference must stay the fixed start-of-RL policy, not follow them.
+            results = self.reference.run_micro_batches(flat_inputs, natural)
+            for i, (k, j, _) in enumerate(flat):
+                ref_logp[k][j] = results[i][0] if results[i] is not None else None
         times["time/old_logp_s"] = time.perf_counter() - t2
 
         # ---- updates ----
@@ -529,18 +560,17 @@ class Trainer:
             g["lr"] = lr
         parts, gnorms = [], []
         vol_changed = vol_total = 0.0
-        model = self.policy.model
+        model = policy.model
         for k, rows_k in enumerate(micro):
             model.zero_grad(set_to_none=True)
             new_routes = [None] * len(rows_k)
-            for j, rows in enumerate(rows_k):
-                if replay in ("r2", "r3"):
-                    with self._replay_ctx("replay", old_routes[k][j]):
-                        logp, ent = self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
-                else:
-                    with self._replay_ctx("record") as rec:
-                        logp, ent = self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
-                    new_routes[j] = rec.routes
+            if replay in ("r2", "r3"):
+                context = lambda j, k=k: self._replay_ctx("replay", old_routes[k][j])  # noqa: E731
+            else:
+                context = lambda j: self._recording_into(new_routes, j)  # noqa: E731
+
+            def policy_loss(j, logp, ent, k=k, rows_k=rows_k):
+                rows = rows_k[j]
                 # GLOBAL normalisers (the whole mini-batch over all DP ranks): micro-batch losses add up to
                 # the mini-batch loss, and their accumulated gradients to its gradient
                 batch = PackedBatch.from_padded(
@@ -548,29 +578,31 @@ class Trainer:
                     old_logp_BL=old_logp[k][j] if cfg.old_logp == "recompute" else None,
                     rollout_logp_BL=rollout_logp_RS[rows], advantages_B=adv_R[rows],
                     num_global_tokens=max(tok_counts[k], 1.0), entropy_BL=ent, ref_logp_BL=ref_logp[k][j])
-                loss, metrics = self.loss_fn(batch, self.loss_cfg)
-                loss.backward()
-                parts.append(metrics)
-            self.policy.reduce_grads()
-            gnorms.append(float(self.policy.clip_grad_norm(cfg.grad_clip)))
+                return self.loss_fn(batch, self.loss_cfg)
+
+            results = policy.run_micro_batches([(inp_RS[rows], tgt_RS[rows]) for rows in rows_k], natural,
+                                               context=context, loss_fn=policy_loss)
+            parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
+            policy.reduce_grads()
+            gnorms.append(float(policy.clip_grad_norm(cfg.grad_clip)))
             self.optimizer.step()
             # expert volatility: top-k choices of this forward (under replay: a free forward of the updated
-            # policy) vs pi_old's on the same tokens, micro-batch by micro-batch
+            # policy) vs pi_old's on the same tokens, micro-batch by micro-batch, over this stage's layers
+            if old_routes[k][0] is None:
+                continue
+            if replay in ("r2", "r3"):
+                policy.run_micro_batches([(inp_RS[rows], tgt_RS[rows]) for rows in rows_k], natural,
+                                         context=lambda j: self._recording_into(new_routes, j))
             for j, rows in enumerate(rows_k):
-                if old_routes[k][j] is None:
-                    continue
-                if replay in ("r2", "r3"):
-                    with torch.no_grad(), self._replay_ctx("record") as rec2:
-                        self.policy.token_logprobs(inp_RS[rows], tgt_RS[rows], natural)
-                    new_routes[j] = rec2.routes
                 changed_L, total_L = volatility_counts(old_routes[k][j].long(), new_routes[j].long(),
                                                        mask_RS[rows].reshape(-1))
                 vol_changed += float(changed_L.sum())
                 vol_total += float(total_L.sum())
+        vol_changed, vol_total = policy.pp_sum([vol_changed, vol_total])
         times["time/train_s"] = time.perf_counter() - t3
         times["time/sync_s"] = self.sync_weights()
 
-        m = {k: float(v) for k, v in merge_metrics(parts).items()}
+        m = policy.from_last_stage({k: float(v) for k, v in merge_metrics(parts).items()} if parts else None)
         resp_len = out.response_mask_RL.sum(1).float()
         correct = float((rewards_R >= 1.0).sum())
         sums = self._all_sum([

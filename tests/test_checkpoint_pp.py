@@ -1,0 +1,80 @@
+"""Checkpoints of a pipeline-parallel run, with real trainers on 2 gloo ranks at parallel.pipeline_parallel=2
+(one layer per stage, micro-batches through Megatron's 1F1B schedule, AdamW):
+
+- each stage writes its own layers: the first stage's shard file holds the embedding and layer 0, the last
+  stage's the LM head and layer 1, under global layer numbers;
+- the checkpoint resumes in one process at PP=1 (another layout): weights and AdamW moments / steps after
+  loading equal the saved ones exactly;
+- a PP=2 run stopped after step 2 (SIGTERM on the last stage: finish the step, checkpoint, exit 143) and
+  resumed with checkpoint.resume=auto logs exactly the uninterrupted run's metrics and ends with its weights
+  and moments.
+"""
+
+import json
+import os
+
+import pytest
+
+from multiprocess import run_distributed
+from test_checkpoint_resume import ARGS, _assert_same_metrics, _rows
+from test_checkpoint_tp import DATA, _assert_equal, _reload_body, _trainer_body
+
+PP2 = [*ARGS[2:], "rl.steps=4", "checkpoint.every_steps=2", "parallel.pipeline_parallel=2"]
+
+
+@pytest.fixture(scope="module")
+def pp2_run(tmp_path_factory):
+    """The uninterrupted PP=2 run: 4 RL steps, its run folder, and its final gathered state (both stages)."""
+    out = tmp_path_factory.mktemp("pp2")
+    reports = run_distributed(_trainer_body, world_size=2, timeout_s=300, args=(str(out), "ref", PP2, 0))
+    (code, full, opt_full, shapes, resumed_at), other = reports
+    assert code == 0 and other[0] == 0 and resumed_at is None
+    _assert_equal(other[1], full, "stage 1's gathered weights")  # the stages agree on the full state
+    _assert_equal(other[2], opt_full, "stage 1's gathered AdamW state")
+    assert "embedding.word_embeddings.weight" in shapes and "output_layer.weight" in other[3]
+    assert sorted(os.listdir(out / "ref" / "checkpoints")) == ["step_000000", "step_000002", "step_000004"]
+    return out / "ref", full, opt_full
+
+
+@pytest.mark.multiprocess
+def test_pp2_stages_write_their_layers_and_resume_at_pp1(pp2_run):
+    from moe.dist_checkpoint import read_metadata_safely
+
+    run_dir, full, opt_full = pp2_run
+    ckpt = run_dir / "checkpoints" / "step_000004"
+    state = json.load(open(ckpt / "trainer_state.json"))
+    assert state["world"] == 2 and state["layout"]["pipeline_parallel"] == 2
+    md = read_metadata_safely(str(ckpt / "model"))
+    files = {}
+    for idx, info in md.storage_data.items():
+        files.setdefault(idx.fqn, set()).add(info.relative_path)
+    assert files["embedding.word_embeddings.weight"] == {"__0_0.distcp"}
+    assert files["output_layer.weight"] == {"__1_0.distcp"}
+    for layer, shard in ((0, "__0_0.distcp"), (1, "__1_0.distcp")):
+        held = [f for k, f in files.items() if k.startswith(f"decoder.layers.{layer}.")]
+        assert held and set().union(*held) == {shard}, (layer, held)
+
+    (got_full, got_opt, shapes), = run_distributed(_reload_body, world_size=1, timeout_s=240,
+                                                   args=(str(ckpt), [*DATA, "parallel.pipeline_parallel=1"]))
+    assert shapes == {n: tuple(t.shape) for n, t in full.items()}
+    assert len(opt_full) == 3 * len(full)
+    _assert_equal(got_full, full, "PP=1 weights")
+    _assert_equal(got_opt, opt_full, "PP=1 AdamW state")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pp2_run_stopped_and_resumed_equals_uninterrupted(pp2_run, tmp_path):
+    ref_dir, full, opt_full = pp2_run
+    stopped = run_distributed(_trainer_body, world_size=2, timeout_s=300, args=(str(tmp_path), "res", PP2, 2))
+    assert [r[0] for r in stopped] == [143, 143]
+    run_dir = tmp_path / "res"
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_000000", "step_000002"]
+    assert [r["step"] for r in _rows(run_dir) if r["phase"] == "rl"] == [0, 1]
+    resumed = run_distributed(_trainer_body, world_size=2, timeout_s=300,
+                              args=(str(tmp_path), "res", [*PP2, "checkpoint.resume=auto"], 0))
+    assert [(r[0], r[4]) for r in resumed] == [(0, 2), (0, 2)]
+    _assert_same_metrics(ref_dir, run_dir)
+    for rank, (_, got_full, got_opt, _, _) in enumerate(resumed):
+        _assert_equal(got_full, full, f"resumed stage {rank} final weights")
+        _assert_equal(got_opt, opt_full, f"resumed stage {rank} final AdamW state")
