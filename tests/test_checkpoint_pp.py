@@ -16,8 +16,9 @@ import os
 import pytest
 
 from multiprocess import run_distributed
-from test_checkpoint_resume import ARGS, _assert_same_metrics, _rows
-from test_checkpoint_tp import DATA, _assert_equal, _reload_body, _trainer_body
+from test_checkpoint_resume import ARGS
+from test_checkpoint_tp import (DATA, _assert_equal, _reload_body, _trainer_body,
+                                stopped_and_resumed_equals_uninterrupted)
 
 PP2 = [*ARGS[2:], "rl.steps=4", "checkpoint.every_steps=2", "parallel.pipeline_parallel=2"]
 
@@ -65,16 +66,4 @@ def test_pp2_stages_write_their_layers_and_resume_at_pp1(pp2_run):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_pp2_run_stopped_and_resumed_equals_uninterrupted(pp2_run, tmp_path):
-    ref_dir, full, opt_full = pp2_run
-    stopped = run_distributed(_trainer_body, world_size=2, timeout_s=300, args=(str(tmp_path), "res", PP2, 2))
-    assert [r[0] for r in stopped] == [143, 143]
-    run_dir = tmp_path / "res"
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_000000", "step_000002"]
-    assert [r["step"] for r in _rows(run_dir) if r["phase"] == "rl"] == [0, 1]
-    resumed = run_distributed(_trainer_body, world_size=2, timeout_s=300,
-                              args=(str(tmp_path), "res", [*PP2, "checkpoint.resume=auto"], 0))
-    assert [(r[0], r[4]) for r in resumed] == [(0, 2), (0, 2)]
-    _assert_same_metrics(ref_dir, run_dir)
-    for rank, (_, got_full, got_opt, _, _) in enumerate(resumed):
-        _assert_equal(got_full, full, f"resumed stage {rank} final weights")
-        _assert_equal(got_opt, opt_full, f"resumed stage {rank} final AdamW state")
+    stopped_and_resumed_equals_uninterrupted(*pp2_run, tmp_path, PP2)

@@ -171,23 +171,29 @@ def test_tp2_checkpoint_resumes_with_identical_weights_and_moments(tp2_run, tp):
         _assert_equal(got_opt, opt_full, f"TP={tp} rank {rank} AdamW state")
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_tp2_run_stopped_and_resumed_equals_uninterrupted(tp2_run, tmp_path):
-    ref_dir, full, opt_full, _ = tp2_run
-    stopped = run_distributed(_trainer_body, world_size=2, timeout_s=300, args=(str(tmp_path), "res", TP2, 2))
+def stopped_and_resumed_equals_uninterrupted(ref_dir, full, opt_full, tmp_path, overrides):
+    """A 2-rank run of `overrides` (4 RL steps, a checkpoint every 2) stopped by SIGTERM after RL step 2, then
+    resumed with checkpoint.resume=auto, logs the uninterrupted run's metrics and ends with its state."""
+    stopped = run_distributed(_trainer_body, world_size=2, timeout_s=300, args=(str(tmp_path), "res", overrides, 2))
     assert [r[0] for r in stopped] == [143, 143]  # the step finished, a checkpoint was written, exit 128 + 15
     run_dir = tmp_path / "res"
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_000000", "step_000002"]
     assert [r["step"] for r in _rows(run_dir) if r["phase"] == "rl"] == [0, 1]
     resumed = run_distributed(_trainer_body, world_size=2, timeout_s=300,
-                              args=(str(tmp_path), "res", [*TP2, "checkpoint.resume=auto"], 0))
+                              args=(str(tmp_path), "res", [*overrides, "checkpoint.resume=auto"], 0))
     # resumed from step_000002, not started over (a fresh CPU run would log the same metrics too)
     assert [(r[0], r[4]) for r in resumed] == [(0, 2), (0, 2)]
     _assert_same_metrics(ref_dir, run_dir)
     for rank, (_, got_full, got_opt, _, _) in enumerate(resumed):
         _assert_equal(got_full, full, f"resumed rank {rank} final weights")
         _assert_equal(got_opt, opt_full, f"resumed rank {rank} final AdamW state")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tp2_run_stopped_and_resumed_equals_uninterrupted(tp2_run, tmp_path):
+    ref_dir, full, opt_full, _ = tp2_run
+    stopped_and_resumed_equals_uninterrupted(ref_dir, full, opt_full, tmp_path, TP2)
 
 
 def _resume_into_tp2_body(rank, world_size, out_dir, name, overrides):

@@ -56,6 +56,14 @@ def test_batch_must_divide_over_ranks():
     cfg = load_config("configs/tiny_cpu.yaml", ["parallel.expert_parallel=3"])
     with pytest.raises(ConfigError, match="expert_parallel"):
         check_layout(cfg, 3)
+    # PP stages of one data-parallel rank share its batch: 4 ranks at PP=2 are 2 data-parallel ranks
+    cfg = load_config("configs/tiny_cpu.yaml", ["parallel.pipeline_parallel=2", "rl.prompts_per_step=4",
+                                                "rl.group_size=4", "rl.mini_batches=2"])
+    assert check_layout(cfg, 4) == 2
+    with pytest.raises(ConfigError, match=r"3 processes do not divide into .*parallel.pipeline_parallel=2"):
+        check_layout(cfg, 3)
+    with pytest.raises(ConfigError, match="parallel.pipeline_parallel must be a positive integer"):
+        load_config("configs/tiny_cpu.yaml", ["parallel.pipeline_parallel=0"])
 
 
 def test_override_syntax():
@@ -78,3 +86,16 @@ def test_every_recipe_in_configs_loads():
         assert all(os.path.isabs(p) for _, p in missing), (path, missing)
         if "tiny" in path:
             assert not missing and load_config(path)
+
+
+def test_pipeline_stages_must_split_the_layers(monkeypatch, tmp_path):
+    """3 stages cannot split the tiny model's 2 layers: refused naming the setting, before any process group
+    or model exists."""
+    from megagspo.trainer.trainer import Trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = load_config("configs/tiny_cpu.yaml", ["parallel.pipeline_parallel=3", "rl.prompts_per_step=4",
+                                                "rl.group_size=4", "rl.mini_batches=2", "data.train_size=50",
+                                                "data.eval_size=5", f"log.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"parallel.pipeline_parallel do not fit the model: .*num_hidden_layers"):
+        Trainer(cfg, quiet=True)

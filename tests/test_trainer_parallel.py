@@ -123,6 +123,18 @@ def _metrics_close(rows, ref_rows, what):
             assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{what} step {step} {key}: {row[key]} vs {value}"
 
 
+def _runs_match(reports, reference, what):
+    """Every rank's (rows, weights, grads) of `reports` equal the reference run's (see the tolerances above)."""
+    ref_rows, ref_weights, ref_grads = reference
+    assert ref_rows[-1]["grad_norm"] > 0
+    for rank, (rows, weights, grads) in enumerate(reports):
+        _grads_close(grads, ref_grads, f"{what} rank {rank}")
+        assert weights.keys() == ref_weights.keys()
+        for name, ref in ref_weights.items():
+            _close(weights[name], ref, f"{what} rank {rank} weight {name}")
+        _metrics_close(rows, ref_rows, f"{what} rank {rank}")
+
+
 # ------------------------------------------------------------------------------------ micro-batches
 def _accumulation_body(rank, world_size, out_dir, seed, extra):
     results = {}
@@ -192,17 +204,11 @@ def test_tensor_parallel_run_equals_single_process(tmp_path, extra, layout):
     from TP rank 0)."""
     seed = _fresh_seed()
     init_path = str(tmp_path / "init.safetensors")
-    ref_rows, ref_weights, ref_grads = run_distributed(
+    reference = run_distributed(
         _reference_body, world_size=1, args=(str(tmp_path / "ref"), seed, init_path, extra), timeout_s=240)[0]
     reports = run_distributed(_tp_body, world_size=2, args=(str(tmp_path / "tp"), seed, init_path, extra, layout),
                               timeout_s=300)
-    assert ref_rows[-1]["grad_norm"] > 0
-    for rank, (rows, weights, grads) in enumerate(reports):
-        _grads_close(grads, ref_grads, f"seed {seed} rank {rank}")
-        assert weights.keys() == ref_weights.keys()
-        for name, ref in ref_weights.items():
-            _close(weights[name], ref, f"seed {seed} rank {rank} weight {name}")
-        _metrics_close(rows, ref_rows, f"seed {seed} rank {rank}")
+    _runs_match(reports, reference, f"seed {seed}")
 
 
 def _pp_body(rank, world_size, out_dir, seed, init_path, extra, layout):
@@ -234,18 +240,12 @@ def test_pipeline_parallel_run_equals_single_process(tmp_path, extra):
     stage's layers in the third."""
     seed = _fresh_seed()
     init_path = str(tmp_path / "init.safetensors")
-    ref_rows, ref_weights, ref_grads = run_distributed(
+    reference = run_distributed(
         _reference_body, world_size=1, args=(str(tmp_path / "ref"), seed, init_path, extra), timeout_s=240)[0]
     reports = run_distributed(_pp_body, world_size=2,
                               args=(str(tmp_path / "pp"), seed, init_path, extra, ["parallel.pipeline_parallel=2"]),
                               timeout_s=300)
-    assert ref_rows[-1]["grad_norm"] > 0
-    for rank, (rows, weights, grads) in enumerate(reports):
-        _grads_close(grads, ref_grads, f"seed {seed} stage {rank}")
-        assert weights.keys() == ref_weights.keys()
-        for name, ref in ref_weights.items():
-            _close(weights[name], ref, f"seed {seed} stage {rank} weight {name}")
-        _metrics_close(rows, ref_rows, f"seed {seed} stage {rank}")
+    _runs_match(reports, reference, f"seed {seed} PP=2")
 
 
 def _dp2_body(rank, world_size, out_dir, seed, init_path, layout):
@@ -277,16 +277,11 @@ def test_pipeline_parallel_with_data_parallel_equals_data_parallel_alone(tmp_pat
     so the 4-rank run must give the 2-rank run's gradients, weights and metrics on all four ranks."""
     seed = _fresh_seed()
     init_path = str(tmp_path / "init.safetensors")
-    ref = run_distributed(_dp2_body, world_size=2, args=(str(tmp_path / "dp2"), seed, init_path, []), timeout_s=300)
-    ref_rows, ref_weights, ref_grads = ref[0]
+    reference = run_distributed(_dp2_body, world_size=2, args=(str(tmp_path / "dp2"), seed, init_path, []),
+                                timeout_s=300)[0]
     reports = run_distributed(_dp2_body, world_size=4, timeout_s=400,
                               args=(str(tmp_path / "pp2dp2"), seed, init_path, ["parallel.pipeline_parallel=2"]))
-    assert ref_rows[-1]["grad_norm"] > 0
-    for rank, (rows, weights, grads) in enumerate(reports):
-        _grads_close(grads, ref_grads, f"seed {seed} rank {rank}")
-        for name, expected in ref_weights.items():
-            _close(weights[name], expected, f"seed {seed} rank {rank} weight {name}")
-        _metrics_close(rows, ref_rows, f"seed {seed} rank {rank}")
+    _runs_match(reports, reference, f"seed {seed} PP=2 x DP=2")
 
 
 # ------------------------------------------------- TP rank 0 scores and generates for its TP peers
