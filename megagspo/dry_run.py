@@ -120,7 +120,7 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     micro = micro_rows * seq_tokens
     num_micro_batches = rl.mini_batches * (mini_rows // micro_rows)
     inputs = PlanInputs(world_size=world, layout=layout, micro_batch_tokens=micro,
-                        num_micro_batches=num_micro_batches, fused_logprob=rl.logprob_impl != "torch",
+                        num_micro_batches=num_micro_batches, micro_batches_per_update=mini_rows // micro_rows, fused_logprob=rl.logprob_impl != "torch",
                         routing_replay=rl.routing_replay != "none", reference_model=rl.kl_coef > 0,
                         gpu_memory_gib=cfg.parallel.gpu_memory_gib)
     plan = plan_memory(arch, inputs)

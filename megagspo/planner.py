@@ -43,8 +43,11 @@ class PlanInputs:
     layout: ParallelLayout
     micro_batch_tokens: int  # tokens in one forward/backward on one DP rank (rl.micro_batch_size x length)
     # micro-batches per rollout batch per DP rank (mini-batches x micro-batches each): the routing-replay
-    # buffer holds all of them; bounds pipeline micro-batches in flight
+    # buffer holds all of them
     num_micro_batches: int = 1
+    # micro-batches per optimizer step (one 1F1B schedule call; 0 = num_micro_batches): the first pipeline
+    # stage holds the activations of min(PP, this many) of them at once
+    micro_batches_per_update: int = 0
     fused_logprob: bool = True
     routing_replay: bool = False
     reference_model: bool = False  # rl.kl_coef > 0: the frozen KL reference policy's weights
@@ -144,7 +147,7 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
     moe_act = 2 * 2 * h + 4 * arch.num_experts + arch.num_experts_per_tok * 2 * (h + 3 * arch.moe_intermediate_size)
     dense_act = 2 * (3 * h + 3 * arch.intermediate_size)
     per_token_stage = layers * attention_act + moe_layers * moe_act + dense_layers * dense_act
-    in_flight = min(pp, inputs.num_micro_batches) if first else 1
+    in_flight = min(pp, inputs.micro_batches_per_update or inputs.num_micro_batches) if first else 1
     tokens = inputs.micro_batch_tokens
     activations = per_token_stage * tokens * in_flight / tp
 

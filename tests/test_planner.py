@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from megagspo.planner import GIB, PlanError, PlanInputs, parameter_counts, plan_memory, require_fit
+from megagspo.planner import GIB, PlanError, PlanInputs, _stage_terms, parameter_counts, plan_memory, require_fit
 from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import LayoutError, ParallelLayout
 
@@ -64,8 +64,29 @@ def test_pipeline_plan_picks_the_busier_stage():
     inputs = PlanInputs(world_size=2, layout=ParallelLayout(pipeline_parallel=2), micro_batch_tokens=10,
                         num_micro_batches=4)
     plan = plan_memory(TINY, inputs)
-    assert plan.stage in ("first", "last")
-    assert "log-prob: logits (bf16)" in plan.terms_gib if plan.stage == "last" else "activations" in plan.terms_gib
+    first = _stage_terms(TINY, inputs, True, False)
+    last = _stage_terms(TINY, inputs, False, True)
+    assert "log-prob: logits (bf16)" in last and "log-prob: logits (bf16)" not in first
+    busier, terms = ("first", first) if sum(first.values()) >= sum(last.values()) else ("last", last)
+    assert plan.stage == busier
+    assert plan.total_gib == pytest.approx(sum(terms.values()) / GIB)
+
+
+def test_first_pipeline_stage_holds_min_pp_micro_batches_of_one_update_in_flight():
+    """1F1B: the first stage runs up to PP forwards before its first backward, within one optimizer step's
+    schedule call; a later stage, and any stage without pipelining, holds one micro-batch."""
+    def activations(pp, per_update, first=True):
+        inputs = PlanInputs(world_size=pp, layout=ParallelLayout(pipeline_parallel=pp), micro_batch_tokens=10,
+                            num_micro_batches=8, micro_batches_per_update=per_update)
+        return _stage_terms(TINY, inputs, first, not first)["activations"]
+
+    one = activations(2, 1)
+    assert activations(2, 4) == 2 * one  # min(PP=2, 4) in flight
+    assert activations(2, 4, first=False) == one
+    # without pipelining one stage holds both of the 2 layers (one micro-batch in flight): twice one stage
+    assert activations(1, 4) == 2 * one
+    # 0 = every micro-batch of the rollout batch in one update: min(PP, 8)
+    assert activations(2, 0) == 2 * one
 
 
 def test_a_recipe_that_cannot_fit_is_refused_naming_the_largest_term():
