@@ -437,15 +437,6 @@ class Trainer:
         return {"sft/time_s": time.perf_counter() - t_start}
 
     # ------------------------------------------------------------------------------------------------ RL
-    def _replay_ctx(self, mode: str, routes=None):
-        import contextlib
-
-        if mode == "record":
-            return self.policy.replay.recording()
-        if mode == "replay":
-            return self.policy.replay.replaying(routes)
-        return contextlib.nullcontext()
-
     def _recording_into(self, store: list, i: int):
         """A context recording this stage's routes of one forward into store[i] ([T, L, K])."""
         import contextlib
@@ -531,7 +522,7 @@ class Trainer:
         if cfg.old_logp == "recompute":
             if replay == "r3":
                 engine_routes = [self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len) for _, _, rows in flat]
-                context = lambda i: self._replay_ctx("replay", engine_routes[i])  # noqa: E731
+                context = lambda i: policy.replay.replaying(engine_routes[i])  # noqa: E731
             else:
                 recorded = [None] * len(flat)
                 context = lambda i: self._recording_into(recorded, i)  # noqa: E731
@@ -565,7 +556,7 @@ class Trainer:
             model.zero_grad(set_to_none=True)
             new_routes = [None] * len(rows_k)
             if replay in ("r2", "r3"):
-                context = lambda j, k=k: self._replay_ctx("replay", old_routes[k][j])  # noqa: E731
+                context = lambda j, k=k: policy.replay.replaying(old_routes[k][j])  # noqa: E731
             else:
                 context = lambda j: self._recording_into(new_routes, j)  # noqa: E731
 
@@ -580,8 +571,8 @@ class Trainer:
                     num_global_tokens=max(tok_counts[k], 1.0), entropy_BL=ent, ref_logp_BL=ref_logp[k][j])
                 return self.loss_fn(batch, self.loss_cfg)
 
-            results = policy.run_micro_batches([(inp_RS[rows], tgt_RS[rows]) for rows in rows_k], natural,
-                                               context=context, loss_fn=policy_loss)
+            inputs_k = [(inp_RS[rows], tgt_RS[rows]) for rows in rows_k]
+            results = policy.run_micro_batches(inputs_k, natural, context=context, loss_fn=policy_loss)
             parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
             policy.reduce_grads()
             gnorms.append(float(policy.clip_grad_norm(cfg.grad_clip)))
@@ -591,8 +582,7 @@ class Trainer:
             if old_routes[k][0] is None:
                 continue
             if replay in ("r2", "r3"):
-                policy.run_micro_batches([(inp_RS[rows], tgt_RS[rows]) for rows in rows_k], natural,
-                                         context=lambda j: self._recording_into(new_routes, j))
+                policy.run_micro_batches(inputs_k, natural, context=lambda j: self._recording_into(new_routes, j))
             for j, rows in enumerate(rows_k):
                 changed_L, total_L = volatility_counts(old_routes[k][j].long(), new_routes[j].long(),
                                                        mask_RS[rows].reshape(-1))
