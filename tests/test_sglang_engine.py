@@ -835,15 +835,20 @@ def test_only_rank_zero_sends_then_all_ranks_wait(fake, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
-    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src=0, **k: calls.append(("broadcast", src, box)))
+    def broadcast(box, src=0, **kwargs):
+        calls.append(("broadcast", src, list(box)))
+        if dist.get_rank() != 0:
+            box[0] = (True, None)  # what rank 0 sends after a successful update
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
     eng = SGLangEngine(ARCH, TOK, ipc_codec=CpuCodec(), config=SGLangEngineConfig(urls=[fake.url], weight_sync="tensor"))
     monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
     eng.update_weights(random_megatron_state())
     assert fake.posted("/update_weights_from_tensor") == [] and calls == [("broadcast", 0, [None])]
     monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
     eng.update_weights(random_megatron_state())
-    # rank 0 reports success (None) to the others after sending
-    assert len(fake.posted("/update_weights_from_tensor")) == 1 and calls[1] == ("broadcast", 0, [None])
+    # rank 0 reports success (and no result) to the others after sending
+    assert len(fake.posted("/update_weights_from_tensor")) == 1 and calls[1] == ("broadcast", 0, [(True, None)])
 
 
 def _update_weights_on_ranks_body(rank, world_size, url, sync_dir):

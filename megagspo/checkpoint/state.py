@@ -39,6 +39,8 @@ from typing import Callable, Dict, Optional
 import torch
 from safetensors import SafetensorError
 
+from megagspo.collective import run_on_rank0
+
 from . import store
 from .guards import load_safetensors
 from .store import CheckpointError
@@ -174,24 +176,19 @@ class CheckpointManager:
     def find_resume(self, arch, dataset_size: int) -> Optional[dict]:
         """Collective: rank 0 picks and verifies the checkpoint, every rank gets {path, state} or None.
         Raises CheckpointError (on every rank) when it is corrupt or was written for another model."""
-        answer = None
-        if self.rank == 0:
+        def pick():
             try:
                 path = self._resolve()
-                if path is not None:
-                    with open(os.path.join(path, STATE)) as f:
-                        state = json.load(f)
-                    self._check_compatible(path, state, arch, dataset_size)
-                    answer = {"path": path, "state": state}
-            except (CheckpointError, OSError, ValueError) as exc:
-                answer = {"error": f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError)
-                          else str(exc)}
-        box = [answer]
-        if self.world > 1:
-            torch.distributed.broadcast_object_list(box, src=0)
-        answer = box[0]
-        if answer and "error" in answer:
-            raise CheckpointError(answer["error"])
+                if path is None:
+                    return None
+                with open(os.path.join(path, STATE)) as f:
+                    state = json.load(f)
+                self._check_compatible(path, state, arch, dataset_size)
+                return {"path": path, "state": state}
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{type(exc).__name__}: {exc}") from None
+
+        answer = run_on_rank0("choosing the checkpoint to resume", pick, peer_error=CheckpointError)
         if answer:
             self.run_id = answer["state"].get("run_id", self.run_id)
             self.say(f"resuming from {answer['path']} (step {answer['state']['step']})")
@@ -304,17 +301,13 @@ class CheckpointManager:
         else:
             rngs = [rng]
         # 1. rank 0 opens the temporary folder; every rank learns its path (or that it failed)
-        box = [None, None]
-        if self.rank == 0:
+        def begin():
             try:
-                box[0] = store.begin_checkpoint(self.root, steps_done)
+                return store.begin_checkpoint(self.root, steps_done)
             except OSError as exc:
-                box[1] = self._failed(steps_done, exc)
-        if self.world > 1:
-            torch.distributed.broadcast_object_list(box, src=0)
-        tmp, failure = box
-        if failure:
-            raise CheckpointError(failure)
+                raise CheckpointError(self._failed(steps_done, exc)) from None
+
+        tmp = run_on_rank0("opening the checkpoint folder", begin, peer_error=CheckpointError)
         # 2. every rank writes its shards (collective)
         has_optimizer = optimizer is not None and dist_checkpoint.optimizer_has_state(optimizer)
         try:

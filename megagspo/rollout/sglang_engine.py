@@ -511,24 +511,9 @@ class SGLangEngine(RolloutEngine):
         outcome over the default group (None, or its error), so no rank generates before the servers hold the
         new weights, and a failure on rank 0 raises on every rank (SGLangServerError on the others, naming
         rank 0's error) instead of leaving them waiting."""
-        import torch.distributed as dist
+        from megagspo.collective import run_on_rank0
 
-        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if not multi:
-            self._send_weights(megatron_state)
-            return
-        box, error = [None], None
-        if dist.get_rank() == 0:
-            try:
-                self._send_weights(megatron_state)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
-                error = exc
-                box = [f"{type(exc).__name__}: {exc}"]
-        dist.broadcast_object_list(box, src=0)
-        if error is not None:
-            raise error
-        if box[0] is not None:
-            raise SGLangServerError(f"weight update failed on rank 0: {box[0]}")
+        run_on_rank0("the weight update", lambda: self._send_weights(megatron_state), peer_error=SGLangServerError)
 
     def _send_weights(self, megatron_state: Dict[str, torch.Tensor]) -> None:
         self.resume_memory()

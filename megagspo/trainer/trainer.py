@@ -279,40 +279,11 @@ class Trainer:
         return self._from_rank0(what, fn, self.policy.mp_group)
 
     def _from_rank0(self, what: str, fn, group=None):
-        """fn() on rank 0 of `group` (None: every process) only, its result broadcast to the group. If fn
-        raises, rank 0 broadcasts the error instead and re-raises it, and each peer raises the same exception
-        type (RuntimeError where that type cannot be rebuilt from a message) naming the rank-0 failure: no
-        peer is left blocked in a collective."""
-        import pickle
+        """fn() on rank 0 of `group` (None: every process) only, its result (or its error) reaching every
+        rank of the group (megagspo.collective.run_on_rank0)."""
+        from megagspo.collective import run_on_rank0
 
-        if torch.distributed.get_world_size(group) == 1:
-            return fn()
-        src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
-        box, error = [None], None
-        if torch.distributed.get_rank(group) == 0:
-            try:
-                box = [(True, fn())]
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers are told
-                error, cls = exc, type(exc)
-                try:
-                    pickle.loads(pickle.dumps(cls))  # an unpicklable class would fail the broadcast on rank 0
-                except Exception:  # noqa: BLE001
-                    cls = RuntimeError
-                box = [(False, (cls, f"{type(exc).__name__}: {exc}"))]
-        torch.distributed.broadcast_object_list(box, src=src, group=group)
-        ok, payload = box[0]
-        if error is not None:
-            raise error
-        if ok:
-            return payload
-        cls, message = payload
-        where = "model-parallel rank 0" if group is not None else "rank 0"
-        message = f"{what} failed on {where} (global rank {src}): {message}"
-        try:
-            peer_error = cls(message)
-        except Exception:  # noqa: BLE001 - a type that is not built from one message
-            peer_error = None
-        raise peer_error if isinstance(peer_error, Exception) else RuntimeError(message)
+        return run_on_rank0(what, fn, group)
 
     def _seq_length(self, natural: int) -> int:
         """Model input length >= natural, a multiple of TP (sequence parallelism splits S over TP ranks)."""
