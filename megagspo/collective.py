@@ -15,6 +15,15 @@ import torch
 T = TypeVar("T")
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a tensor handed to a collective on `group` must live: the current CUDA device under NCCL (which
+    takes no CPU tensors), the CPU under gloo or without a process group."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def run_on_rank0(what: str, fn: Callable[[], T], group=None, peer_error: Optional[Type[Exception]] = None) -> T:
     """fn() on rank 0 of `group` (None: every process) only, its result broadcast to the group (it must
     pickle). If fn raises, rank 0 broadcasts the error instead and re-raises it; each peer raises
@@ -52,4 +61,4 @@ def run_on_rank0(what: str, fn: Callable[[], T], group=None, peer_error: Optiona
     raise peer if isinstance(peer, Exception) else RuntimeError(message)
 
 
-__all__ = ["run_on_rank0"]
+__all__ = ["collective_device", "run_on_rank0"]

@@ -53,6 +53,8 @@ def init_distributed(backend: str | None = None) -> None:
     if torch.distributed.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():  # one GPU per process (torchrun's LOCAL_RANK), before NCCL binds a device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:
         from socket import socket
 

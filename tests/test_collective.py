@@ -1,5 +1,6 @@
-"""megagspo.collective.run_on_rank0 over 2 gloo ranks: rank 0's result reaches the peer; rank 0's error
-reaches it too (same type, or the caller's peer type), so that no rank is left waiting in a collective."""
+"""megagspo.collective over 2 gloo ranks: run_on_rank0's result reaches the peer, and rank 0's error reaches it
+too (same type, or the caller's peer type), so that no rank is left waiting in a collective; collective_device
+is the CPU under gloo."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def _body(rank, world_size):
         except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
             out[key] = (type(exc).__name__, str(exc))
     torch.distributed.barrier()  # both ranks got here: nobody was left in the broadcast
+    from megagspo.collective import collective_device
+
+    out["device"] = str(collective_device())  # gloo takes CPU tensors (NCCL would need the rank's GPU)
     return out
 
 
@@ -42,11 +46,15 @@ def test_rank0_result_and_errors_reach_every_rank():
     assert r1["same_type"] == ("_Refused", "saving failed on rank 0 (global rank 0): _Refused: the disk is full")
     assert r0["peer_type"] == ("_Refused", "the disk is full")
     assert r1["peer_type"][0] == "KeyError" and "_Refused: the disk is full" in r1["peer_type"][1]
+    assert r0["device"] == r1["device"] == "cpu"
 
 
 def test_without_a_process_group_it_is_a_plain_call():
     from megagspo.collective import run_on_rank0
 
+    from megagspo.collective import collective_device
+
     assert run_on_rank0("adding", lambda: 1 + 1) == 2
+    assert collective_device().type == "cpu"
     with pytest.raises(_Refused, match="no"):
         run_on_rank0("refusing", lambda: (_ for _ in ()).throw(_Refused("no")))

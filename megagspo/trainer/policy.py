@@ -93,6 +93,8 @@ class MegatronPolicy:
         self.ep_group = ps.get_expert_model_parallel_group()
         self.ep_size = ps.get_expert_model_parallel_world_size()
         self.ep_rank = ps.get_expert_model_parallel_rank()
+        # where the model lives (this rank's GPU, or the CPU): the trainer puts each step's batch there
+        self.device = next(self.model.parameters()).device
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
@@ -235,7 +237,9 @@ class MegatronPolicy:
         """Per-stage counts (each stage holds its own layers) summed over the pipeline."""
         if self.pp_size == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        from megagspo.collective import collective_device
+
+        t = torch.tensor(values, dtype=torch.float64, device=collective_device(self.pp_group))
         torch.distributed.all_reduce(t, group=self.pp_group)
         return t.tolist()
 

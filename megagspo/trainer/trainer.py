@@ -256,9 +256,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- utils
     def _all_sum(self, values: list) -> list:
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.dp > 1:
-            torch.distributed.all_reduce(t, group=self.policy.dp_group)
+        if self.dp == 1:
+            return [float(v) for v in values]
+        from megagspo.collective import collective_device
+
+        t = torch.tensor(values, dtype=torch.float64, device=collective_device(self.policy.dp_group))
+        torch.distributed.all_reduce(t, group=self.policy.dp_group)
         return t.tolist()
 
     def sync_weights(self) -> float:
@@ -372,6 +375,7 @@ class Trainer:
             prompt_ids = [list(ex.prompt_ids) for ex in batch]
             natural = max(map(len, prompt_ids)) + width - 1
             inp, tgt, lmask, _ = build_sequences(prompt_ids, resp, mask, tok.pad_id, length=self._seq_length(natural))
+            inp, tgt, lmask = (t.to(self.policy.device) for t in (inp, tgt, lmask))
             (n_tok,) = self._all_sum([float(lmask.sum())])
             model.zero_grad(set_to_none=True)
             lmask = lmask.float()
@@ -432,7 +436,7 @@ class Trainer:
         filler = torch.arange(k).expand_as(r)
         r = torch.where(r < 0, filler, r)
         spec = self.policy.replay.spec
-        return spec.stage_slice(r.reshape(-1, r.shape[2], k)).to(spec.dtype)
+        return spec.stage_slice(r.reshape(-1, r.shape[2], k)).to(self.policy.device, spec.dtype)
 
     def rl_step(self, step: int) -> dict:
         from megagspo.algorithm import PackedBatch, group_advantages, merge_metrics
@@ -470,6 +474,10 @@ class Trainer:
         num_rows, seq_len = inp_RS.shape
         rollout_logp_RS = torch.zeros(num_rows, seq_len)
         rollout_logp_RS.scatter_(1, pos_RL, torch.where(out.response_mask_RL, out.logp_RL, 0.0))
+        # the batch on the model's device (the engine's outputs and the rewards come back on the CPU)
+        dev = self.policy.device
+        inp_RS, tgt_RS, mask_RS, rollout_logp_RS = (t.to(dev) for t in (inp_RS, tgt_RS, mask_RS, rollout_logp_RS))
+        adv_dev_R = adv_R.to(dev)
         perm = torch.randperm(num_rows, generator=self.sample_gen)
         mbs = list(perm.chunk(cfg.mini_batches))
         # micro[k][j]: rows of micro-batch j of mini-batch k (one forward/backward each; the gradients of a
@@ -538,7 +546,7 @@ class Trainer:
                 batch = PackedBatch.from_padded(
                     logp_BL=logp, loss_mask_BL=mask_RS[rows], num_global_sequences=num_global_seqs,
                     old_logp_BL=old_logp[k][j] if cfg.old_logp == "recompute" else None,
-                    rollout_logp_BL=rollout_logp_RS[rows], advantages_B=adv_R[rows],
+                    rollout_logp_BL=rollout_logp_RS[rows], advantages_B=adv_dev_R[rows],
                     num_global_tokens=max(tok_counts[k], 1.0), entropy_BL=ent, ref_logp_BL=ref_logp[k][j])
                 return self.loss_fn(batch, self.loss_cfg)
 
