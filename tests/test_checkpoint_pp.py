@@ -11,14 +11,13 @@
 """
 
 import json
-import os
 
 import pytest
 
 from multiprocess import run_distributed
 from test_checkpoint_resume import ARGS
-from test_checkpoint_tp import (DATA, _assert_equal, _reload_body, _trainer_body,
-                                stopped_and_resumed_equals_uninterrupted)
+from test_checkpoint_tp import (DATA, _assert_equal, _reload_body, stopped_and_resumed_equals_uninterrupted,
+                                uninterrupted_run)
 
 PP2 = [*ARGS[2:], "rl.steps=4", "checkpoint.every_steps=2", "parallel.pipeline_parallel=2"]
 
@@ -26,15 +25,10 @@ PP2 = [*ARGS[2:], "rl.steps=4", "checkpoint.every_steps=2", "parallel.pipeline_p
 @pytest.fixture(scope="module")
 def pp2_run(tmp_path_factory):
     """The uninterrupted PP=2 run: 4 RL steps, its run folder, and its final gathered state (both stages)."""
-    out = tmp_path_factory.mktemp("pp2")
-    reports = run_distributed(_trainer_body, world_size=2, timeout_s=300, args=(str(out), "ref", PP2, 0))
-    (code, full, opt_full, shapes, resumed_at), other = reports
-    assert code == 0 and other[0] == 0 and resumed_at is None
-    _assert_equal(other[1], full, "stage 1's gathered weights")  # the stages agree on the full state
-    _assert_equal(other[2], opt_full, "stage 1's gathered AdamW state")
-    assert "embedding.word_embeddings.weight" in shapes and "output_layer.weight" in other[3]
-    assert sorted(os.listdir(out / "ref" / "checkpoints")) == ["step_000000", "step_000002", "step_000004"]
-    return out / "ref", full, opt_full
+    run_dir, full, opt_full, (first, last) = uninterrupted_run(tmp_path_factory.mktemp("pp2"), PP2)
+    assert "embedding.word_embeddings.weight" in first and "output_layer.weight" in last
+    assert "output_layer.weight" not in first and "embedding.word_embeddings.weight" not in last
+    return run_dir, full, opt_full
 
 
 @pytest.mark.multiprocess

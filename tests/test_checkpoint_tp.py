@@ -93,18 +93,23 @@ def _assert_equal(got: dict, expected: dict, what: str):
         assert got[key].shape == value.shape and torch.equal(got[key], value), f"{what}: {key} differs"
 
 
+def uninterrupted_run(out, overrides):
+    """A 2-rank run of `overrides` (4 RL steps, a checkpoint every 2) to the end. -> (run folder, full weights,
+    full AdamW state, each rank's local parameter shapes); both ranks gather the same full state."""
+    reports = run_distributed(_trainer_body, world_size=2, timeout_s=300, args=(str(out), "ref", overrides, 0))
+    (code, full, opt_full, shapes, resumed_at), other = reports
+    assert code == 0 and other[0] == 0 and resumed_at is None
+    _assert_equal(other[1], full, "rank 1's gathered weights")
+    _assert_equal(other[2], opt_full, "rank 1's gathered AdamW state")
+    assert sorted(os.listdir(out / "ref" / "checkpoints")) == ["step_000000", "step_000002", "step_000004"]
+    return out / "ref", full, opt_full, (shapes, other[3])
+
+
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory):
     """The uninterrupted TP=2 run: 4 RL steps, its run folder, and (both ranks) its final gathered state."""
-    out = tmp_path_factory.mktemp("tp2")
-    reports = run_distributed(_trainer_body, world_size=2, timeout_s=300, args=(str(out), "ref", TP2, 0))
-    (code, full, opt_full, shapes, resumed_at), other = reports
-    assert code == 0 and other[0] == 0 and resumed_at is None
-    _assert_equal(other[1], full, "rank 1's gathered weights")  # the TP ranks agree on the full state
-    _assert_equal(other[2], opt_full, "rank 1's gathered AdamW state")
-    ckpts = out / "ref" / "checkpoints"
-    assert sorted(os.listdir(ckpts)) == ["step_000000", "step_000002", "step_000004"]
-    return out / "ref", full, opt_full, shapes
+    run_dir, full, opt_full, (shapes, _) = uninterrupted_run(tmp_path_factory.mktemp("tp2"), TP2)
+    return run_dir, full, opt_full, shapes
 
 
 @pytest.mark.multiprocess
