@@ -24,6 +24,17 @@ def collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def sum_over(values, group) -> list:
+    """Python numbers summed elementwise over the ranks of `group` (float64), as a list of floats; a group of
+    one (or no process group) returns them unchanged."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
 def run_on_rank0(what: str, fn: Callable[[], T], group=None, peer_error: Optional[Type[Exception]] = None) -> T:
     """fn() on rank 0 of `group` (None: every process) only, its result broadcast to the group (it must
     pickle). If fn raises, rank 0 broadcasts the error instead and re-raises it; each peer raises
@@ -61,4 +72,4 @@ def run_on_rank0(what: str, fn: Callable[[], T], group=None, peer_error: Optiona
     raise peer if isinstance(peer, Exception) else RuntimeError(message)
 
 
-__all__ = ["collective_device", "run_on_rank0"]
+__all__ = ["collective_device", "run_on_rank0", "sum_over"]

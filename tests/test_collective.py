@@ -34,6 +34,9 @@ def _body(rank, world_size):
     from megagspo.collective import collective_device
 
     out["device"] = str(collective_device())  # gloo takes CPU tensors (NCCL would need the rank's GPU)
+    from megagspo.collective import sum_over
+
+    out["sum"] = sum_over([rank + 0.5, 2.0], None)
     return out
 
 
@@ -47,6 +50,7 @@ def test_rank0_result_and_errors_reach_every_rank():
     assert r0["peer_type"] == ("_Refused", "the disk is full")
     assert r1["peer_type"][0] == "KeyError" and "_Refused: the disk is full" in r1["peer_type"][1]
     assert r0["device"] == r1["device"] == "cpu"
+    assert r0["sum"] == r1["sum"] == [2.0, 4.0]
 
 
 def test_without_a_process_group_it_is_a_plain_call():
@@ -56,5 +60,8 @@ def test_without_a_process_group_it_is_a_plain_call():
 
     assert run_on_rank0("adding", lambda: 1 + 1) == 2
     assert collective_device().type == "cpu"
+    from megagspo.collective import sum_over
+
+    assert sum_over([1, 2.5], None) == [1.0, 2.5]
     with pytest.raises(_Refused, match="no"):
         run_on_rank0("refusing", lambda: (_ for _ in ()).throw(_Refused("no")))

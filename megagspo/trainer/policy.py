@@ -97,7 +97,6 @@ class MegatronPolicy:
         self.device = next(self.model.parameters()).device
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.is_last_stage = ps.is_pipeline_last_stage()
         # TP x PP: the ranks that hold one copy of the model together (rollouts are generated once per group)
         self.mp_group = ps.get_model_parallel_group()
         self.mp_size = torch.distributed.get_world_size(self.mp_group)
@@ -133,6 +132,9 @@ class MegatronPolicy:
 
         logits_BSV = forward_logits(self.model, input_ids_BS,
                                     padding_mask_BS=self._padding_mask(input_ids_BS, unpadded_len))
+        return self._logprobs_of_logits(logits_BSV, targets_BS)
+
+    def _logprobs_of_logits(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor):
         b, s, v = logits_BSV.shape
         logp_T, ent_T = self.logprobs_fn(logits_BSV.reshape(b * s, v), targets_BS.reshape(-1))
         return logp_T.reshape(b, s), ent_T.reshape(b, s)
@@ -202,9 +204,7 @@ class MegatronPolicy:
                 output = forward_logits(model, input_BS, padding_mask_BS=self._padding_mask(input_BS, unpadded_len))
 
             def loss_func(logits_BSV, i=i, target_BS=target_BS):
-                b, s, v = logits_BSV.shape
-                logp_T, ent_T = self.logprobs_fn(logits_BSV.reshape(b * s, v), target_BS.reshape(-1))
-                logp_BS, ent_BS = logp_T.reshape(b, s), ent_T.reshape(b, s)
+                logp_BS, ent_BS = self._logprobs_of_logits(logits_BSV, target_BS)
                 if not train:
                     return logits_BSV.new_zeros(()), (i, (logp_BS, ent_BS))
                 loss, result = loss_fn(i, logp_BS, ent_BS)
@@ -235,13 +235,9 @@ class MegatronPolicy:
 
     def pp_sum(self, values: List[float]) -> List[float]:
         """Per-stage counts (each stage holds its own layers) summed over the pipeline."""
-        if self.pp_size == 1:
-            return values
-        from megagspo.collective import collective_device
+        from megagspo.collective import sum_over
 
-        t = torch.tensor(values, dtype=torch.float64, device=collective_device(self.pp_group))
-        torch.distributed.all_reduce(t, group=self.pp_group)
-        return t.tolist()
+        return sum_over(values, self.pp_group)
 
     # ---- gradients -------------------------------------------------------------------------------------
     def reduce_grads(self) -> None:

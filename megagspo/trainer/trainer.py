@@ -256,13 +256,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- utils
     def _all_sum(self, values: list) -> list:
-        if self.dp == 1:
-            return [float(v) for v in values]
-        from megagspo.collective import collective_device
+        from megagspo.collective import sum_over
 
-        t = torch.tensor(values, dtype=torch.float64, device=collective_device(self.policy.dp_group))
-        torch.distributed.all_reduce(t, group=self.policy.dp_group)
-        return t.tolist()
+        return sum_over(values, self.policy.dp_group)
 
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
