@@ -80,6 +80,10 @@ def _choice(owner: str, name: str, value: Any, choices) -> None:
 # ------------------------------------------------------------------------------------------- sections
 
 
+PRECISIONS = ("fp32", "bf16")
+_NOT_ARCHITECTURE = ("init_from", "arch_file", "precision")  # model.* keys that are not Qwen3MoeArchitecture fields
+
+
 @dataclass
 class ModelConfig:
     """Qwen3-MoE architecture fields (names as in HF's Qwen3MoeConfig). vocab_size 0 = the tokenizer's."""
@@ -101,16 +105,20 @@ class ModelConfig:
     # An HF config.json / checkpoint folder / YAML of the architecture (e.g. configs/models/qwen3_30b_a3b.yaml).
     # When set it defines the whole architecture, and the fields above must stay at their defaults.
     arch_file: str = ""
+    # Parameter precision: fp32, or bf16 (the GPU recipes): bf16 weights and activations with fp32 gradient
+    # buffers and fp32 master weights / Adam moments in Megatron's distributed optimizer (moe/optimizer.py).
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         _nonneg_int("model", "vocab_size", self.vocab_size)
+        _choice("model", "precision", self.precision, PRECISIONS)
         if self.init_from and not _path_present("model.init_from", self.init_from):
             raise ConfigError(f"model.init_from = {self.init_from!r}: no such file or folder")
         if self.arch_file:
             if not _path_present("model.arch_file", self.arch_file):
                 raise ConfigError(f"model.arch_file = {self.arch_file!r}: no such file or folder")
             defaults = ModelConfig()
-            clash = [f.name for f in dataclasses.fields(self) if f.name not in ("init_from", "arch_file")
+            clash = [f.name for f in dataclasses.fields(self) if f.name not in _NOT_ARCHITECTURE
                      and getattr(self, f.name) != getattr(defaults, f.name)]
             if clash:
                 raise ConfigError(f"model.arch_file is set, so model.{clash[0]} must not be (the architecture "
@@ -131,7 +139,7 @@ class ModelConfig:
                                   f"tokenizer's {vocab_size}")
             return arch
         kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name not in ("init_from", "arch_file")}
+                  if f.name not in _NOT_ARCHITECTURE}
         kwargs["vocab_size"] = self.vocab_size or vocab_size
         if kwargs["vocab_size"] < vocab_size:
             raise ConfigError(f"model.vocab_size = {self.vocab_size} is smaller than the tokenizer's {vocab_size}")
@@ -237,6 +245,7 @@ class SFTConfig:
 
     steps: int = 150
     batch_size: int = 64
+    optimizer: str = "adam"         # adam (AdamW, betas 0.9 / 0.99) | sgd
     lr: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.0
@@ -251,6 +260,7 @@ class SFTConfig:
         _nonneg_int("sft", "eval_every", self.eval_every)
         _nonneg_int("sft", "micro_batch_size", self.micro_batch_size)
         _pos_int("sft", "batch_size", self.batch_size)
+        _choice("sft", "optimizer", self.optimizer, OPTIMIZERS)
         _num("sft", "lr", self.lr, 0.0, 1.0, lo_open=True)
         _nonneg_int("sft", "warmup_steps", self.warmup_steps)
         _num("sft", "weight_decay", self.weight_decay, 0.0, 1.0)
@@ -258,6 +268,7 @@ class SFTConfig:
 
 
 LOSSES = ("gspo", "gspo_token", "grpo")
+OPTIMIZERS = ("adam", "sgd")
 OLD_LOGP = ("recompute", "rollout")
 ROUTING_REPLAY = ("none", "r2", "r3")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -284,6 +295,7 @@ class RLConfig:
     # > 0: loss += kl_coef * k3 KL(pi_theta || pi_ref) to a frozen copy of the policy at the start of RL
     # (a second model's weights in memory; <run>/reference.safetensors). 0 = off (the GSPO paper trains without).
     kl_coef: float = 0.0
+    optimizer: str = "adam"         # adam (AdamW) | sgd; Megatron-Core's distributed optimizer either way
     lr: float = 1e-3
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -307,6 +319,7 @@ class RLConfig:
         if self.group_size < 2:
             raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
         _choice("rl", "loss", self.loss, LOSSES)
+        _choice("rl", "optimizer", self.optimizer, OPTIMIZERS)
         _choice("rl", "old_logp", self.old_logp, OLD_LOGP)
         _choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)
         _choice("rl", "lr_schedule", self.lr_schedule, SCHEDULES)

@@ -1,11 +1,12 @@
 """Make Megatron-Core 0.16.1 run MoE models on a host without CUDA.
 
 Applied by an explicit call, `apply_cpu_shim()`, never on import, and only when CUDA is absent. It changes
-exactly six things (shared/notes/platform.md lists the failures they answer) and logs each one:
+exactly eight things (each answers a failure measured on Megatron-Core 0.16.1) and logs each one:
 
 1. `torch.cuda.current_device()` is passed as `device=` in ~175 places in Megatron: it returns "cpu".
 2. `moe_utils.te_general_gemm` is referenced although Transformer Engine is absent (a NameError in
-   Megatron): it is bound to None, which selects the torch router GEMM.
+   Megatron, on GPU too): `moe.megatron_compat.apply_megatron_compat` binds it to None on every device; the
+   shim calls it and lists its change among its own.
 3. The alltoall token dispatcher builds `torch.cuda.Stream()` and records events on it: stand-ins with
    no-op synchronisation (CPU ops are synchronous, so the ordering they guard is already given).
 4. EP>1 with the alltoall dispatcher: `maybe_move_tensor_to_cpu` only converts CUDA tensors, so split
@@ -16,8 +17,19 @@ exactly six things (shared/notes/platform.md lists the failures they answer) and
 6. `dist_checkpointing`'s torch_dist save calls `torch.cuda.synchronize()` after staging tensors to host
    memory (`FileSystemWriterAsync.preload_tensors`): a no-op (CPU tensors are already on the host and CPU
    ops are synchronous).
+7. Megatron's optimizer modules (`optimizer/optimizer.py`, `clip_grads.py`, `distrib_optimizer.py`) build
+   their flags, loss scale and norm accumulators with `device='cuda'` literals: each of those modules sees a
+   `torch` whose tensor factories (`tensor`, `zeros`, `empty`, `ones`) put device="cuda" tensors on the CPU
+   (every other name is torch's own; torch itself is untouched).
+8. Without TE or apex, `clip_grads` computes the gradient norm with `megatron.core.utils.local_multi_tensor_
+   l2_norm`, which returns its result with `device="cuda"`: `clip_grads.l2_norm_impl` is replaced by the same
+   norm (sqrt of the sum of squared per-tensor L2 norms, in float32) returned on the gradients' device.
 
-Besides these global patches, two scoped ones apply only inside a `with` block, only without CUDA:
+Besides these global patches, three scoped ones apply only inside a `with` block, only without CUDA:
+- `cuda_tensor_types()`, which `moe.optimizer` enters around building and stepping Megatron's optimizer: its
+  mixed-precision checks compare `param.type()` with 'torch.cuda.FloatTensor' / 'torch.cuda.BFloat16Tensor'
+  (DistributedOptimizer's constructor, clip_grads' assert); inside the block `Tensor.type()` with no argument
+  names a CPU float / bfloat16 / half tensor by its CUDA type name.
 - `tensor_cuda_as_identity()`, which `moe.model.build_model` enters only around the GPTModel constructor with
   tied word embeddings and pipeline parallelism: Megatron's `LanguageModule.setup_embeddings_and_output_layer`
   moves the last stage's embedding copy to the GPU (`weight.data.cuda()`) before all-reducing it from the
@@ -41,6 +53,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from moe.device import use_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +113,21 @@ PATCH_TARGETS: tuple[PatchTarget, ...] = (
                 "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
                 "(self, point: str, tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor",
                 "(3, 4) the only caller of the stream stand-ins and of maybe_move_tensor_to_cpu"),
+    PatchTarget("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__",
+                "(self, optimizer: torch.optim.optimizer.Optimizer, config: megatron.core.optimizer."
+                "optimizer_config.OptimizerConfig, grad_scaler: Optional[megatron.core.optimizer.grad_scaler."
+                "MegatronGradScaler], init_state_fn: Callable)",
+                "(7) device='cuda' flags in the optimizer base classes"),
+    PatchTarget("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32",
+                "(grads_for_norm: Union[List[torch.Tensor], torch.Tensor], norm_type: Union[int, float] = 2, "
+                "grad_stats_parallel_group: Optional[torch.distributed.distributed_c10d.ProcessGroup] = None) "
+                "-> float",
+                "(7, 8) device='cuda' accumulators and the l2_norm_impl it applies"),
+    PatchTarget("megatron.core.optimizer.clip_grads", "l2_norm_impl",
+                "(chunk_size, noop_flag, tensor_lists, per_tensor, *args)",
+                "(8) TE/apex-less local_multi_tensor_l2_norm returns its result on 'cuda'"),
+    PatchTarget("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups",
+                None, "(7, scoped cuda_tensor_types) param.type() checks against torch.cuda type names"),
     PatchTarget("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
                 "(cls, config: megatron.core.transformer.transformer_config.TransformerConfig, "
                 "hidden_size: int, eps: float = 1e-05, persist_layer_norm: bool = False, "
@@ -217,12 +246,14 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
     """
     if _APPLIED:
         return list(_APPLIED)
-    if torch.cuda.is_available() and not force:
+    if use_cuda() and not force:
         logger.info("CPU shim not applied: CUDA is available")
         return []
     verify_patch_targets()
 
-    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import megatron.core.optimizer.optimizer as optimizer_module
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.transformer.torch_norm as torch_norm
 
@@ -233,9 +264,9 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
     changes.append("torch.cuda.current_device() -> 'cpu' (Megatron passes it as device=)")
 
     # (2)
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-        changes.append("megatron moe_utils.te_general_gemm = None (Transformer Engine absent)")
+    from moe.megatron_compat import apply_megatron_compat
+
+    changes.extend(apply_megatron_compat())
 
     # (3)
     torch.cuda.Stream = _CpuStream
@@ -280,6 +311,16 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
     torch.cuda.synchronize = _mark_original(_cpu_synchronize, torch.cuda.synchronize)
     changes.append("torch.cuda.synchronize() -> no-op (dist_checkpointing save path; CPU work is synchronous)")
 
+    # (7)
+    for module in (optimizer_module, clip_grads, distrib_optimizer):
+        module.torch = _CpuFactoriesTorch()
+    changes.append("megatron optimizer / clip_grads / distrib_optimizer: torch.tensor|zeros|empty|ones(device='cuda') "
+                   "-> CPU tensors")
+
+    # (8)
+    clip_grads.l2_norm_impl = _mark_original(_l2_norm_on_grad_device, clip_grads.l2_norm_impl)
+    changes.append("megatron clip_grads.l2_norm_impl -> the same float32 L2 norm, returned on the CPU")
+
     for line in changes:
         logger.warning("megagspo CPU shim: %s", line)
     _APPLIED.extend(changes)
@@ -291,7 +332,7 @@ def tensor_cuda_as_identity():
     """Within the block, on a host without CUDA, `Tensor.cuda()` returns the tensor itself (CPU stays CPU)
     instead of raising; restored on exit. Does nothing where CUDA is available. Checks that Megatron still
     makes the call it is for (LanguageModule.setup_embeddings_and_output_layer, tied embeddings at PP > 1)."""
-    if torch.cuda.is_available():
+    if use_cuda():
         yield
         return
     from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -309,6 +350,75 @@ def tensor_cuda_as_identity():
         yield
     finally:
         torch.Tensor.cuda = original
+
+
+class _CpuFactoriesTorch:
+    """torch as Megatron's optimizer modules see it on a CUDA-less host: the tensor factories they call with
+    device='cuda' make CPU tensors; every other name is torch's own."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _on_cpu(kwargs: dict) -> dict:
+        device = kwargs.get("device")
+        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def tensor(self, *args, **kwargs):
+        return torch.tensor(*args, **self._on_cpu(kwargs))
+
+    def zeros(self, *args, **kwargs):
+        return torch.zeros(*args, **self._on_cpu(kwargs))
+
+    def empty(self, *args, **kwargs):
+        return torch.empty(*args, **self._on_cpu(kwargs))
+
+    def ones(self, *args, **kwargs):
+        return torch.ones(*args, **self._on_cpu(kwargs))
+
+
+def _l2_norm_on_grad_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron.core.utils.local_multi_tensor_l2_norm's math (the L2 norm over every tensor of every list) as a
+    float32 [1] tensor on the tensors' device instead of 'cuda'."""
+    norms = [torch.linalg.vector_norm(t.float()) for tensors in tensor_lists for t in tensors]
+    if not norms:
+        return torch.zeros(1, dtype=torch.float32), None
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor"}
+
+
+@contextlib.contextmanager
+def cuda_tensor_types():
+    """Within the block, on a host without CUDA, `Tensor.type()` (no argument) names CPU float32 / bfloat16 /
+    float16 tensors by their CUDA type names, so that Megatron's optimizer accepts CPU parameters and
+    gradients; `Tensor.type(dtype)` and every other call are unchanged; restored on exit. Does nothing where
+    CUDA is used. Checks that the distributed optimizer still makes the check it is for."""
+    if use_cuda():
+        yield
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if "'torch.cuda.BFloat16Tensor'" not in inspect.getsource(DistributedOptimizer._build_model_and_main_param_groups):
+        raise MegatronShimError("CPU shim: DistributedOptimizer no longer checks param.type() against CUDA type "
+                                "names; cuda_tensor_types may be obsolete — review moe/cpu_shim.py")
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 def _config_without_sequence_parallel(config):
@@ -348,7 +458,7 @@ def pipeline_schedule_on_cpu():
     """Within the block, on a host without CUDA, Megatron's pipeline schedules (`schedules.py`) build their
     token counter (`torch.zeros([], device="cuda")`) on the CPU; restored on exit. Does nothing where CUDA is
     available. Checks that the schedules still make that call."""
-    if torch.cuda.is_available():
+    if use_cuda():
         yield
         return
     from megatron.core.pipeline_parallel import schedules

@@ -1,4 +1,4 @@
-"""Sharded checkpoints of a Megatron-Core model and its torch optimizer with `dist_checkpointing`.
+"""Sharded checkpoints of a Megatron-Core model and its distributed optimizer with `dist_checkpointing`.
 
 One folder per saved state dict, written by `megatron.core.dist_checkpointing.save` with the `torch_dist`
 backend (torch.distributed.checkpoint underneath), one file per rank (`thread_count=1`):
@@ -16,11 +16,12 @@ another (EP=1, PP=1): every rank reads just its slices from whichever files hold
 decoder layers by their global number, so pipeline stages (even or uneven splits) need nothing extra; with
 tied embeddings at PP > 1 the last stage's copy is saved under the embedding's key as a non-main replica.
 
-Optimizer (a plain torch Adam/AdamW): the per-parameter moments `exp_avg` / `exp_avg_sq` become
-ShardedTensors that copy their parameter's metadata under the key `optimizer.state.<moment>.<param key>`
-(Megatron's `make_sharded_optimizer_tensor`), so they reshard exactly like the weights (global layer
-number, expert index and replica id included). The common part holds the param-group hyper-parameters and
-every parameter's step count under its full (TP=EP=PP=1) name (`moe.sharding.full_names`).
+Optimizer (Megatron-Core's distributed optimizer, moe/optimizer.py): saved in its `fully_reshardable` form,
+where each parameter's fp32 master copy and Adam moments are ShardedTensors of the parameter's own shape
+and sharding under `optimizer.state.<kind>.<param key>`, so they reshard exactly like the weights (global
+layer number, expert index and replica id included); the common part holds the param groups (hyper-
+parameters and the Adam step). With bf16 parameters the fp32 master weights are what a resume continues
+from, so a resumed run equals the uninterrupted one.
 
 Saving is synchronous, and its file writing runs in the calling process. Megatron's torch_dist writer
 (`FileSystemWriterAsync`) forks one writer process per file and collects results through a queue made by a
@@ -430,92 +431,128 @@ def read_full_state_dict(directory: str, index: Dict[str, dict]) -> Dict[str, to
 
 
 # -------------------------------------------------------------------------------------------- optimizer
-def _optimizer_params(optimizer) -> List[torch.nn.Parameter]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+# Megatron-Core's distributed optimizer in its `fully_reshardable` form: every model parameter gets its fp32
+# master copy (`param`) and Adam moments (`exp_avg`, `exp_avg_sq`) as ShardedTensors of the parameter's own
+# shape and sharding (`optimizer.state.<kind>.<param key>`), so they reshard over TP / EP / PP / DP exactly like
+# the weights. "Memory-efficient" exchange: each data-parallel group's shards are gathered over gloo into host
+# memory of its DP rank 0, which writes them (no device memory is used, and the same code runs on CPU and GPU).
+# The common part (torch.save, read back weights-only) holds the param groups, the Adam step among them.
+DIST_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
+                         "distrib_optim_fully_reshardable_mem_efficient": True}
+# param-group entries that are state or schedule, not hyper-parameters the run's config sets
+_GROUP_STATE = ("params", "step", "lr", "initial_lr", "max_lr", "min_lr")
 
 
-def _optimizer_sharded_state_dict(model, optimizer, for_loading: bool) -> tuple:
-    """-> (sharded dict {"state": {local name: {moment: ShardedTensor}}}, {id(param): local name})."""
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        make_sharded_optimizer_tensor,
-    )
-
-    params = _optimizer_params(optimizer)
-    id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict(model), params)
-    local_names = {id(p): name for name, p in model.named_parameters()}
-    state: Dict[str, dict] = {}
-    for i, p in enumerate(params):
-        name = local_names.get(id(p), f"<optimizer param {i}>")
-        if i not in id_to_sharded:
-            raise DistCheckpointError(f"optimizer parameter {name} has no ShardedTensor in the model's sharded_state_dict")
-        if for_loading:
-            moments = {k: torch.zeros_like(p) for k in MOMENTS}
-        else:
-            st = optimizer.state.get(p) or {}
-            missing = [k for k in MOMENTS if k not in st]
-            if missing:
-                raise DistCheckpointError(f"optimizer has no {missing} for parameter {name} (not an Adam-family "
-                                          "optimizer, or not stepped yet)")
-            moments = {k: st[k] for k in MOMENTS}
-        state[name] = {k: make_sharded_optimizer_tensor(id_to_sharded[i], t, prefix=f"{OPTIMIZER_PREFIX}.{k}")
-                       for k, t in moments.items()}
-    return {"state": state}, local_names
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def optimizer_has_state(optimizer) -> bool:
-    return any(optimizer.state.get(p) for p in _optimizer_params(optimizer))
+    """True once the optimizer has stepped (Adam moments exist)."""
+    return any(len(sub.optimizer.state) for sub in _sub_optimizers(optimizer) if getattr(sub, "optimizer", None))
+
+
+def _sharded_optimizer_state(model, optimizer, is_loading: bool) -> dict:
+    from moe.cpu_shim import cuda_tensor_types
+
+    with cuda_tensor_types():
+        if is_loading:
+            for sub in _sub_optimizers(optimizer):
+                # Megatron-Core 0.16.1 builds the loading template from the optimizer's own state_dict(), which
+                # with torch's AdamW (no TE / apex) asserts that every parameter has a step: a fresh optimizer has
+                # none. Megatron's own remedy (used for its FSDP format) allocates the state with one zero-gradient
+                # step; every value it writes (master weights, moments, step) is then replaced by the load.
+                if len(sub.optimizer.state) == 0:
+                    if not hasattr(sub, "_init_optimizer_states_with_dummy_values"):
+                        raise DistCheckpointError("Megatron's DistributedOptimizer has no "
+                                                  "_init_optimizer_states_with_dummy_values: review moe/dist_checkpoint.py")
+                    sub._init_optimizer_states_with_dummy_values()
+        return optimizer.sharded_state_dict(model_sharded_state_dict(model), is_loading=is_loading,
+                                            metadata=dict(DIST_OPTIMIZER_FORMAT))
 
 
 def save_optimizer(model, optimizer, directory: str) -> None:
-    """Collective: the moments as ShardedTensors mirroring their parameters, plus (common) the param-group
-    hyper-parameters and each parameter's step under its full name."""
-    sharded, local_names = _optimizer_sharded_state_dict(model, optimizer, for_loading=False)
-    names = full_names(model)
-    steps = {}
-    for p in _optimizer_params(optimizer):
-        step = optimizer.state[p]["step"]
-        steps[names[local_names[id(p)]]] = float(step)
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, steps)
-    all_steps: Dict[str, float] = {}
-    for part in gathered:
-        all_steps.update(part)
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-              for g in optimizer.param_groups]
-    sharded["common"] = {"param_groups": groups, "step": dict(sorted(all_steps.items()))}
+    """Collective: the distributed optimizer's master weights and moments (model-space ShardedTensors) and its
+    param groups into `directory`."""
+    if not optimizer_has_state(optimizer):
+        raise DistCheckpointError("the optimizer has no state to save (no update yet)")
+    try:
+        sharded = _sharded_optimizer_state(model, optimizer, is_loading=False)
+    except KeyError as exc:  # Megatron's exchange expects Adam's moments (e.g. plain SGD has none)
+        raise DistCheckpointError(f"optimizer state has no {exc} (only Adam-family optimizers are checkpointed)") from None
     _save(sharded, directory)
+
+
+def _hyper_parameters(optimizer) -> list:
+    return [{k: v for k, v in group.items() if k not in _GROUP_STATE} for group in optimizer.param_groups]
 
 
 @torch.no_grad()
 def load_optimizer(model, optimizer, directory: str) -> list:
-    """Collective: this rank's slices of the moments (whatever layout wrote them) and the steps, into
-    `optimizer` (its state is replaced). Hyper-parameters stay the live optimizer's (the run's config, which
-    a resumed run may change on purpose, e.g. `--resume rl.weight_decay=0.1`). -> ["key: saved -> now", ...]
-    for each hyper-parameter that differs from the checkpoint's, so the caller can say so."""
-    sharded, local_names = _optimizer_sharded_state_dict(model, optimizer, for_loading=True)
+    """Collective: this rank's shards of the master weights and moments (whatever layout wrote them) and the
+    steps, into `optimizer`, whose master weights are copied into the model's parameters. Hyper-parameters stay
+    the live optimizer's (the run's config, which a resumed run may change on purpose, e.g. `--resume
+    rl.weight_decay=0.1`). -> ["key: saved -> now", ...] for each one that differs from the checkpoint's."""
+    live = _hyper_parameters(optimizer)
+    sharded = _sharded_optimizer_state(model, optimizer, is_loading=True)
     loaded = _load(sharded, directory)
-    common = loaded.get("common") or {}
-    groups, steps = common.get("param_groups"), common.get("step")
-    if not isinstance(groups, list) or not isinstance(steps, dict) or len(groups) != len(optimizer.param_groups):
-        raise DistCheckpointError(f"{directory}: common state holds {len(groups) if isinstance(groups, list) else None} "
-                                  f"param groups, this optimizer has {len(optimizer.param_groups)}")
-    names = full_names(model)
+    try:
+        optimizer.load_state_dict(loaded)
+    except (KeyError, ValueError, RuntimeError, AssertionError) as exc:
+        raise DistCheckpointError(f"{directory}: optimizer state does not fit this optimizer "
+                                  f"({type(exc).__name__}: {exc})") from None
+    _untie_adam_steps(optimizer)
+    saved = _hyper_parameters(optimizer)
     changed = []
-    for i, (group, saved) in enumerate(zip(optimizer.param_groups, groups)):
-        for k, v in saved.items():
-            if k in ("params", "lr", "initial_lr") or k not in group:
-                continue  # the learning rate is the schedule's, set again every step
-            was = tuple(v) if isinstance(group[k], tuple) and isinstance(v, (list, tuple)) else v
-            if was != group[k]:
-                changed.append(f"{k}: {was!r} in the checkpoint -> {group[k]!r} now"
-                               + (f" (param group {i})" if len(groups) > 1 else ""))
-    for p in _optimizer_params(optimizer):
-        local = local_names[id(p)]
-        full = names[local]
-        if full not in steps:
-            raise DistCheckpointError(f"{directory}: no optimizer step for {full}")
-        moments = loaded["state"][local]
-        optimizer.state[p] = {"step": torch.tensor(float(steps[full]), dtype=torch.float32),
-                              **{k: moments[k].clone() for k in MOMENTS}}
+    for i, (group, now, was) in enumerate(zip(optimizer.param_groups, live, saved)):
+        for k, v in now.items():
+            old = was.get(k, v)
+            if (tuple(old) if isinstance(old, list) else old) != (tuple(v) if isinstance(v, list) else v):
+                changed.append(f"{k}: {old!r} in the checkpoint -> {v!r} now"
+                               + (f" (param group {i})" if len(live) > 1 else ""))
+            group[k] = v
+    # the model's parameters take the loaded master weights (bf16 parameters: rounded from the fp32 masters)
+    for sub in _sub_optimizers(optimizer):
+        if hasattr(sub, "_copy_main_params_to_model_params"):
+            sub._copy_main_params_to_model_params()
     return changed
+
+
+def _untie_adam_steps(optimizer) -> None:
+    """Megatron-Core 0.16.1's DistributedOptimizer.load_state_dict (torch Adam, no TE / apex) gives every
+    parameter's state the SAME `step` tensor; torch's Adam increments it in place once per parameter, so after
+    one update the bias correction of every parameter is off (measured: the second update after a resume
+    differs). Each parameter gets its own copy, as Megatron does on its TE / apex path."""
+    for sub in _sub_optimizers(optimizer):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        for state in inner.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].detach().clone()
+
+
+@torch.no_grad()
+def local_optimizer_state(model, optimizer) -> Dict[str, Dict[str, torch.Tensor]]:
+    """{local parameter name: {"param" (fp32 master), "exp_avg", "exp_avg_sq": tensors of the parameter's local
+    shape}, "step": scalar} from the distributed optimizer's shards, gathered over each data-parallel group
+    (gloo, host memory; collective over data parallelism). For checks and tests: checkpoints do not use it."""
+    from moe.cpu_shim import cuda_tensor_types
+
+    names = {p: n for n, p in model.named_parameters()}
+    out: Dict[str, Dict[str, torch.Tensor]] = {}
+    for sub in _sub_optimizers(optimizer):
+        with cuda_tensor_types():
+            world = sub.get_parameter_state_dp_zero(use_gloo_comm=True, return_on_all_ranks=True)
+        steps = [g.get("step") for g in sub.optimizer.param_groups]
+        step = next((s for s in steps if s is not None), None)
+        if step is None:  # torch keeps it per parameter until Megatron's state_dict moves it to the groups
+            step = next(iter(st["step"] for st in sub.optimizer.state.values() if "step" in st), 0)
+        for gbuf_idx, buffer in enumerate(sub.buffers):
+            for tensors in world[gbuf_idx].values():
+                for param, (start, end, _) in buffer.param_index_map.items():
+                    entry = {k: tensors[k][start:end].reshape(param.shape).clone()
+                             for k in ("param", "exp_avg", "exp_avg_sq")}
+                    entry["step"] = torch.tensor(float(step))
+                    out[names[param]] = entry
+    return out

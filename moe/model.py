@@ -27,7 +27,9 @@ def layer_spec(config, use_transformer_engine: bool | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if use_transformer_engine is None:
-        use_transformer_engine = torch.cuda.is_available() and transformer_engine_available()
+        from moe.device import use_cuda
+
+        use_transformer_engine = use_cuda() and transformer_engine_available()
     return get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
                                       normalization="RMSNorm")
 
@@ -48,12 +50,17 @@ def build_model(
 
     layout.check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
                        arch.num_key_value_heads, arch.vocab_size)
-    cpu = not torch.cuda.is_available()
+    from moe.device import use_cuda
+
+    cpu = not use_cuda()
     if cpu:
         from moe.cpu_shim import is_applied
 
         if not is_applied():
             raise RuntimeError("build_model on a host without CUDA: call moe.cpu_shim.apply_cpu_shim() first")
+    from moe.megatron_compat import apply_megatron_compat
+
+    apply_megatron_compat()  # megatron-core 0.16.1 without TE: te_general_gemm (CPU and GPU alike)
     config = transformer_config(
         arch,
         tensor_parallel=layout.tensor_parallel,

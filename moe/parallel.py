@@ -52,8 +52,11 @@ def init_distributed(backend: str | None = None) -> None:
     """Initialise torch.distributed from torchrun's environment, or as a 1-rank group without it."""
     if torch.distributed.is_initialized():
         return
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():  # one GPU per process (torchrun's LOCAL_RANK), before NCCL binds a device
+    from moe.device import use_cuda
+
+    cuda = use_cuda()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if cuda:  # one GPU per process (torchrun's LOCAL_RANK), before NCCL binds a device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:
         from socket import socket

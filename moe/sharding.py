@@ -14,13 +14,17 @@ word embeddings (`share_embeddings_and_output_weights`) and PP > 1 the last stag
 embedding as `output_layer.weight` (Megatron's `shared` parameter): its full name is
 `embedding.word_embeddings.weight` (loaded from it; left out of the gather, which takes the first stage's).
 
-`local_view_of_full` / `load_full_state_dict` go full -> shard (no communication); `gather_full_state_dict`
-goes shard -> full (all-gathers over TP, expert-TP and EP, then an exchange over the pipeline group, so that
-every rank returns the whole model). Both directions name parameters through `full_names`.
+`local_view_of_full` / `load_full_state_dict` go full -> shard (no communication). Shard -> full has one
+implementation, `FullStateBuckets` (`iter_full_state_buckets`): the full tensors in a fixed order, gathered one
+at a time over TP / expert-TP, EP and the pipeline, delivered in buckets of at most `bucket_bytes` to the ranks
+that ask for them (the rollout ranks), so that no rank ever holds the whole model; `gather_full_state_dict` is
+the same with one unbounded bucket on every rank. Both directions name parameters through `full_names`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -176,96 +180,338 @@ def _num_local_experts(model) -> int:
     return num_experts // ps.get_expert_model_parallel_world_size()
 
 
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+"""Default cap (bytes) of one weight-sync bucket (`iter_full_state_buckets`): 512 MiB, a few of the largest
+Qwen3-30B-A3B tensors (its bf16 embedding alone is 594 MiB, and travels as a bucket of its own)."""
+
+
 @torch.no_grad()
 def gather_full_state_dict(model, tensors: dict[str, torch.Tensor] | None = None,
                            coords: RankCoordinates | None = None) -> dict[str, torch.Tensor]:
     """The inverse of `local_view_of_full`: the full (TP=EP=PP=1) tensors under full names, on every rank.
 
     `tensors` maps local parameter names to tensors of the parameter's shape (default: the parameters
-    themselves; Adam moments or gradients work the same way). Tensor-parallel shards are all-gathered over
-    the TP group (expert-TP group for experts) and concatenated on `partition_dim` (the SwiGLU fc1 as
-    [gate_0..gate_{n-1}; up_0..up_{n-1}], undoing `shard_tensor`), then experts over the EP group. With
-    pipeline parallelism each stage names its layers globally (`full_names`) and the stages then exchange
-    their tensors over the pipeline group (`_exchange_over_pipeline`), so every rank returns the same keys
-    as a TP=EP=PP=1 model; the last stage's copy of a tied embedding is left out (the first stage's is the
-    one). Collective: every rank of those groups calls it with the same parameters in the same order.
+    themselves; Adam moments or gradients work the same way). It is `iter_full_state_buckets` with one bucket
+    and every rank receiving (the one copy of the per-tensor gather: TP shards concatenated on `partition_dim`,
+    the SwiGLU fc1 as [gate_0..gate_{n-1}; up_0..up_{n-1}] undoing `shard_tensor`, experts from their EP rank,
+    then each stage's tensors to the other stages), so every rank returns the same keys as a TP=EP=PP=1
+    model, in stage order; the last stage's copy of a tied embedding is left out (the first stage's is the
+    one). Every returned tensor has its own storage (none aliases a parameter). This holds the WHOLE model on
+    every rank: to feed a rollout engine use `iter_full_state_buckets`. Collective over the TP, expert-TP, EP
+    and pipeline groups: every rank of them calls it.
     """
-    from megatron.core import parallel_state as ps
+    out: dict[str, torch.Tensor] = {}
+    for bucket in FullStateBuckets(model, None, receive=True, tensors=tensors, coords=coords, copy=True):
+        out.update(bucket)
+    return out
 
-    coords = coords or RankCoordinates.current()
+
+def iter_full_state_buckets(model, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, *, receive: bool = True,
+                            tensors: dict[str, torch.Tensor] | None = None,
+                            coords: RankCoordinates | None = None) -> "FullStateBuckets":
+    """The full (TP=EP=PP=1) model in buckets of at most `bucket_bytes`, gathered one bucket at a time;
+    `receive`: whether THIS rank wants the buckets (ranks that do not get empty dicts). Collective: every rank of
+    the TP / expert-TP / EP / pipeline groups calls it at once and iterates the result to the end. See
+    `FullStateBuckets`."""
+    return FullStateBuckets(model, bucket_bytes, receive=receive, tensors=tensors, coords=coords)
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One full-model tensor of a sync plan: its full name, shape and dtype name, the pipeline stage that holds
+    it, the local parameter it is gathered from on that stage, the EP rank that holds it (experts; None for
+    the others, held by every EP rank of the stage), and how it is split over TP (or expert-TP for experts):
+    `split` shards on `partition_dim`, `glu` for the SwiGLU fc1 ([gate_r; up_r] shards)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    stage: int
+    local_name: str
+    expert_owner: int | None
+    split: int
+    partition_dim: int | None
+    glu: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+
+
+class FullStateBuckets:
+    """The full (TP=EP=PP=1) Megatron state, streamed in buckets: iterate it to get, once per bucket, a dict
+    {full name: full tensor} whose tensors total at most `bucket_bytes` (a single tensor bigger than the cap is
+    a bucket of its own; `bucket_bytes=None`: one bucket holding everything). Concatenated, the buckets are
+    exactly `gather_full_state_dict(model, tensors)`, in the same order.
+
+    Plan. The order is fixed and the same on every rank: pipeline stages in order, and within a stage the
+    local parameters in `named_parameters` order, an expert parameter standing for the same local expert of
+    every EP rank (EP rank 0 first); the last stage's copy of a tied embedding is left out. Each stage builds
+    its part from its own parameters (full shapes from the TP split); the parts and the receive flags travel
+    once through `all_gather_object` over the pipeline group (names, shapes, dtype names: a few MB for a 30B
+    model), the need flags below over the EP, TP and expert-TP groups, with a digest of the plan that every
+    peer must share (a mismatch raises before any tensor moves, instead of misaligned collectives). Buckets are
+    consecutive runs of that order cut under the cap (`len()` is known before iterating).
+
+    Moving one tensor X held by stage s (one collective step at a time, each skipped when no rank downstream
+    needs its result, so ranks that neither receive nor relay hold nothing):
+      1. TP: the stage's TP group (expert-TP group of X's EP rank, for experts) assembles X from its shards:
+         `gather` to the one member that needs it, `all_gather` when several do (SwiGLU fc1 reassembled as
+         [gate_0..gate_{n-1}; up_0..up_{n-1}]); a parameter that TP does not split is taken as it is.
+      2. EP (experts): the EP rank holding X broadcasts it over the stage's EP group when every other member
+         needs it, else sends it to those that do.
+      3. PP: stage s's rank sends X along its pipeline group to the members that receive (a broadcast when all
+         other stages receive).
+    A rank "needs" X after step 3 when it receives, after step 2 when a rank of its pipeline group receives,
+    after step 1 when a rank of its EP group needs it after step 2 (experts). With `receive` on the rollout
+    ranks only (model-parallel rank 0 of each data-parallel rank: TP rank 0 of pipeline stage 0), a TP peer
+    or a later stage relays one tensor at a time and never holds a bucket; EP peers are data-parallel ranks
+    that generate too (with ETP < TP an EP peer may be a TP peer that does not: it then relays, too).
+
+    Memory. A receiving rank holds the current bucket (<= bucket_bytes) plus, while one tensor is assembled,
+    its TP shards and their concatenation (about 2x that tensor); a relaying rank holds one tensor at a time.
+    Each bucket's dict is emptied when the next bucket is asked for, so only one bucket is alive even while a
+    consumer still holds the previous dict: copy what you keep (`list(buckets)` gives empty dicts). Tensors
+    are on the model's device; where no gather was needed (TP does not split it, this rank's stage and EP rank
+    hold it) a tensor SHARES STORAGE with the parameter (zero copy): read it, do not write it or keep it past
+    the next optimizer step (`copy=True` clones those).
+
+    Collective: every rank of the model's TP, expert-TP, EP and pipeline groups builds it at the same time
+    (the metadata exchange runs in the constructor) and iterates it to the end, also when it does not
+    receive and also when its consumer fails part-way (drain the rest first; stopping early leaves the other
+    ranks waiting). One pass only.
+    """
+
+    def __init__(self, model, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, *, receive: bool = True,
+                 tensors: dict[str, torch.Tensor] | None = None, coords: RankCoordinates | None = None,
+                 copy: bool = False) -> None:
+        from megatron.core import parallel_state as ps
+
+        if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool)
+                                         or bucket_bytes < 1):
+            raise ValueError(f"bucket_bytes must be a positive integer (bytes) or None, got {bucket_bytes!r}")
+        self.bucket_bytes = bucket_bytes
+        self.receive = bool(receive)
+        self.copy = copy
+        self.coords = coords = coords or RankCoordinates.current()
+        self._params = dict(model.named_parameters())
+        self._tensors = tensors
+        first = next(iter(self._params.values()), None)
+        if first is not None:
+            self.device = first.device
+        else:
+            from moe.device import model_device
+
+            self.device = model_device()
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self._groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group(),
+                        "ep": ps.get_expert_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group()}
+        self._members = {kind: _group_ranks(group) for kind, group in self._groups.items()}
+        dist = torch.distributed
+        self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+        # 1. pipeline group: each stage's part of the plan and who receives
+        mine = _stage_plan(model, coords, self.stage, tensors)
+        pp = self._exchange("pp", (self.stage, self.receive, mine))
+        self._stage_of = {m: s for m, (s, _, _) in zip(self._members["pp"], pp)}
+        self._receives = {m: r for m, (_, r, _) in zip(self._members["pp"], pp)}
+        plan: list[BucketEntry] = []
+        held: dict[str, int] = {}
+        for s, _, part in sorted(pp, key=lambda x: x[0]):
+            for entry in part:
+                if entry.name in held:
+                    raise RuntimeError(f"full state: {entry.name} is held by pipeline stages {held[entry.name]} and {s}")
+                held[entry.name] = s
+                plan.append(entry)
+        self.plan = plan
+        digest = hashlib.sha1(repr(plan).encode()).hexdigest()
+        pp_need = any(self._receives.values())  # a rank of my pipeline group receives
+        # 2. EP group: who needs a stage's tensors (step 2), each member's EP rank
+        ep = self._exchange("ep", (pp_need, coords.ep_rank, digest))
+        self._ep_need = {m: n for m, (n, _, _) in zip(self._members["ep"], ep)}
+        self._ep_rank_of = {m: r for m, (_, r, _) in zip(self._members["ep"], ep)}
+        ep_need = any(self._ep_need.values())  # experts I hold must be assembled (step 1)
+        # 3. TP and expert-TP groups: who needs the assembled tensors
+        tp = self._exchange("tp", (pp_need, digest))
+        self._tp_need = {m: n for m, (n, _) in zip(self._members["tp"], tp)}
+        etp = self._exchange("etp", (ep_need, digest))
+        self._etp_need = {m: n for m, (n, _) in zip(self._members["etp"], etp)}
+        for kind, infos in (("expert-parallel", ep), ("tensor-parallel", tp), ("expert-tensor-parallel", etp)):
+            if any(info[-1] != digest for info in infos):
+                raise RuntimeError(f"full state: the ranks of this {kind} group built different sync plans "
+                                   "(different models or layouts?); refusing to start mismatched collectives")
+        self.buckets: list[list[BucketEntry]] = _cut(plan, bucket_bytes)
+        self._used = False
+
+    # ---------------------------------------------------------------------------------------------- plan
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        return [[e.name for e in bucket] for bucket in self.buckets]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.plan)
+
+    # ---------------------------------------------------------------------------------------------- moving
+    def __iter__(self):
+        if self._used:
+            raise RuntimeError("FullStateBuckets is a single pass (its collectives run once): build a new one")
+        self._used = True
+        return self._generate()
+
+    @torch.no_grad()
+    def _generate(self):
+        for bucket in self.buckets:
+            out: dict[str, torch.Tensor] = {}
+            for entry in bucket:
+                t = self._move(entry)
+                if t is not None:
+                    out[entry.name] = t
+                del t
+            yield out
+            out.clear()  # free this bucket before the next is gathered, whoever still holds the dict
+
+    def _move(self, entry: BucketEntry) -> torch.Tensor | None:
+        me = self._rank
+        t = local = None
+        if entry.stage == self.stage:
+            expert = entry.expert_owner is not None
+            if not expert or self.coords.ep_rank == entry.expert_owner:
+                source = self._params[entry.local_name] if self._tensors is None else self._tensors[entry.local_name]
+                local = source.detach()
+                t = self._assemble(local, entry, "etp" if expert else "tp",
+                                   self._etp_need if expert else self._tp_need)
+            if expert:
+                src = next(m for m in self._members["ep"] if self._ep_rank_of[m] == entry.expert_owner)
+                needers = [m for m in self._members["ep"] if m != src and self._ep_need[m]]
+                t = self._forward(t, src, needers, "ep", entry)
+        src = next(m for m in self._members["pp"] if self._stage_of[m] == entry.stage)
+        needers = [m for m in self._members["pp"] if m != src and self._receives[m]]
+        t = self._forward(t if me == src else None, src, needers, "pp", entry)
+        if not self.receive:
+            return None
+        if t is None:
+            raise RuntimeError(f"full state: {entry.name} did not reach receiving rank {me} (a bug in the plan)")
+        if self.copy and local is not None and t is local:
+            t = t.clone()
+        return t
+
+    def _assemble(self, local: torch.Tensor, entry: BucketEntry, kind: str, need: dict) -> torch.Tensor | None:
+        """Step 1: the full tensor from its TP (expert-TP) shards, on the members of the group that need it."""
+        me, members = self._rank, self._members[kind]
+        if entry.split == 1:
+            return local if need[me] else None
+        if entry.split != len(members):
+            raise RuntimeError(f"full state: {entry.name} is split {entry.split} ways, its {kind} group has "
+                               f"{len(members)} ranks")
+        needers = [m for m in members if need[m]]
+        if not needers:
+            return None
+        local = local.contiguous()
+        if len(needers) == 1:
+            parts = [torch.empty_like(local) for _ in members] if me == needers[0] else None
+            torch.distributed.gather(local, parts, dst=needers[0], group=self._groups[kind])
+        else:
+            parts = _all_gather(local, len(members), self._groups[kind])
+        if not need[me]:
+            return None
+        dim = entry.partition_dim
+        if entry.glu:
+            halves = [torch.chunk(p, 2, dim=dim) for p in parts]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+        return torch.cat(parts, dim=dim)
+
+    def _forward(self, t: torch.Tensor | None, src: int, needers: list, kind: str,
+                 entry: BucketEntry) -> torch.Tensor | None:
+        """Steps 2 and 3: `src` (which holds t) passes it to `needers` over the group; returns it where held."""
+        me = self._rank
+        if me == src and t is None and needers:
+            raise RuntimeError(f"full state: {entry.name} is not assembled on rank {me}, which must pass it on")
+        if not needers:
+            return t if me == src else None
+        members, group = self._members[kind], self._groups[kind]
+        everyone = len(needers) == len(members) - 1
+        if me == src:
+            t = t.contiguous()
+            if everyone:
+                torch.distributed.broadcast(t, src=src, group=group)
+            else:
+                for m in needers:
+                    torch.distributed.send(t, dst=m, group=group)
+            return t
+        if me not in needers:
+            return None
+        buf = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype), device=self.device)
+        if everyone:
+            torch.distributed.broadcast(buf, src=src, group=group)
+        else:
+            torch.distributed.recv(buf, src=src, group=group)
+        return buf
+
+    def _exchange(self, kind: str, obj) -> list:
+        """obj from every member of the group, in group order (no communication in a group of one)."""
+        if len(self._members[kind]) == 1:
+            return [obj]
+        out: list = [None] * len(self._members[kind])
+        torch.distributed.all_gather_object(out, obj, group=self._groups[kind])
+        return out
+
+
+def _stage_plan(model, coords: RankCoordinates, stage: int, tensors) -> list[BucketEntry]:
+    """This pipeline stage's tensors in sync order (identical on its TP and EP ranks)."""
     gated = bool(getattr(model.config, "gated_linear_unit", True))
     num_local_experts = _num_local_experts(model)
     offset = layer_offset(model)
     names = full_names(model, coords)
-    out: dict[str, torch.Tensor] = {}
+    out: list[BucketEntry] = []
     for local_name, param in model.named_parameters():
         if is_tied_embedding_copy(model, local_name):
-            continue  # a duplicate of the first stage's embedding; every rank of this stage skips it alike
-        t = (param if tensors is None else tensors[local_name]).detach()
+            continue  # a duplicate of the first stage's embedding
+        t = param if tensors is None else tensors[local_name]
         expert = is_expert_param(local_name)
         size = coords.etp_size if expert else coords.tp_size
-        if getattr(param, "tensor_model_parallel", False) and size > 1:
-            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-            parts = _all_gather(t, size, group)
-            dim = param.partition_dim
-            if gated and local_name.endswith("linear_fc1.weight"):
-                halves = [torch.chunk(p, 2, dim=dim) for p in parts]
-                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
-            else:
-                t = torch.cat(parts, dim=dim)
-        if expert and coords.ep_size > 1:
-            parts = _all_gather(t, coords.ep_size, ps.get_expert_model_parallel_group())
-            for r, part in enumerate(parts):
-                out[local_to_full_name(local_name, replace(coords, ep_rank=r), num_local_experts, offset)] = part
+        split = size if getattr(param, "tensor_model_parallel", False) and size > 1 else 1
+        dim = int(param.partition_dim) if split > 1 else None
+        shape = [int(d) for d in t.shape]
+        if split > 1:
+            shape[dim] *= split
+        dtype = str(t.dtype).removeprefix("torch.")
+        glu = split > 1 and gated and local_name.endswith("linear_fc1.weight")
+        if expert:
+            for r in range(coords.ep_size):
+                name = local_to_full_name(local_name, replace(coords, ep_rank=r), num_local_experts, offset)
+                out.append(BucketEntry(name, tuple(shape), dtype, stage, local_name, r, split, dim, glu))
         else:
-            out[names[local_name]] = t.clone()
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        first = next(model.parameters(), None)
-        device = first.device if first is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        out = _exchange_over_pipeline(out, device)
+            out.append(BucketEntry(names[local_name], tuple(shape), dtype, stage, local_name, None, split, dim, glu))
     return out
 
 
-def _exchange_over_pipeline(local: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    """Every stage's full-named tensors on every rank of the pipeline group, in stage order.
+def _cut(plan: list[BucketEntry], cap: int | None) -> list[list[BucketEntry]]:
+    """Consecutive runs of `plan` of at most `cap` bytes; a bigger tensor alone; None: one bucket."""
+    if cap is None:
+        return [list(plan)] if plan else []
+    buckets: list[list[BucketEntry]] = []
+    used = 0
+    for entry in plan:
+        n = entry.nbytes
+        if not buckets or (buckets[-1] and used + n > cap):
+            buckets.append([])
+            used = 0
+        buckets[-1].append(entry)
+        used += n
+    return buckets
 
-    Names, shapes and dtype names (plain strings and ints) go through all_gather_object; the tensors through
-    broadcasts from each stage, one flat buffer per (stage, dtype)."""
-    from megatron.core import parallel_state as ps
 
-    group = ps.get_pipeline_model_parallel_group()
-    stage = ps.get_pipeline_model_parallel_rank()
-    ranks = torch.distributed.get_process_group_ranks(group)  # global rank of each stage, in stage order
-    meta = [(name, [int(d) for d in t.shape], str(t.dtype).removeprefix("torch.")) for name, t in local.items()]
-    metas: list = [None] * len(ranks)
-    torch.distributed.all_gather_object(metas, meta, group=group)
-    seen: dict[str, int] = {}
-    for s, entries in enumerate(metas):
-        for name, _, _ in entries:
-            if name in seen:
-                raise RuntimeError(f"gather_full_state_dict: {name} is held by pipeline stages {seen[name]} and {s}")
-            seen[name] = s
-    out: dict[str, torch.Tensor] = {}
-    for s, entries in enumerate(metas):
-        received: dict[str, torch.Tensor] = {}
-        for dtype_name in sorted({d for _, _, d in entries}):
-            members = [(name, shape) for name, shape, d in entries if d == dtype_name]
-            if s == stage:
-                flat = torch.cat([local[name].reshape(-1) for name, _ in members]).to(device)
-            else:
-                numel = sum(torch.Size(shape).numel() for _, shape in members)
-                flat = torch.empty(numel, dtype=getattr(torch, dtype_name), device=device)
-            torch.distributed.broadcast(flat, src=ranks[s], group=group)
-            if s == stage:
-                continue
-            start = 0
-            for name, shape in members:
-                n = torch.Size(shape).numel()
-                received[name] = flat[start:start + n].view(shape).clone()  # own storage, as the local ones
-                start += n
-        out.update((name, local[name] if s == stage else received[name]) for name, _, _ in entries)
-    return out
+def _group_ranks(group) -> list[int]:
+    """Global ranks of `group`, in group-rank order ([this rank] without a process group)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0]
+    ranks = dist.get_process_group_ranks(group)
+    return sorted(ranks, key=lambda r: dist.get_group_rank(group, r))
 
 
 def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:

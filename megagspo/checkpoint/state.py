@@ -6,9 +6,10 @@ Files in `step_X/` (see store.py for the atomic protocol; the manifest lists eve
         .metadata          torch.distributed.checkpoint global metadata (which chunk of which key is where)
         common.pt          the non-sharded part (empty for the model)
         metadata.json      backend and version
-    optimizer/             the same for AdamW (absent at step_000000, before the first RL update): exp_avg /
-                           exp_avg_sq as ShardedTensors mirroring their parameters (`optimizer.state.<moment>.
-                           <param key>`); common.pt: param-group hyper-parameters, every parameter's step
+    optimizer/             the same for Megatron's distributed optimizer (absent at step_000000, before the
+                           first RL update): fp32 master weights and Adam moments as ShardedTensors mirroring
+                           their parameters (`optimizer.state.<kind>.<param key>`); common.pt: param groups
+                           (hyper-parameters and the Adam step)
     rng.safetensors        per rank: `rank<r>/torch` (global CPU generator: HF `generate` samples with it),
                            `rank<r>/sample_gen` (the mini-batch permutation generator)
     trainer_state.json     step, run id, layout, model architecture, tokenizer, config, data-loader position
@@ -28,7 +29,6 @@ no process group, for `megagspo export` and `model.init_from`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -50,7 +50,6 @@ OPTIMIZER_DIR = "optimizer"
 RNG = "rng.safetensors"
 STATE = "trainer_state.json"
 REQUIRED = (f"{MODEL_DIR}/.metadata", f"{MODEL_DIR}/metadata.json", f"{MODEL_DIR}/common.pt", RNG, STATE)
-OPT_KINDS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def _jsonable(obj):
@@ -84,55 +83,26 @@ def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict, rank: int, sample_
 
 
 # ------------------------------------------------------------------------------------- optimizer state
-def _expert_full_names(policy, local_name: str):
-    from moe.sharding import RankCoordinates, layer_offset, local_to_full_name
-
-    coords = RankCoordinates.current()
-    num_local = policy.arch.num_experts // policy.ep_size
-    offset = layer_offset(policy.model)
-    return [local_to_full_name(local_name, dataclasses.replace(coords, ep_rank=r), num_local, offset)
-            for r in range(policy.ep_size)]
-
-
 @torch.no_grad()
 def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
-    """AdamW state of every parameter under full (TP=EP=PP=1) names and shapes, `<kind>/<full name>`;
-    collective over TP, expert-TP, EP and PP, like the weights (for checks and tests: checkpoints store the
-    moments sharded). The moments go through the weights' own gather (policy.gather_full), so TP shards are
-    concatenated like their parameters; the step (a scalar per parameter) is gathered over EP for the
-    experts, then over the pipeline stages."""
-    from moe.sharding import full_names, is_expert_param
+    """The distributed optimizer's state of every parameter under full (TP=EP=PP=1) names and shapes,
+    `<kind>/<full name>` for kind in master (fp32 master weight), exp_avg, exp_avg_sq and step; collective over
+    every rank, like the weights (for checks and tests: checkpoints store the state sharded). Each rank's
+    per-parameter shards come from moe.dist_checkpoint.local_optimizer_state (gathered over data
+    parallelism), then go through the weights' own gather (policy.gather_full), so TP shards are concatenated
+    like their parameters and experts / pipeline stages collected the same way."""
+    from moe.dist_checkpoint import local_optimizer_state, optimizer_has_state
 
     out: Dict[str, torch.Tensor] = {}
-    if optimizer is None:
+    if optimizer is None or not optimizer_has_state(optimizer):
         return out
-    params = dict(policy.model.named_parameters())
-    if not any(optimizer.state.get(p) for p in params.values()):
-        return out
-    missing = [name for name, p in params.items() if not optimizer.state.get(p)]
-    if missing:  # the gathers are collective over every parameter: a partial state would misalign the ranks
-        raise ValueError(f"gather_optimizer_state: no optimizer state for {missing[:4]} (not updated yet)")
-    for kind in OPT_KINDS[:2]:
-        full = policy.gather_full({name: optimizer.state[p][kind] for name, p in params.items()})
+    local = local_optimizer_state(policy.model, optimizer)
+    for kind, key in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+        full = policy.gather_full({name: local[name][key] for name in local})
         out.update({f"{kind}/{name}": t for name, t in full.items()})
-    local_full = full_names(policy.model)
-    steps: Dict[str, torch.Tensor] = {}
-    for local_name, p in params.items():
-        if local_full[local_name] in steps:  # the last stage's copy of a tied embedding (PP > 1)
-            continue
-        t = optimizer.state[p]["step"].detach().float().reshape(-1)
-        if policy.ep_size > 1 and is_expert_param(local_name):
-            parts = [torch.empty_like(t) for _ in range(policy.ep_size)]
-            torch.distributed.all_gather(parts, t.contiguous(), group=policy.ep_group)
-            names = _expert_full_names(policy, local_name)
-        else:
-            parts, names = [t.clone()], [local_full[local_name]]
-        steps.update({f"step/{name}": part for name, part in zip(names, parts)})
-    if policy.pp_size > 1:  # one scalar per parameter: plain floats over the pipeline group
-        stages: list = [None] * policy.pp_size
-        torch.distributed.all_gather_object(stages, {k: float(v) for k, v in steps.items()}, group=policy.pp_group)
-        steps = {k: torch.tensor([v]) for stage in stages for k, v in stage.items()}
-    out.update(steps)
+    steps = policy.gather_full({name: local[name]["step"].expand(p.shape).contiguous()
+                                for name, p in policy.model.named_parameters()})
+    out.update({f"step/{name}": t.reshape(-1)[:1].clone() for name, t in steps.items()})
     return out
 
 

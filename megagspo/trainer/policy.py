@@ -1,5 +1,5 @@
-"""The policy on Megatron-Core: distributed set-up, model build, token log-probs, gradient reduction,
-global gradient norm, full-state export for the rollout engine (gathering TP shards and EP experts).
+"""The policy on Megatron-Core: distributed set-up, model build (fp32 or bf16), token log-probs, gradients
+through Megatron's DDP and updates through its distributed optimizer, full-state export for the rollout engine (gathering TP shards and EP experts).
 
 Tensor parallelism: the LM head's logits stay vocab-parallel ([B, S, V/TP] per rank) and go straight into
 the vocab-parallel log-prob kernel (megagspo.kernels.token_logprobs with the TP group: partial max/sum-exp
@@ -27,15 +27,24 @@ import torch.nn.functional as F
 def setup_parallel(parallel_cfg, seed: int):
     """torch.distributed (gloo on CPU; 1 rank without torchrun) + Megatron groups. -> (layout, rank, world)."""
     from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+    from moe.device import use_cuda
     from moe.parallel import ParallelLayout, init_distributed, initialize_model_parallel
 
-    if not torch.cuda.is_available():
+    cuda = use_cuda()
+    if not cuda:
         apply_cpu_shim()
     init_distributed()
     layout = ParallelLayout(tensor_parallel=parallel_cfg.tensor_parallel, expert_parallel=parallel_cfg.expert_parallel,
                             pipeline_parallel=parallel_cfg.pipeline_parallel)
     initialize_model_parallel(layout)
-    initialize_cpu_rng(seed)
+    if cuda:
+        # Megatron's CUDA RNG tracker (per-TP-rank streams for sharded weights and dropout) and the torch seed
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        initialize_cpu_rng(seed)
     return layout, torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
@@ -68,20 +77,36 @@ def _logprob_fn(impl: str, tp_group=None):
 
 
 class MegatronPolicy:
-    def __init__(self, arch, layout, parallel_cfg, logprob_impl: str = "auto", *, frozen: bool = False) -> None:
+    def __init__(self, arch, layout, parallel_cfg, logprob_impl: str = "auto", *, frozen: bool = False,
+                 precision: str = "fp32") -> None:
         """frozen=True: the KL reference policy (rl.kl_coef > 0): the same layout and log-prob path, no
-        gradients, eval mode, and no routing replay (it always routes with its own router; see rl_step)."""
+        gradients, eval mode, and no routing replay (it always routes with its own router; see rl_step).
+
+        precision: "fp32" or "bf16" parameters (moe.optimizer.PRECISIONS). A trainable policy is wrapped in
+        Megatron-Core's DistributedDataParallel (`self.ddp`: fp32 gradient buffers, bucketed reduction) and is
+        updated by Megatron's distributed optimizer (`make_optimizer` / `step`); `self.model` stays the bare
+        GPTModel that forwards run through."""
         from megatron.core import parallel_state as ps
 
         from moe.model import build_model
+        from moe.optimizer import params_dtype
 
         self.arch = arch
         self.frozen = frozen
+        self.precision = precision
         self.model = build_model(arch, layout, token_dispatcher=parallel_cfg.token_dispatcher,
-                                 routing_replay=not frozen)
+                                 routing_replay=not frozen, params_dtype=params_dtype(precision))
+        self.ddp = None
+        self.loss_scale = 1.0
         if frozen:
             self.model.requires_grad_(False)
             self.model.eval()
+        else:
+            from moe.optimizer import loss_scale_for_sum, wrap_data_parallel
+
+            self.ddp = wrap_data_parallel(self.model)
+            # losses are normalised by global counts and summed over ranks; DDP averages: undo its 1 / DP
+            self.loss_scale = loss_scale_for_sum(self.ddp)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -112,14 +137,16 @@ class MegatronPolicy:
         self.set_micro_batches(1)
 
     def set_micro_batches(self, num_micro_batches: int) -> None:
-        """Router aux-loss gradient scale 1 / (DP * micro-batches per optimizer step): each DP rank and each
-        micro-batch adds its own aux loss (Megatron's convention), while the policy losses divide by global
-        counts and are summed over ranks and micro-batches. The aux loss is a per-micro-batch estimate, so it
-        (alone) changes with the split; TP ranks combine their sequence chunks inside Megatron's router."""
+        """Router aux-loss gradient scale 1 / micro-batches per optimizer step, which DDP's 1 / DP reduction
+        makes 1 / (DP * micro-batches): each DP rank and each micro-batch adds its own aux loss (Megatron's
+        convention), while the policy losses divide by global counts and are summed over ranks and
+        micro-batches. The aux loss is a per-micro-batch estimate, so it (alone) changes with the split; TP
+        ranks combine their sequence chunks inside Megatron's router."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        # shape [1], as Megatron's pipeline schedules set it (they copy_ a [1] tensor into this one)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([1.0 / (self.dp_size * num_micro_batches)]))
+        # shape [1] on the model's device (the aux loss it scales is there), as Megatron's pipeline schedules
+        # set it (they copy_ a [1] tensor into this one)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([1.0 / num_micro_batches], device=self.device))
 
     # ---- forward ---------------------------------------------------------------------------------------
     def token_logprobs(self, input_ids_BS: torch.Tensor, targets_BS: torch.Tensor, unpadded_len: Optional[int] = None):
@@ -160,10 +187,11 @@ class MegatronPolicy:
         (gradients accumulate in .grad), or (logp_BS, entropy_BS) without `loss_fn` (forward only, no
         autograd graph). On the other stages result i is None.
 
-        Scaling under PP: Megatron's schedule divides each micro-batch loss by the number of micro-batches and
-        sets the router aux-loss scale to grad_scale_func(1) / n. Our losses already divide by global counts
-        and the aux scale must be 1 / (DP * n) (`set_micro_batches`), so the loss is handed over multiplied by
-        DP * n and grad_scale_func divides by DP: the backpropagated loss is exactly the one loss_fn made."""
+        Scaling: the losses divide by global counts and are summed over data-parallel ranks, while Megatron's
+        DDP scales gradients by 1 / DP, so the backpropagated loss is loss_fn's times DP (`self.loss_scale`).
+        Under PP, Megatron's schedule also divides each micro-batch loss by the number of micro-batches n and
+        sets the router aux-loss scale to 1 / n (as `set_micro_batches` does), so the loss is handed over
+        multiplied by DP * n: the gradient is exactly that of the loss loss_fn made."""
         n = len(batches)
         results: List = [None] * n
         enter = context or (lambda i: contextlib.nullcontext())
@@ -177,7 +205,7 @@ class MegatronPolicy:
                         results[i] = (logp_BS, ent_BS)
                         continue
                     loss, results[i] = loss_fn(i, logp_BS, ent_BS)
-                    loss.backward()
+                    (loss * self.loss_scale).backward()  # into the DDP's fp32 gradient buffers
             return results
         return self._run_pipeline(batches, unpadded_len, enter, loss_fn, results)
 
@@ -193,9 +221,8 @@ class MegatronPolicy:
             if tuple(input_BS.shape) != (batch, seq_len):
                 raise ValueError(f"pipeline micro-batch {i} has shape {tuple(input_BS.shape)}; micro-batch 0 has "
                                  f"{(batch, seq_len)} (the p2p buffers are sized once per call)")
-        loss_multiplier = float(self.dp_size * n)
-        config = self.model.config
-        config.grad_scale_func = (lambda t: t / self.dp_size) if self.dp_size > 1 else None
+        loss_multiplier = (self.loss_scale if train else 1.0) * n
+        self.model.config.grad_scale_func = None
 
         def forward_step(data_iterator, model):
             i = next(data_iterator)
@@ -239,21 +266,34 @@ class MegatronPolicy:
 
         return sum_over(values, self.pp_group)
 
-    # ---- gradients -------------------------------------------------------------------------------------
-    def reduce_grads(self) -> None:
-        """SUM gradients over data-parallel ranks (losses divide by global counts): dense params over DP,
-        expert params over expert-DP, sequence-parallel partial gradients over TP (what Megatron's
-        finalize_model_grads does)."""
-        from moe.grads import reduce_gradients
+    # ---- gradients and updates -------------------------------------------------------------------------
+    def make_optimizer(self, settings):
+        """Megatron-Core's distributed optimizer over this policy (moe.optimizer.OptimizerSettings)."""
+        from moe.optimizer import build_optimizer
 
-        reduce_gradients(self.model)
+        return build_optimizer(self.ddp, settings)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm (TP shards summed over TP, TP-replicated tensors once, expert shards summed over
-        EP) and in-place clipping; returns the pre-clip norm."""
-        from moe.grads import clip_grad_norm_
+    def zero_grad(self) -> None:
+        """Empty the fp32 gradient buffers before a mini-batch's micro-batches accumulate into them."""
+        from moe.optimizer import zero_gradients
 
-        return clip_grad_norm_(self.model, max_norm)
+        zero_gradients(self.ddp)
+
+    def finish_grads(self) -> None:
+        """Megatron's finalize_model_grads: gradients SUMMED over data-parallel ranks (dense over DP, experts
+        over expert-DP; reduce-scattered for the distributed optimizer), sequence-parallel partial gradients
+        over TP, the tied embedding over the first and last pipeline stages."""
+        from moe.optimizer import finish_gradients
+
+        finish_gradients(self.ddp)
+
+    def step(self, optimizer) -> float:
+        """finish_grads, then the optimizer's clip (global L2 norm over the whole model) and update.
+        -> the pre-clip gradient norm, equal on every rank."""
+        from moe.optimizer import optimizer_step
+
+        self.finish_grads()
+        return optimizer_step(optimizer)
 
     # ---- weights ---------------------------------------------------------------------------------------
     def full_state_dict(self) -> Dict[str, torch.Tensor]:

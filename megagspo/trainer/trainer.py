@@ -7,7 +7,8 @@
     -> for each of `mini_batches` mini-batches: for each micro-batch (`rl.micro_batch_size` rows on this
        rank, 0 = all): forward (routes replayed under R2/R3), registered loss (GSPO eq. 6 / GSPO-token
        eq. 14 / GRPO eq. 2) normalised by GLOBAL counts of the mini-batch, backward (gradients accumulate);
-       then once per mini-batch: gradients SUMMED over DP, global-norm clip, AdamW step
+       then once per mini-batch: gradients SUMMED over DP (Megatron DDP, fp32 buffers), global-norm clip and
+       update by Megatron's distributed optimizer (fp32 master weights and moments sharded over DP)
     -> weights exported (full Megatron state: TP shards, EP experts and PP stages gathered) -> rollout engine
     -> metrics (JSONL / TensorBoard / progress bar), held-out greedy accuracy every `eval_every` steps.
 
@@ -165,7 +166,8 @@ class Trainer:
         self.resume = self.ckpt.find_resume(arch, len(train))
         self.stop = StopRequest()
         self.arch = arch
-        self.policy = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl)
+        self.policy = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl,
+                                     precision=cfg.model.precision)
         if cfg.model.init_from:
             try:
                 self.policy.load_full_state_dict(load_checkpoint(cfg.model.init_from)["state"])
@@ -177,10 +179,12 @@ class Trainer:
         # here, before the RNG is reseeded below, so building it changes no random draw of the run. Its weights
         # are the policy's at the start of RL: copied by _start_reference (a fresh run, or a resume from the
         # step_000000 checkpoint, whose weights ARE the start of RL) or read back from <run>/reference.safetensors.
+        self.optimizer = None  # the RL optimizer, made by run_rl (SFT has its own, freed after the cold start)
         self.reference: Optional[MegatronPolicy] = None
         self._reference_ready = False
         if cfg.rl.kl_coef > 0:
-            self.reference = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl, frozen=True)
+            self.reference = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl, frozen=True,
+                                            precision=cfg.model.precision)
             if self.resume and self.resume["state"]["step"] > 0:
                 self._resume_reference()
         engine_kwargs = {"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang" else {}
@@ -261,8 +265,22 @@ class Trainer:
         return sum_over(values, self.policy.dp_group)
 
     def sync_weights(self) -> float:
+        """Stream the policy's weights to the rollout engine (collective: every rank calls it); returns seconds.
+
+        The full (TP=EP=PP=1) model goes out in buckets of at most `rollout.sync_bucket_bytes` (default
+        moe.sharding.DEFAULT_BUCKET_BYTES, 512 MiB), gathered one bucket at a time over TP / EP / PP
+        (moe.sharding.iter_full_state_buckets), so that no rank ever holds the whole model. Only the ranks
+        whose engine needs the weights receive buckets (engine.weights_needed: for the embedded engine the
+        ranks that generate, model-parallel rank 0 of each data-parallel rank, see _generate; for SGLang rank 0,
+        which sends); the others relay their shards and iterate empty buckets."""
+        from moe.sharding import DEFAULT_BUCKET_BYTES, iter_full_state_buckets
+
         t0 = time.perf_counter()
-        self.engine.update_weights(self.policy.full_state_dict())
+        generates = self.policy.mp_size == 1 or torch.distributed.get_rank(self.policy.mp_group) == 0
+        bucket_bytes = getattr(self.cfg.rollout, "sync_bucket_bytes", None) or DEFAULT_BUCKET_BYTES
+        buckets = iter_full_state_buckets(self.policy.model, bucket_bytes,
+                                          receive=self.engine.weights_needed(generates))
+        self.engine.update_weights_from_buckets(buckets)
         return time.perf_counter() - t0
 
     def _generate(self, prompts: list, n: int, sampling):
@@ -347,8 +365,10 @@ class Trainer:
         cfg = self.cfg.sft
         if cfg.steps == 0:
             return {}
-        model = self.policy.model
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        from moe.optimizer import OptimizerSettings, set_lr
+
+        opt = self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, kind=cfg.optimizer, weight_decay=cfg.weight_decay,
+                                                           beta1=0.9, beta2=0.99, clip_grad=cfg.grad_clip))
         bar = self._progress(cfg.steps, "cold-start SFT")
         tok = self.tokenizer
         sft_ds = self.train_ds
@@ -358,8 +378,7 @@ class Trainer:
         t_start = time.perf_counter()
         for step in range(cfg.steps):
             lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, "cosine", 0.1)
-            for g in opt.param_groups:
-                g["lr"] = lr
+            set_lr(opt, lr)
             batch = self._local_slice(sft_ds.sample(cfg.batch_size))
             answers = [tok.encode(ex.answer) + [tok.eos_id] for ex in batch]
             width = max(len(a) for a in answers)
@@ -373,7 +392,7 @@ class Trainer:
             inp, tgt, lmask, _ = build_sequences(prompt_ids, resp, mask, tok.pad_id, length=self._seq_length(natural))
             inp, tgt, lmask = (t.to(self.policy.device) for t in (inp, tgt, lmask))
             (n_tok,) = self._all_sum([float(lmask.sum())])
-            model.zero_grad(set_to_none=True)
+            self.policy.zero_grad()
             lmask = lmask.float()
 
             def lm_loss(i, logp_BS, _entropy_BS):  # gradients accumulate; divided by the GLOBAL token count
@@ -383,9 +402,7 @@ class Trainer:
             losses = self.policy.run_micro_batches([(inp[rows], tgt[rows]) for rows in micro_rows], natural,
                                                    loss_fn=lm_loss)
             loss_local = sum(x for x in losses if x is not None)  # 0 on the stages without the LM head
-            self.policy.reduce_grads()
-            gnorm = self.policy.clip_grad_norm(cfg.grad_clip)
-            opt.step()
+            gnorm = self.policy.step(opt)
             (loss_sum,) = self._all_sum(self.policy.pp_sum([loss_local]))
             do_eval = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0
             if step % 10 == 0 or step == cfg.steps - 1 or do_eval:
@@ -522,13 +539,13 @@ class Trainer:
         # ---- updates ----
         t3 = time.perf_counter()
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        from moe.optimizer import set_lr
+
+        set_lr(self.optimizer, lr)
         parts, gnorms = [], []
         vol_changed = vol_total = 0.0
-        model = policy.model
         for k, rows_k in enumerate(micro):
-            model.zero_grad(set_to_none=True)
+            policy.zero_grad()
             new_routes = [None] * len(rows_k)
             if replay in ("r2", "r3"):
                 context = lambda j, k=k: policy.replay.replaying(old_routes[k][j])  # noqa: E731
@@ -549,9 +566,7 @@ class Trainer:
             inputs_k = [(inp_RS[rows], tgt_RS[rows]) for rows in rows_k]
             results = policy.run_micro_batches(inputs_k, natural, context=context, loss_fn=policy_loss)
             parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
-            policy.reduce_grads()
-            gnorms.append(float(policy.clip_grad_norm(cfg.grad_clip)))
-            self.optimizer.step()
+            gnorms.append(policy.step(self.optimizer))
             # expert volatility: top-k choices of this forward (under replay: a free forward of the updated
             # policy) vs pi_old's on the same tokens, micro-batch by micro-batch, over this stage's layers
             if old_routes[k][0] is None:
@@ -597,10 +612,18 @@ class Trainer:
         row["throughput/tokens_per_s"] = (float(mask_RS.sum()) * d) / step_time
         return row
 
+    def make_rl_optimizer(self):
+        """Megatron's distributed optimizer for the RL updates (rl.optimizer, rl.lr, betas, weight decay, clip);
+        its fp32 master weights start from the policy's weights now (after cold-start SFT / init / resume)."""
+        from moe.optimizer import OptimizerSettings
+
+        cfg = self.cfg.rl
+        return self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, kind=cfg.optimizer, weight_decay=cfg.weight_decay,
+                                                            beta1=cfg.beta1, beta2=cfg.beta2, clip_grad=cfg.grad_clip))
+
     def run_rl(self, cold_start: dict, start_step: int = 0) -> dict:
         cfg = self.cfg.rl
-        self.optimizer = torch.optim.AdamW(self.policy.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = self.make_rl_optimizer()
         if self.resume:
             self.ckpt.load_optimizer(self.policy, self.optimizer, self.resume)
         if self.reference is not None and not self._reference_ready:
