@@ -245,7 +245,6 @@ class SFTConfig:
 
     steps: int = 150
     batch_size: int = 64
-    optimizer: str = "adam"         # adam (AdamW, betas 0.9 / 0.99) | sgd
     lr: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.0
@@ -260,7 +259,6 @@ class SFTConfig:
         _nonneg_int("sft", "eval_every", self.eval_every)
         _nonneg_int("sft", "micro_batch_size", self.micro_batch_size)
         _pos_int("sft", "batch_size", self.batch_size)
-        _choice("sft", "optimizer", self.optimizer, OPTIMIZERS)
         _num("sft", "lr", self.lr, 0.0, 1.0, lo_open=True)
         _nonneg_int("sft", "warmup_steps", self.warmup_steps)
         _num("sft", "weight_decay", self.weight_decay, 0.0, 1.0)
@@ -268,7 +266,6 @@ class SFTConfig:
 
 
 LOSSES = ("gspo", "gspo_token", "grpo")
-OPTIMIZERS = ("adam", "sgd")
 OLD_LOGP = ("recompute", "rollout")
 ROUTING_REPLAY = ("none", "r2", "r3")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -295,7 +292,6 @@ class RLConfig:
     # > 0: loss += kl_coef * k3 KL(pi_theta || pi_ref) to a frozen copy of the policy at the start of RL
     # (a second model's weights in memory; <run>/reference.safetensors). 0 = off (the GSPO paper trains without).
     kl_coef: float = 0.0
-    optimizer: str = "adam"         # adam (AdamW) | sgd; Megatron-Core's distributed optimizer either way
     lr: float = 1e-3
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -319,7 +315,6 @@ class RLConfig:
         if self.group_size < 2:
             raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
         _choice("rl", "loss", self.loss, LOSSES)
-        _choice("rl", "optimizer", self.optimizer, OPTIMIZERS)
         _choice("rl", "old_logp", self.old_logp, OLD_LOGP)
         _choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)
         _choice("rl", "lr_schedule", self.lr_schedule, SCHEDULES)

@@ -266,7 +266,8 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
     # (2)
     from moe.megatron_compat import apply_megatron_compat
 
-    changes.extend(apply_megatron_compat())
+    compat = apply_megatron_compat()  # logged by itself
+    changes.extend(compat)
 
     # (3)
     torch.cuda.Stream = _CpuStream
@@ -322,7 +323,8 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
     changes.append("megatron clip_grads.l2_norm_impl -> the same float32 L2 norm, returned on the CPU")
 
     for line in changes:
-        logger.warning("megagspo CPU shim: %s", line)
+        if line not in compat:
+            logger.warning("megagspo CPU shim: %s", line)
     _APPLIED.extend(changes)
     return list(changes)
 

@@ -438,7 +438,9 @@ def read_full_state_dict(directory: str, index: Dict[str, dict]) -> Dict[str, to
 # memory of its DP rank 0, which writes them (no device memory is used, and the same code runs on CPU and GPU).
 # The common part (torch.save, read back weights-only) holds the param groups, the Adam step among them.
 DIST_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
-                         "distrib_optim_fully_reshardable_mem_efficient": True}
+                         "distrib_optim_fully_reshardable_mem_efficient": True,
+                         # tensor keys independent of how many sub-optimizers (dense, expert) a layout has
+                         "chained_optim_avoid_prefix": True}
 # param-group entries that are state or schedule, not hyper-parameters the run's config sets
 _GROUP_STATE = ("params", "step", "lr", "initial_lr", "max_lr", "min_lr")
 
@@ -494,10 +496,10 @@ def load_optimizer(model, optimizer, directory: str) -> list:
     the live optimizer's (the run's config, which a resumed run may change on purpose, e.g. `--resume
     rl.weight_decay=0.1`). -> ["key: saved -> now", ...] for each one that differs from the checkpoint's."""
     live = _hyper_parameters(optimizer)
-    sharded = _sharded_optimizer_state(model, optimizer, is_loading=True)
-    loaded = _load(sharded, directory)
+    template = _sharded_optimizer_state(model, optimizer, is_loading=True)
+    loaded = _load(template, directory)
     try:
-        optimizer.load_state_dict(loaded)
+        optimizer.load_state_dict(_in_live_structure(template, loaded, _saved_step(directory)))
     except (KeyError, ValueError, RuntimeError, AssertionError) as exc:
         raise DistCheckpointError(f"{directory}: optimizer state does not fit this optimizer "
                                   f"({type(exc).__name__}: {exc})") from None
@@ -516,6 +518,54 @@ def load_optimizer(model, optimizer, directory: str) -> list:
         if hasattr(sub, "_copy_main_params_to_model_params"):
             sub._copy_main_params_to_model_params()
     return changed
+
+
+def _saved_step(directory: str) -> float:
+    """The Adam step of an optimizer checkpoint (every param group of every sub-optimizer holds the same one)."""
+    path = os.path.join(directory, COMMON)
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to read it safely is the same error
+        raise DistCheckpointError(f"{path}: cannot be read as a weights-only torch file ({type(exc).__name__}: "
+                                  f"{exc})") from None
+    steps = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "param_groups" and isinstance(value, list):
+                    steps.update(float(g["step"]) for g in value if isinstance(g, dict) and "step" in g)
+                else:
+                    walk(value)
+
+    walk(common)
+    if len(steps) != 1:
+        raise DistCheckpointError(f"{path}: expected one optimizer step in its param groups, found {sorted(steps)}")
+    return steps.pop()
+
+
+def _in_live_structure(template, loaded, step: float):
+    """The state dict `optimizer.load_state_dict` wants, in THIS optimizer's structure: the loaded tensors
+    where the template has ShardedTensors, the live optimizer's own non-tensor entries elsewhere, with the
+    saved step in every param group. (The checkpoint's common part has the structure of the layout that wrote
+    it: a dense and an expert sub-optimizer at EP > 1, one at EP = 1; its hyper-parameters are the config's
+    business, see load_optimizer.)"""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
+
+    if isinstance(template, (ShardedBase, ShardedTensorFactory)):
+        return loaded
+    if isinstance(template, dict):
+        out = {k: _in_live_structure(v, loaded.get(k) if isinstance(loaded, dict) else None, step)
+               for k, v in template.items()}
+        if isinstance(out.get("param_groups"), list):
+            for group in out["param_groups"]:
+                if isinstance(group, dict) and "step" in group:
+                    group["step"] = step
+        return out
+    if isinstance(template, list):
+        return [_in_live_structure(v, loaded[i] if isinstance(loaded, list) and i < len(loaded) else None, step)
+                for i, v in enumerate(template)]
+    return template
 
 
 def _untie_adam_steps(optimizer) -> None:

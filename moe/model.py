@@ -94,9 +94,23 @@ def build_model(
             rotary_percent=1.0,
             rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         )
+    _mark_expert_parameters(model)
     if not cpu:
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def _mark_expert_parameters(model) -> None:
+    """Every expert weight gets Megatron's `allreduce = False` (Megatron's layers set it only when EP > 1), so
+    Megatron's DDP and optimizer treat experts as expert-parallel at every layout: their gradients are summed
+    over the expert-data-parallel group. At EP = 1 with TP > 1 (expert-TP 1) each TP rank's full expert copy
+    sees only its sequence-parallel chunk of the tokens, so without this the dense data-parallel group (one
+    rank) would leave the TP ranks' partial expert gradients unsummed."""
+    from moe.sharding import is_expert_param
+
+    for name, param in model.named_parameters():
+        if is_expert_param(name):
+            param.allreduce = False
 
 
 def causal_attention_mask(seq_len: int, device=None) -> torch.Tensor:

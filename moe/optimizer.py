@@ -32,7 +32,6 @@ from typing import Optional
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-OPTIMIZERS = ("adam", "sgd")
 
 
 class OptimizerSetupError(ValueError):
@@ -47,11 +46,11 @@ def params_dtype(precision: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """One optimizer's hyper-parameters (AdamW with decoupled weight decay, or SGD). The learning rate is set
-    per step by the caller (`set_lr`); `lr` is the value at construction."""
+    """One optimizer's hyper-parameters: AdamW with decoupled weight decay (the only optimizer Megatron-Core's
+    distributed optimizer accepts). The learning rate is set per step by the caller (`set_lr`); `lr` is the
+    value at construction."""
 
     lr: float
-    kind: str = "adam"
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
@@ -59,8 +58,6 @@ class OptimizerSettings:
     clip_grad: float = 1.0  # global L2 norm; 0 = no clipping
 
     def __post_init__(self) -> None:
-        if self.kind not in OPTIMIZERS:
-            raise OptimizerSetupError(f"optimizer kind must be one of {', '.join(OPTIMIZERS)}, got {self.kind!r}")
         for name, lo, hi in (("lr", 0.0, None), ("weight_decay", 0.0, None), ("beta1", 0.0, 1.0),
                              ("beta2", 0.0, 1.0), ("eps", 0.0, None), ("clip_grad", 0.0, None)):
             value = getattr(self, name)
@@ -98,7 +95,7 @@ def build_optimizer(ddp_model, settings: OptimizerSettings):
 
     dtype = next(ddp_model.module.parameters()).dtype
     config = OptimizerConfig(
-        optimizer=settings.kind, lr=settings.lr, weight_decay=settings.weight_decay,
+        optimizer="adam", lr=settings.lr, weight_decay=settings.weight_decay,
         adam_beta1=settings.beta1, adam_beta2=settings.beta2, adam_eps=settings.eps,
         bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype, clip_grad=settings.clip_grad,
         use_distributed_optimizer=True)
@@ -135,3 +132,23 @@ def optimizer_step(optimizer) -> float:
     if not success:
         raise FloatingPointError("optimizer step skipped: the gradients hold inf or NaN")
     return float(grad_norm) if grad_norm is not None else 0.0
+
+
+@torch.no_grad()
+def gather_reduced_gradients(ddp_model) -> None:
+    """After `finish_gradients`, for checks and tests: the distributed optimizer's reduce-scatter leaves each
+    rank's fp32 gradient buffer holding the reduced gradient only in its own shard of every bucket; this
+    all-gathers the shards over each bucket's data-parallel group (expert buckets over expert-DP), so that
+    every `param.main_grad` holds the full reduced gradient. Collective; the optimizer reads only its own shard,
+    so a step after it is unchanged."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for bucket_group in ddp_model.bucket_groups + ddp_model.expert_parallel_bucket_groups:
+        size = bucket_group.intra_distributed_optimizer_instance_size
+        if size == 1:
+            continue
+        rank = bucket_group.intra_distributed_optimizer_instance_rank
+        for bucket in bucket_group.buckets:
+            own = shard_buffer(bucket.grad_data, size)[rank].clone()
+            torch.distributed.all_gather_into_tensor(bucket.grad_data, own,
+                                                     group=bucket_group.intra_distributed_optimizer_instance_group)

@@ -268,8 +268,10 @@ class FullStateBuckets:
     or a later stage relays one tensor at a time and never holds a bucket; EP peers are data-parallel ranks
     that generate too (with ETP < TP an EP peer may be a TP peer that does not: it then relays, too).
 
-    Memory. A receiving rank holds the current bucket (<= bucket_bytes) plus, while one tensor is assembled,
-    its TP shards and their concatenation (about 2x that tensor); a relaying rank holds one tensor at a time.
+    Memory. A receiving rank holds the current bucket (<= bucket_bytes) plus, while one tensor is assembled
+    from TP shards split on dim 1 (row-parallel) or from the SwiGLU fc1's, the shards and their concatenation
+    (2x that tensor; shards split on dim 0, e.g. the vocab-parallel embedding, are gathered in place: 1x); a
+    relaying rank holds one tensor at a time (plus what the backend buffers inside a collective).
     Each bucket's dict is emptied when the next bucket is asked for, so only one bucket is alive even while a
     consumer still holds the previous dict: copy what you keep (`list(buckets)` gives empty dicts). Tensors
     are on the model's device; where no gather was needed (TP does not split it, this rank's stage and EP rank
@@ -410,15 +412,29 @@ class FullStateBuckets:
         needers = [m for m in members if need[m]]
         if not needers:
             return None
-        local = local.contiguous()
+        local, group, dim = local.contiguous(), self._groups[kind], entry.partition_dim
+        # Shards on dim 0 (vocab-parallel embedding / output layer, column-parallel qkv) land straight in the
+        # full tensor: its dim-0 chunks are contiguous views; the others (row-parallel dim 1, the SwiGLU fc1's
+        # [gate_r; up_r]) are gathered as parts and concatenated (a second copy of the tensor, briefly).
+        direct = dim == 0 and not entry.glu
+        full = torch.empty(entry.shape, dtype=local.dtype, device=local.device) \
+            if direct and need[me] else None
         if len(needers) == 1:
-            parts = [torch.empty_like(local) for _ in members] if me == needers[0] else None
-            torch.distributed.gather(local, parts, dst=needers[0], group=self._groups[kind])
+            if me == needers[0]:
+                parts = list(full.chunk(len(members))) if direct else [torch.empty_like(local) for _ in members]
+            else:
+                parts = None
+            torch.distributed.gather(local, parts, dst=needers[0], group=group)
+        elif direct:
+            out = full if full is not None else torch.empty(entry.shape, dtype=local.dtype, device=local.device)
+            _all_gather_single(out, local, group)
+            full = out if need[me] else None
         else:
-            parts = _all_gather(local, len(members), self._groups[kind])
+            parts = _all_gather(local, len(members), group)
         if not need[me]:
             return None
-        dim = entry.partition_dim
+        if direct:
+            return full
         if entry.glu:
             halves = [torch.chunk(p, 2, dim=dim) for p in parts]
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
@@ -512,6 +528,13 @@ def _group_ranks(group) -> list[int]:
         return [0]
     ranks = dist.get_process_group_ranks(group)
     return sorted(ranks, key=lambda r: dist.get_group_rank(group, r))
+
+
+def _all_gather_single(out: torch.Tensor, t: torch.Tensor, group) -> None:
+    """All ranks' `t` concatenated on dim 0 into `out` (torch >= 2.13 names it all_gather_single)."""
+    dist = torch.distributed
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, t, group=group)
 
 
 def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:

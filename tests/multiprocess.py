@@ -13,21 +13,57 @@
 
 Each child gets MASTER_ADDR/MASTER_PORT (a free port chosen by the parent), RANK, WORLD_SIZE,
 LOCAL_RANK, one intra-op thread (N processes share the CI box's 2 cores), and an initialised gloo
-process group that is destroyed after the body returns. The body's return value (tensors are moved to
+process group that is destroyed after the body returns. Every child is pinned to the CPU (`CPU_PINNED_ENV`:
+MEGAGSPO_DEVICE=cpu, see moe/device.py, and no visible GPU), also on a GPU host: the ranks of one test would
+share its GPU and NCCL cannot run two ranks on one GPU, so these tests run gloo + the CPU shim, the
+configuration they were written and measured on. `cpu_pinned_env()` gives the same pinning to tests that
+start `megagspo` CLIs or torchrun as subprocesses. The body's return value (tensors are moved to
 CPU) comes back in rank order. A failing child's full traceback is raised in the parent; a body that
 runs past `timeout_s` has every child killed and the test fails naming the ranks still running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
 import socket
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+
+
+# MEGAGSPO_DEVICE=cpu: moe.device.use_cuda() is False (gloo, the CPU shim, the model on the CPU).
+# CUDA_VISIBLE_DEVICES="": torch sees no GPU either, so nothing in the process (Megatron included) takes a CUDA
+# path on a GPU host that it would not take on a CPU host.
+CPU_PINNED_ENV = {"MEGAGSPO_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def cpu_pinned_env(base: dict | None = None, **extra: str) -> dict:
+    """`base` (default: this process's environment) plus CPU_PINNED_ENV plus `extra`: the `env=` of a subprocess
+    (a `megagspo` CLI, torchrun, `python -c`) that must run on the CPU also on a GPU host."""
+    env = dict(os.environ if base is None else base)
+    env.update(CPU_PINNED_ENV)
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def _parent_environ(env: dict) -> Iterator[None]:
+    """`env` set in this process while children are started: a spawned child inherits it from its first
+    instruction, before its imports (one of which could initialise CUDA) run."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class DistributedTestError(AssertionError):
@@ -89,7 +125,8 @@ def run_distributed(
     timeout_s: float = 300.0,
     env: dict | None = None,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return results by rank."""
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks, pinned to the CPU
+    (CPU_PINNED_ENV, which `env` may override); return results by rank."""
     for attempt in range(PORT_ATTEMPTS):
         try:
             return _run_once(fn, world_size, args, kwargs, timeout_s, env)
@@ -104,16 +141,18 @@ def _run_once(fn, world_size, args, kwargs, timeout_s, env) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
+    child_env = {**CPU_PINNED_ENV, **(env or {})}
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), dict(env or {}), queue),
+            args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), child_env, queue),
             daemon=True,
         )
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
+    with _parent_environ(child_env):
+        for proc in procs:
+            proc.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     import queue as queue_mod

@@ -16,6 +16,7 @@ from megagspo.ablation import load_ablation, plan_runs, write_report
 from megagspo.ablation.report import claims, load_results, mean_std, smooth
 from megagspo.ablation.runner import run_state
 from megagspo.config import ConfigError
+from multiprocess import cpu_pinned_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "configs", "ablations", "tiny_cpu.yaml")
@@ -229,7 +230,7 @@ SHORT = ["sft.steps=4", "sft.batch_size=16", "rl.steps=3", "rl.prompts_per_step=
 
 
 def _ablate(args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = cpu_pinned_env(PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))  # CPU runs, any host
     return subprocess.run([sys.executable, "-m", "megagspo.cli", "ablate", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

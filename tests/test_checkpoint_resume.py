@@ -6,7 +6,7 @@
 - the newest checkpoint's model shard (a dist_checkpointing .distcp file) truncated: detected by the manifest,
   the run resumes from the previous one, saying which file was wrong (equal);
 - a checkpoint written at EP=2 (2 gloo processes, one shard file per rank) resumes at EP=1, and the restored
-  weights and AdamW moments are exactly the saved ones.
+  weights, fp32 master weights and Adam moments are exactly the saved ones.
 """
 
 import json
@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from multiprocess import run_distributed
+from multiprocess import cpu_pinned_env, run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config", "configs/tiny_cpu.yaml", "sft.steps=4", "sft.batch_size=16", "rl.steps=6",
@@ -33,7 +33,7 @@ VOLATILE = ("time/", "throughput/")
 
 
 def _env():
-    env = dict(os.environ)
+    env = cpu_pinned_env()  # CPU runs also on a GPU host (2 torchrun ranks cannot share one GPU under NCCL)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
@@ -144,19 +144,20 @@ def test_truncated_newest_shard_falls_back_to_previous(uninterrupted, tmp_path):
 
 def _reload_body(rank, world_size, ckpt_dir, cfg_overrides):
     """At EP=1 (1 process): load a checkpoint written at EP=2 the way resume does; -> the full weights and
-    the full AdamW state (under full names) as loaded."""
+    the full distributed-optimizer state (under full names) as loaded."""
     import torch
 
     from megagspo.checkpoint.state import CheckpointManager, gather_optimizer_state
     from megagspo.config import load_config
     from megagspo.data import build_datasets
     from megagspo.trainer.policy import MegatronPolicy, setup_parallel
+    from moe.optimizer import OptimizerSettings
 
     cfg = load_config("configs/tiny_cpu.yaml", cfg_overrides)
     tok, _, _, _ = build_datasets(cfg.data)
     layout, _, _ = setup_parallel(cfg.parallel, seed=3)
     policy = MegatronPolicy(cfg.model.architecture(tok.vocab_size), layout, cfg.parallel)
-    opt = torch.optim.AdamW(policy.model.parameters())
+    opt = policy.make_optimizer(OptimizerSettings(lr=1e-3))
     mgr = CheckpointManager(cfg, 0, 1)
     point = {"path": ckpt_dir, "state": json.load(open(os.path.join(ckpt_dir, "trainer_state.json")))}
     mgr.load_model(policy, point)
@@ -184,7 +185,9 @@ def test_checkpoint_from_ep2_resumes_at_ep1(tmp_path):
     model, opt = run_distributed(_reload_body, world_size=1, timeout_s=180,
                                  args=(str(ckpt), ["data.train_size=200", "data.eval_size=20"]))[0]
     assert set(model) == set(saved) and all(torch.equal(model[k], v) for k, v in saved.items())
-    assert len(opt) == 3 * len(saved)
+    assert len(opt) == 4 * len(saved)  # fp32 master weight, two moments, step
+    for name, t in saved.items():  # fp32 run: the master weights are the weights
+        assert torch.equal(opt[f"master/{name}"], t), name
     from moe.dist_checkpoint import read_full_state_dict
 
     for kind in ("exp_avg", "exp_avg_sq"):  # the moments as stored (both ranks' files), gathered in this process

@@ -18,6 +18,7 @@ import pytest
 
 from megagspo.checkpoint import REQUIRED, verify, write_checkpoint
 from megagspo.checkpoint.store import sha256_file
+from multiprocess import cpu_pinned_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
@@ -75,7 +76,7 @@ def _cli_inprocess(capsys, *args):
 
 
 def _cli_subprocess(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "megagspo.cli", "train", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=180)
     return proc.returncode, proc.stderr

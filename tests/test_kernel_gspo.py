@@ -145,6 +145,96 @@ def test_num_global_sequences_tensor_and_checks():
         K.gspo_segment_loss(logp, old, mask, cu, adv, num_global_sequences=0)
 
 
+def test_every_op_argument_is_checked_before_it_runs():
+    """Both GSPO ops refuse each bad argument with a RuntimeError naming it (csrc/checks.h), before any kernel."""
+    ops = torch.ops.megagspo
+    logp, old, mask, cu, adv = _batch([3, 5], torch.float32)
+    adv = adv.float()
+
+    def fwd(logp=logp, old=old, mask=mask, cu=cu, adv=adv, clip_low=3e-4, clip_high=4e-4, n=2.0):
+        return ops.gspo_segment_forward(logp, old, mask, cu, adv, clip_low, clip_high, n)
+
+    cases = [
+        (dict(cu=cu.float()), r"cu_seqlens must be int32 or int64.*Float"),
+        (dict(cu=cu[None]), r"cu_seqlens must be 1-D \[sequences \+ 1\]"),
+        (dict(cu=torch.stack([cu, cu], 1)[:, 0]), r"cu_seqlens must be contiguous"),
+        (dict(mask=mask[:-1]), r"loss_mask must be 1-D \[8\]"),
+        (dict(mask=mask.int()), r"loss_mask must be bool or the dtype of logp"),
+        (dict(logp=torch.stack([logp, logp], 1)[:, 0]), r"logp must be contiguous"),
+        (dict(logp=logp.int(), old=old.int()), r"logp must be a floating dtype"),
+        (dict(adv=adv.double()), r"advantages must be Float for logp of dtype Float.*Double"),
+        (dict(clip_low=1.0), r"clip_low must be in \[0, 1\); got 1"),
+        (dict(clip_high=-0.1), r"clip_high must be >= 0; got -0.1"),
+        (dict(n=0.0), r"num_global_sequences must be > 0 and finite; got 0"),
+        (dict(n=float("nan")), r"num_global_sequences must be > 0 and finite; got nan"),
+        (dict(n=float("inf")), r"num_global_sequences must be > 0 and finite; got inf"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            fwd(**kw)
+    _loss, _m, _s, _clipped, coef = fwd()
+    g = torch.ones(())
+
+    def bwd(g=g, coef=coef, mask=mask, cu=cu, out_dtype=torch.float32):
+        return ops.gspo_segment_backward(g, coef, mask, cu, out_dtype)
+
+    cases = [
+        (dict(g=torch.ones(2)), r"grad_loss must hold one value"),
+        (dict(g=torch.ones((), dtype=torch.int64)), r"grad_loss must be a floating dtype"),
+        (dict(coef=coef.double()), r"coef must be Float for out_dtype Float"),
+        (dict(coef=coef[:1]), r"coef must be 1-D \[sequences\] matching cu_seqlens \[3\]"),
+        (dict(cu=cu.float()), r"cu_seqlens must be int32 or int64"),
+        (dict(cu=torch.tensor([0, 5, 3])), r"cu_seqlens must be non-decreasing.*cu_seqlens\[2\] = 3"),
+        (dict(mask=mask.int()), r"loss_mask must be bool or a floating dtype"),
+        (dict(out_dtype=torch.int32), r"out_dtype must be float32, float64, bfloat16 or float16"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            bwd(**kw)
+    assert torch.equal(bwd(), _run("fused", logp, old, mask, cu, adv, 2.0)[2])
+
+
+def test_num_global_sequences_forms():
+    """A number, a CPU tensor (read on the host, which costs nothing) or a one-element tensor on logp's device;
+    anything else is a ValueError naming num_global_sequences, raised before any kernel runs."""
+    seed = _seed()
+    logp, old, mask, cu, adv = _batch([3, 5], torch.float32)
+    a = _run("fused", logp, old, mask, cu, adv, 6)
+    for n in (torch.tensor([6.0]), torch.tensor(6, dtype=torch.int64), torch.tensor([[6.0]], dtype=torch.float64)):
+        b = _run("fused", logp, old, mask, cu, adv, n)
+        assert b[0].shape == (), f"a {tuple(n.shape)} count must keep the loss 0-dim"
+        _close(a[0], b[0], torch.float32, f"loss, count {n!r}", seed)
+        _close(a[2], b[2], torch.float32, f"d logp, count {n!r}", seed)
+    bad = [
+        (torch.tensor([6.0, 6.0]), "one-element real tensor"),
+        (torch.tensor(True), "one-element real tensor"),
+        (torch.tensor(0.0), "> 0 and finite; got 0.0"),
+        (torch.tensor(float("nan")), "> 0 and finite; got nan"),
+        (float("nan"), "> 0 and finite"),
+        (float("inf"), "> 0 and finite"),
+        (-3, "> 0 and finite"),
+        (True, "must be a count"),
+        ("six", "must be a number or a one-element tensor"),
+        (torch.tensor(6.0, device="meta"), "num_global_sequences is on meta but logp is on cpu"),
+    ]
+    for impl in ("fused", "reference"):
+        for n, match in bad:
+            with pytest.raises(ValueError, match=match):
+                K.gspo_segment_loss(logp, old, mask, cu, adv, num_global_sequences=n, impl=impl)
+
+
+def test_wrapper_refuses_arguments_on_another_device():
+    """Every tensor argument must be on logp's device: a ValueError naming it, before a backend is chosen (the
+    meta device stands in for a second device on a host without one)."""
+    logp, old, mask, cu, adv = _batch([3, 5], torch.float32)
+    args = dict(old_logp=old, loss_mask=mask, cu_seqlens=cu, advantages=adv)
+    for name in args:
+        moved = [t.to("meta") if k == name else t for k, t in args.items()]
+        for impl in ("fused", "reference"):
+            with pytest.raises(ValueError, match=f"gspo_segment_loss: {name} is on meta but logp is on cpu"):
+                K.gspo_segment_loss(logp, *moved, num_global_sequences=2, impl=impl)
+
+
 def test_opcheck_and_compile():
     logp, old, mask, cu, adv = _batch([3, 1, 4], torch.float32)
     x = logp.clone().requires_grad_()
@@ -190,3 +280,51 @@ def test_cuda_matches_cpu(case):
     _close(lg.cpu(), lc, torch.float32, "cuda loss", seed)
     _close(gg.cpu(), gc, torch.float32, "cuda d logp", seed)
     assert torch.equal(mg["clipped_S"].cpu(), mc["clipped_S"])
+
+
+@pytest.mark.gpu
+def test_cuda_refuses_mixed_devices_and_a_foreign_count():
+    """A CUDA build refuses tensors on two devices (RuntimeError from the op, ValueError from the wrapper, each
+    naming the argument) before any kernel runs; num_global_sequences may be a tensor on logp's device or on the
+    CPU, never on another device."""
+    if not K.fused_available("cuda"):
+        pytest.skip("megagspo._C built without CUDA kernels")
+    seed = _seed()
+    ops = torch.ops.megagspo
+    logp, old, mask, cu, adv = _batch([3, 5, 2], torch.float32)
+    adv = adv.float()
+    dev = [t.cuda() for t in (logp, old, mask, cu, adv)]
+    for i, name in enumerate(["old_logp", "loss_mask", "cu_seqlens", "advantages"], start=1):
+        args = list(dev)
+        args[i] = args[i].cpu()
+        with pytest.raises(RuntimeError, match=f"{name} is on cpu but logp is on cuda"):
+            ops.gspo_segment_forward(*args, 3e-4, 4e-4, 2.0)
+        with pytest.raises(ValueError, match=f"gspo_segment_loss: {name} is on cpu but logp is on cuda"):
+            K.gspo_segment_loss(*args, num_global_sequences=2, impl="fused")
+    with pytest.raises(RuntimeError, match="old_logp is on cuda:0 but logp is on cpu"):  # the CUDA kernel refuses
+        ops.gspo_segment_forward(logp, *dev[1:], 3e-4, 4e-4, 2.0)
+
+    a = _run("fused", *dev, 6)
+    for n in (torch.tensor(6.0, device="cuda"), torch.tensor([6.0]), torch.tensor(6)):
+        b = _run("fused", *dev, n)
+        assert b[0].device.type == "cuda" and b[0].shape == ()
+        _close(b[0].cpu(), a[0].cpu(), torch.float32, f"loss, count {n!r}", seed)
+        _close(b[2].cpu(), a[2].cpu(), torch.float32, f"d logp, count {n!r}", seed)
+    with pytest.raises(ValueError, match="num_global_sequences is on cuda:0 but logp is on cpu"):
+        K.gspo_segment_loss(logp, old, mask, cu, adv, num_global_sequences=torch.tensor(6.0, device="cuda"),
+                            impl="fused")
+
+    _loss, _m, _s, _clipped, coef = ops.gspo_segment_forward(*dev, 3e-4, 4e-4, 2.0)
+    g = torch.ones((), device="cuda")
+    with pytest.raises(RuntimeError, match="grad_loss is on cpu but coef is on cuda"):
+        ops.gspo_segment_backward(g.cpu(), coef, dev[2], dev[3], torch.float32)
+    with pytest.raises(RuntimeError, match="loss_mask is on cpu but coef is on cuda"):
+        ops.gspo_segment_backward(g, coef, mask, dev[3], torch.float32)
+    with pytest.raises(RuntimeError, match="cu_seqlens is on cpu but coef is on cuda"):
+        ops.gspo_segment_backward(g, coef, dev[2], cu, torch.float32)
+    with pytest.raises(RuntimeError, match="grad_loss is on cuda:0 but coef is on cpu"):  # CPU coef, the rest CUDA
+        ops.gspo_segment_backward(g, coef.cpu(), dev[2], dev[3], torch.float32)
+    torch.cuda.synchronize()  # no kernel ran on a bad argument, so none faulted
+    grad = ops.gspo_segment_backward(g, coef, dev[2], dev[3], torch.float32)
+    _close(grad.cpu(), ops.gspo_segment_backward(g.cpu(), coef.cpu(), mask, cu, torch.float32), torch.float32,
+           "cuda gspo backward", seed)

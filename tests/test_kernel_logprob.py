@@ -208,6 +208,55 @@ def test_input_checks_name_shapes_and_dtypes():
         K.token_logprobs(logits, target, impl="triton")
 
 
+def test_every_op_checks_its_arguments_before_it_runs():
+    """Each op refuses each bad argument with a RuntimeError naming it (csrc/checks.h), on every build, before
+    it allocates or computes anything: a refused in-place backward leaves the logits untouched."""
+    ops = torch.ops.megagspo
+    logits, target = _inputs(3, 11, torch.float32)
+    lp, ent, lse = ops.logprob_forward(logits, target, True, False)
+    g = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"target\[1\] = -1 is outside the vocabulary \[0, 11\)"):
+        ops.logprob_forward(logits, torch.tensor([0, -1, 2], dtype=torch.int32), False, False)
+    with pytest.raises(RuntimeError, match=r"contiguous along vocab.*strides \[1, 3\]"):
+        ops.logprob_forward(logits.t().contiguous().t(), target, False, False)
+    with pytest.raises(RuntimeError, match="empty vocab dimension"):
+        ops.logprob_forward(logits[:, :0], target, False, False)
+    with pytest.raises(RuntimeError, match=r"target must be 1-D \[tokens\] matching logits \[3, 11\]"):
+        ops.logprob_stats(logits, target[:2], 0, False)
+    with pytest.raises(RuntimeError, match="vocab_start must be >= 0; got -1"):
+        ops.logprob_stats(logits, target, -1, False)
+    with pytest.raises(RuntimeError, match="vocab_start must be >= 0; got -2"):
+        ops.logprob_backward(g, None, logits, target, lse, None, -2)
+    with pytest.raises(RuntimeError, match=r"lse must be Float.*Double"):
+        ops.logprob_backward(g, None, logits, target, lse.double(), None, 0)
+    with pytest.raises(RuntimeError, match=r"grad_logp must be contiguous"):
+        ops.logprob_backward(torch.ones(6)[::2], None, logits, target, lse, None, 0)
+    with pytest.raises(RuntimeError, match="needs both grad_entropy and entropy, or neither; got grad_entropy only"):
+        ops.logprob_backward(g, g, logits, target, lse, None, 0)
+    with pytest.raises(RuntimeError, match=r"entropy must be 1-D \[3\]"):
+        ops.logprob_backward(g, g, logits, target, lse, torch.ones(2), 0)
+    x = logits.clone()
+    with pytest.raises(RuntimeError, match=r"grad_entropy must be Float"):
+        ops.logprob_backward_(x, g, g.double(), target, lse, ent, 0)
+    assert torch.equal(x, logits), "a refused in-place backward must leave the logits untouched"
+    shared_rows = logits[:1].expand(3, 11)  # every row is the same memory: in-place writes would race
+    with pytest.raises(RuntimeError, match="overlap in memory"):
+        ops.logprob_backward_(shared_rows, g, None, target, lse, None, 0)
+
+
+def test_wrappers_refuse_arguments_on_another_device():
+    """The Python entry points check devices before choosing a backend (ValueError naming the argument); the
+    meta device stands in for a second device on a host without one."""
+    logits, target = _inputs(3, 11, torch.float32)
+    for impl in ("fused", "reference"):
+        with pytest.raises(ValueError, match=r"token_logprobs: target is on meta but logits is on cpu"):
+            K.token_logprobs(logits, target.to("meta"), impl=impl)
+        with pytest.raises(ValueError, match=r"linear_token_logprobs: weight is on meta but hidden is on cpu"):
+            K.linear_token_logprobs(torch.randn(3, 4), torch.randn(11, 4, device="meta"), target, impl=impl)
+        with pytest.raises(ValueError, match=r"linear_token_logprobs: target is on meta but hidden is on cpu"):
+            K.linear_token_logprobs(torch.randn(3, 4), torch.randn(11, 4), target.to("meta"), impl=impl)
+
+
 def test_opcheck_and_compile():
     logits, target = _inputs(4, 37, torch.float32)
     x = logits.clone().requires_grad_()
@@ -311,14 +360,88 @@ def test_cuda_matches_cpu(T, V, dtype):
     g_lp, g_h = torch.randn(T), torch.randn(T)
     out = []
     for device in ("cpu", "cuda"):
-        x = logits.to(device).requires_grad_()
+        # A fresh leaf per device. (`logits.to("cpu")` IS `logits`: calling requires_grad_() on it made the CUDA
+        # copy of the next iteration a non-leaf, whose .grad stays None.)
+        x = logits.detach().to(device, copy=True).requires_grad_()
+        assert x.is_leaf and x.device.type == device
         lp, ent = K.token_logprobs(x, target.to(device), with_entropy=True, impl="fused")
+        assert lp.device.type == device and ent.device.type == device
         (lp * g_lp.to(device, lp.dtype) + ent * g_h.to(device, lp.dtype)).sum().backward()
-        out.append((lp.cpu(), ent.cpu(), x.grad.cpu()))
+        assert x.grad is not None and x.grad.dtype == dtype and x.grad.device.type == device, device
+        out.append((lp.detach().cpu(), ent.detach().cpu(), x.grad.cpu()))
     ref = _fp64_reference(logits, target, g_lp, g_h)
+    same_grad = _torch_same_precision(logits, target, g_lp, g_h)[2] if dtype != torch.float64 else None
     for i, name in enumerate(["logp", "entropy", "d logits"]):
-        same = _torch_same_precision(logits, target, g_lp, g_h)[i] if i == 2 and dtype != torch.float64 else None
+        same = same_grad if i == 2 else None
+        assert_close_rel(out[0][i], ref[i], same, dtype, f"cpu {name}", seed)
         assert_close_rel(out[1][i], ref[i], same, dtype, f"cuda {name}", seed)
+        assert_devices_agree(out[1][i], out[0][i], ref[i], same, dtype, name, seed)
+    assert (out[1][0] <= 0).all()
+
+
+def assert_devices_agree(cuda, cpu, ref, same_prec, dtype, what, seed):
+    """CUDA against CPU directly: each is within `bound` of the float64 reference (assert_close_rel), so they may
+    differ by at most 2 x bound; checked element by element."""
+    atol, rtol = TOL[dtype]
+    torch_err = (same_prec - ref).abs().max().item() if same_prec is not None else 0.0
+    bound = 2 * (2 * torch_err + atol + rtol * ref.abs())
+    err = (cuda.to(torch.float64) - cpu.to(torch.float64)).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"cuda vs cpu {what} ({dtype}): max difference {err.max().item():.3e} (seed {seed})"
+
+
+@pytest.mark.gpu
+def test_cuda_refuses_mixed_devices_before_any_kernel():
+    """A CUDA build must refuse arguments on two devices with an error naming the argument, before any kernel runs
+    (a kernel would otherwise read a host pointer as a device one), and keep working afterwards."""
+    if not K.fused_available("cuda"):
+        pytest.skip("megagspo._C built without CUDA kernels")
+    ops = torch.ops.megagspo
+    logits, target = _inputs(3, 11, torch.float32)
+    lc, tc = logits.cuda(), target.cuda()
+    with pytest.raises(RuntimeError, match=r"target is on cpu but logits is on cuda"):
+        ops.logprob_forward(lc, target, False, False)
+    with pytest.raises(RuntimeError, match=r"target is on cuda:0 but logits is on cpu"):
+        ops.logprob_forward(logits, tc, False, False)
+    with pytest.raises(RuntimeError, match=r"target is on cpu but logits is on cuda"):
+        ops.logprob_stats(lc, target, 0, True)
+    lp, ent, lse = ops.logprob_forward(lc, tc, True, False)
+    g = torch.ones(3, device="cuda")
+    with pytest.raises(RuntimeError, match=r"grad_logp is on cpu but logits is on cuda"):
+        ops.logprob_backward(g.cpu(), None, lc, tc, lse, None, 0)
+    with pytest.raises(RuntimeError, match=r"lse is on cpu but logits is on cuda"):
+        ops.logprob_backward(g, None, lc, tc, lse.cpu(), None, 0)
+    with pytest.raises(RuntimeError, match=r"entropy is on cpu but logits is on cuda"):
+        ops.logprob_backward(g, g, lc, tc, lse, ent.cpu(), 0)
+    x = lc.clone()
+    with pytest.raises(RuntimeError, match=r"grad_entropy is on cpu but logits is on cuda"):
+        ops.logprob_backward_(x, g, g.cpu(), tc, lse, ent, 0)
+    assert torch.equal(x, lc), "a refused in-place backward must leave the logits untouched"
+    with pytest.raises(RuntimeError, match="vocab_start must be >= 0"):
+        ops.logprob_stats(lc, tc, -1, False)
+    with pytest.raises(RuntimeError, match="contiguous along vocab"):
+        ops.logprob_forward(lc.t().contiguous().t(), tc, False, False)
+    with pytest.raises(RuntimeError, match=r"float32, float64, bfloat16 or float16.*Int"):
+        ops.logprob_forward(lc.int(), tc, False, False)
+    with pytest.raises(ValueError, match=r"token_logprobs: target is on cpu but logits is on cuda"):
+        K.token_logprobs(lc, target, impl="fused")
+    with pytest.raises(ValueError, match=r"linear_token_logprobs: weight is on cpu but hidden is on cuda"):
+        K.linear_token_logprobs(torch.randn(3, 4, device="cuda"), torch.randn(11, 4), tc)
+    torch.cuda.synchronize()  # no kernel ran on a bad argument, so none faulted
+    again = ops.logprob_forward(lc, tc, False, False)[0].cpu()
+    assert_close_rel(again, R.token_logprobs_ref(logits.double(), target), None, torch.float32, "logp", 0)
+
+
+@pytest.mark.gpu
+def test_cuda_out_of_vocab_target_is_nan_not_a_fault():
+    """Target VALUES are not checked on CUDA (that would be a host sync per call, csrc/checks.h): an id outside
+    the vocabulary gives a NaN log-prob for that token only, and no out-of-bounds access."""
+    if not K.fused_available("cuda"):
+        pytest.skip("megagspo._C built without CUDA kernels")
+    logits, _ = _inputs(3, 11, torch.float32)
+    lp = K.token_logprobs(logits.cuda(), torch.tensor([0, 11, -1], device="cuda"), impl="fused")
+    torch.cuda.synchronize()
+    assert torch.isfinite(lp[0]) and torch.isnan(lp[1:]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -67,3 +67,33 @@ def test_a_taken_rendezvous_port_is_retried_but_a_real_failure_is_not(tmp_path):
     assert run_distributed(_port_taken_once_body, world_size=2, args=(str(tmp_path / "marker"),)) == [0, 1]
     with pytest.raises(DistributedTestError, match="rank one refuses"):
         run_distributed(_failing_body, world_size=2)
+
+
+def _device_body(rank, world_size):
+    import os
+
+    from moe.device import model_device, use_cuda
+
+    return {"MEGAGSPO_DEVICE": os.environ.get("MEGAGSPO_DEVICE"), "CUDA_VISIBLE_DEVICES": os.environ.get(
+        "CUDA_VISIBLE_DEVICES"), "use_cuda": use_cuda(), "model_device": str(model_device()),
+        "cuda_available": torch.cuda.is_available(), "backend": torch.distributed.get_backend()}
+
+
+@pytest.mark.multiprocess
+def test_workers_are_pinned_to_the_cpu_also_on_a_gpu_host():
+    """NCCL cannot run two ranks on one GPU: every worker runs gloo on the CPU, whatever this host has, and the
+    parent's environment is left as it was."""
+    import os
+
+    before = {k: os.environ.get(k) for k in ("MEGAGSPO_DEVICE", "CUDA_VISIBLE_DEVICES")}
+    for report in run_distributed(_device_body, world_size=2):
+        assert report == {"MEGAGSPO_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "use_cuda": False,
+                          "model_device": "cpu", "cuda_available": False, "backend": "gloo"}, report
+    assert {k: os.environ.get(k) for k in before} == before
+
+
+def test_cpu_pinned_env_for_subprocesses():
+    from multiprocess import cpu_pinned_env
+
+    env = cpu_pinned_env({"PATH": "/bin", "MEGAGSPO_DEVICE": "cuda"}, OMP_NUM_THREADS="1")
+    assert env == {"PATH": "/bin", "MEGAGSPO_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from multiprocess import cpu_pinned_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 # The tiny recipe, shortened to seconds (as in tests/test_train_short.py).
@@ -20,7 +22,7 @@ SHORT = ["sft.steps=2", "sft.batch_size=16", "rl.steps=2", "rl.prompts_per_step=
 
 def _megagspo(*args, timeout=180, env=None):
     return subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=cpu_pinned_env() if env is None else env)
 
 
 def test_recipes_exist_for_the_cluster_and_the_cpu():
@@ -101,8 +103,9 @@ def test_dry_run_reports_cluster_paths_it_cannot_see():
 
 @pytest.mark.multiprocess
 def test_single_node_launcher_runs_the_tiny_recipe_with_two_processes(tmp_path):
-    env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1", PYTHON=sys.executable,
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # 2 gloo ranks on the CPU, also on a GPU host (NCCL cannot run two ranks on one GPU)
+    env = cpu_pinned_env(NPROC_PER_NODE="2", OMP_NUM_THREADS="1", PYTHON=sys.executable,
+                         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(["bash", "launch/torchrun_single_node.sh", "configs/tiny_cpu.yaml", *SHORT,
                            f"log.out_dir={tmp_path}", "name=launched", "threads=1"],
                           cwd=REPO, capture_output=True, text=True, timeout=300, env=env)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from multiprocess import run_distributed
+from multiprocess import cpu_pinned_env, run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +28,7 @@ SHORT = ["sft.steps=4", "sft.batch_size=16", "rl.steps=3", "rl.prompts_per_step=
 
 
 def _env():
-    env = dict(os.environ)
+    env = cpu_pinned_env()  # CPU runs also on a GPU host (2 torchrun ranks cannot share one GPU under NCCL)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env

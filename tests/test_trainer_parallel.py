@@ -8,7 +8,8 @@ only the order of float32 reductions, so gradients, weights and metrics agree to
 value: rtol 1e-5, atol 2e-6 * max|reference| + 1e-7 (metrics: rtol 1e-5, atol 1e-6). Each test draws a
 fresh seed and prints it.
 
-The optimizers (SFT and RL) are plain SGD in these runs, so that updated weights are linear in the
+The optimizers (SFT and RL) update like plain SGD in these runs (Megatron's distributed optimizer with its
+inner AdamW's update replaced by p -= lr * grad, `_SGDUpdate`), so that updated weights are linear in the
 gradients: a fresh AdamW's first steps are sign-like (update lr * g / (|g| + eps)) and turn ulp-level
 differences of near-zero gradients into weight differences of up to lr / eps times larger, which says
 nothing about the gradients. Gradients (after the data-parallel reduction, before clipping) are compared at
@@ -51,26 +52,31 @@ def _text_reward(response: str, answer: str) -> float:
     return (sum(map(ord, response)) % 7) / 6.0
 
 
-class _SGD(torch.optim.SGD):
-    """Stands in for torch.optim.AdamW inside the spawned test ranks (see the module docstring)."""
+class _SGDUpdate(torch.optim.AdamW):
+    """Stands in for the AdamW inside Megatron's distributed optimizer, in the spawned test ranks only (see the
+    module docstring): still an Adam to Megatron's checks, with the update of plain SGD, p -= lr * grad, on
+    the fp32 master shards. DDP, the gradient reduction, the sharding over ranks, the clipping norm and the
+    all-gather of the updated parameters stay Megatron's."""
 
-    def __init__(self, params, lr, betas=None, weight_decay=0.0):
-        super().__init__(params, lr=lr, weight_decay=weight_decay)
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
 
 
 def _trainer(overrides):
     from megagspo.config import load_config
     from megagspo.trainer.trainer import Trainer
 
-    torch.optim.AdamW = _SGD  # this spawned rank only
+    torch.optim.AdamW = _SGDUpdate  # this spawned rank only (Megatron's torch-optimizer path builds torch.optim.AdamW)
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
     trainer = Trainer(cfg, quiet=True)
     # A freshly initialised model never answers an addition right (every advantage 0, no gradient): score
     # the response by its text instead, deterministic and spread over [0, 1].
     trainer.reward_fn = _text_reward
-    rl = cfg.rl
-    trainer.optimizer = torch.optim.AdamW(trainer.policy.model.parameters(), lr=rl.lr, betas=(rl.beta1, rl.beta2),
-                                          weight_decay=rl.weight_decay)
+    trainer.optimizer = trainer.make_rl_optimizer()
     return trainer
 
 
@@ -79,13 +85,18 @@ def _run(trainer, rl_steps):
     gradients of every optimizer step (reduced over data parallelism, before clipping) under full names)."""
     grads = []
     policy = trainer.policy
-    clip = policy.clip_grad_norm
+    finish = policy.finish_grads
 
-    def capture_then_clip(max_norm):
-        grads.append(policy.gather_full({n: p.grad for n, p in policy.model.named_parameters()}))
-        return clip(max_norm)
+    def finish_then_capture():
+        from moe.optimizer import gather_reduced_gradients
 
-    policy.clip_grad_norm = capture_then_clip
+        finish()
+        # the distributed optimizer reduce-scatters: experts replicated over expert-DP (TP=2, EP=1) leave each
+        # rank the reduced gradient of its own shard only
+        gather_reduced_gradients(policy.ddp)
+        grads.append(policy.gather_full({n: p.main_grad for n, p in policy.model.named_parameters()}))
+
+    policy.finish_grads = finish_then_capture
     trainer.run_sft()
     if trainer.reference is not None:  # as run_rl does: the KL reference is the policy at the start of RL
         trainer._start_reference()
@@ -374,8 +385,9 @@ def _gather_and_norm_body(rank, world_size, layout_kwargs, seed):
 
     from moe.architecture import Qwen3MoeArchitecture
     from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
-    from moe.grads import clip_grad_norm_
+    from moe.cpu_shim import cuda_tensor_types
     from moe.model import build_model
+    from moe.optimizer import OptimizerSettings, build_optimizer, wrap_data_parallel
     from moe.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
     from moe.sharding import gather_full_state_dict, load_full_state_dict, local_view_of_full
 
@@ -396,9 +408,15 @@ def _gather_and_norm_body(rank, world_size, layout_kwargs, seed):
     model = build_model(arch, ParallelLayout(**layout_kwargs))
     load_full_state_dict(model, full)
     gathered = gather_full_state_dict(model)
+    # Megatron's distributed optimizer computes the clipping norm from the fp32 gradient buffers (DP = 1 here,
+    # so each rank's buffer is its whole shard of the model)
+    optimizer = build_optimizer(wrap_data_parallel(model), OptimizerSettings(lr=0.0, clip_grad=0.0))
+    local_grads = local_view_of_full(model, full_grads)
     for name, p in model.named_parameters():
-        p.grad = local_view_of_full(model, full_grads)[name].clone()
-    norm = clip_grad_norm_(model, max_norm=1e9)
+        p.main_grad.copy_(local_grads[name])
+    with cuda_tensor_types():
+        optimizer.prepare_grads()
+        norm = optimizer.get_grad_norm()
     sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
              ps.get_expert_tensor_parallel_world_size())
     destroy_model_parallel()
@@ -410,7 +428,7 @@ def _gather_and_norm_body(rank, world_size, layout_kwargs, seed):
                                     dict(tensor_parallel=2, expert_tensor_parallel=2)], ids=["tp2_ep2", "tp2_etp2"])
 def test_full_state_dict_gathers_shards_and_grad_norm_counts_each_element_once(layout):
     """gather_full_state_dict undoes the TP / expert-TP / EP sharding bit for bit (SwiGLU fc1 included), and
-    the clipping norm of sharded gradients equals the norm of the full gradient."""
+    the distributed optimizer's clipping norm of sharded gradients equals the norm of the full gradient."""
     seed = _fresh_seed()
     reports = run_distributed(_gather_and_norm_body, world_size=2, args=(layout, seed), timeout_s=180)
     for rank, (gathered, full, norm, full_grads, sizes) in enumerate(reports):

@@ -42,20 +42,28 @@ void with_mask_and_cu(const Tensor& mask_T, const Tensor& cu_seqlens_S1, F&& f) 
   }
 }
 
-template <typename I>
-void check_cu(const I* cu, int64_t S, int64_t T, const Tensor& cu_seqlens_S1) {
-  for (int64_t i = 0; i <= S; ++i) {
-    TORCH_CHECK(cu[i] >= 0 && cu[i] <= T && (i == 0 || cu[i] >= cu[i - 1]),
-                "megagspo.gspo_segment_loss: cu_seqlens must be non-decreasing within [0, ", T,
-                "]; cu_seqlens[", i, "] = ", static_cast<int64_t>(cu[i]), " (", describe(cu_seqlens_S1), ")");
-  }
+// cu_seqlens must be non-decreasing within [0, T]: checked on the host BEFORE the kernel runs (O(S)).
+void check_cu_values(const Tensor& cu_seqlens_S1, int64_t T) {
+  const int64_t S1 = cu_seqlens_S1.size(0);
+  auto check = [&](const auto* cu) {
+    for (int64_t i = 0; i < S1; ++i) {
+      TORCH_CHECK(cu[i] >= 0 && cu[i] <= T && (i == 0 || cu[i] >= cu[i - 1]),
+                  "megagspo.gspo_segment_loss: cu_seqlens must be non-decreasing within [0, ", T,
+                  "]; cu_seqlens[", i, "] = ", static_cast<int64_t>(cu[i]), " (", describe(cu_seqlens_S1), ")");
+    }
+  };
+  if (cu_seqlens_S1.scalar_type() == at::kLong)
+    check(cu_seqlens_S1.const_data_ptr<int64_t>());
+  else
+    check(cu_seqlens_S1.const_data_ptr<int32_t>());
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> gspo_segment_forward(
     const Tensor& logp_T, const Tensor& old_logp_T, const Tensor& mask_T, const Tensor& cu_seqlens_S1,
     const Tensor& advantages_S, double clip_low, double clip_high, double num_global_sequences) {
-  const auto [T, S] = check_gspo(logp_T, old_logp_T, mask_T, cu_seqlens_S1, advantages_S);
-  TORCH_CHECK(num_global_sequences > 0, "megagspo: num_global_sequences must be > 0; got ", num_global_sequences);
+  const auto [T, S] = check_gspo_forward_args(logp_T, old_logp_T, mask_T, cu_seqlens_S1, advantages_S, clip_low,
+                                              clip_high, num_global_sequences);
+  check_cu_values(cu_seqlens_S1, T);
   const auto acc = acc_dtype(logp_T.scalar_type());
   const auto opts = logp_T.options().dtype(acc);
   Tensor loss = at::empty({}, opts);
@@ -73,7 +81,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> gspo_segment_forward(
     const acc_t lo = static_cast<acc_t>(1.0 - clip_low), hi = static_cast<acc_t>(1.0 + clip_high);
     const acc_t inv_n = static_cast<acc_t>(1.0 / num_global_sequences);
     with_mask_and_cu(mask_T, cu_seqlens_S1, [&](const auto* mask, const auto* cu) {
-      check_cu(cu, S, T, cu_seqlens_S1);
       at::parallel_for(0, S, 64, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           acc_t sum = 0, cnt = 0;
@@ -106,16 +113,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> gspo_segment_forward(
 
 Tensor gspo_segment_backward(const Tensor& grad_loss, const Tensor& coef_S, const Tensor& mask_T,
                              const Tensor& cu_seqlens_S1, at::ScalarType out_dtype) {
-  TORCH_CHECK(grad_loss.numel() == 1, "megagspo: grad_loss must hold one value; got ", describe(grad_loss));
-  TORCH_CHECK(coef_S.dim() == 1 && coef_S.is_contiguous() && coef_S.size(0) == cu_seqlens_S1.size(0) - 1,
-              "megagspo: coef must be 1-D [sequences] matching cu_seqlens ", cu_seqlens_S1.sizes(), "; got ",
-              describe(coef_S));
-  TORCH_CHECK(coef_S.scalar_type() == acc_dtype(out_dtype), "megagspo: coef must be ", acc_dtype(out_dtype),
-              "; got ", describe(coef_S));
-  TORCH_CHECK(mask_T.dim() == 1 && mask_T.is_contiguous(), "megagspo: loss_mask must be 1-D contiguous; got ",
-              describe(mask_T));
-  TORCH_CHECK(cu_seqlens_S1.is_contiguous(), "megagspo: cu_seqlens must be contiguous; got ",
-              describe(cu_seqlens_S1));
+  check_gspo_backward_args(grad_loss, coef_S, mask_T, cu_seqlens_S1, out_dtype);
+  check_cu_values(cu_seqlens_S1, mask_T.size(0));
   const int64_t T = mask_T.size(0), S = coef_S.size(0);
   Tensor grad_T = at::empty({T}, mask_T.options().dtype(out_dtype));
   const Tensor g = grad_loss.reshape({}).to(coef_S.scalar_type());
@@ -125,7 +124,6 @@ Tensor gspo_segment_backward(const Tensor& grad_loss, const Tensor& coef_S, cons
     const acc_t* co = coef_S.const_data_ptr<acc_t>();
     scalar_t* out = grad_T.data_ptr<scalar_t>();
     with_mask_and_cu(mask_T, cu_seqlens_S1, [&](const auto* mask, const auto* cu) {
-      check_cu(cu, S, T, cu_seqlens_S1);
       for (int64_t t = 0; t < cu[0]; ++t) out[t] = scalar_t(0);
       for (int64_t t = cu[S]; t < T; ++t) out[t] = scalar_t(0);
       at::parallel_for(0, S, 64, [&](int64_t i0, int64_t i1) {

@@ -12,7 +12,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -130,17 +129,26 @@ inline int64_t target_at(const Tensor& target_T, int64_t t) {
 
 inline int64_t grain_rows(int64_t V) { return std::max<int64_t>(1, 32768 / V); }
 
+// Every target id must index the logits' vocabulary: checked on the host BEFORE the kernel runs (O(T)).
+void check_target_range(const Tensor& target, int64_t V, const Tensor& logits_TV) {
+  const int64_t T = target.size(0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t y = target_at(target, t);
+    TORCH_CHECK(y >= 0 && y < V, "megagspo.token_logprobs: target[", t, "] = ", y,
+                " is outside the vocabulary [0, ", V, ") of logits ", describe(logits_TV));
+  }
+}
+
 std::tuple<Tensor, Tensor, Tensor> logprob_forward(const Tensor& logits_TV, const Tensor& target_T,
                                                    bool with_entropy, bool /*inplace_backward: autograd only*/) {
-  check_logits(logits_TV);
-  check_target(target_T, logits_TV);
+  check_logprob_forward_args(logits_TV, target_T);
   const int64_t T = logits_TV.size(0), V = logits_TV.size(1);
+  const Tensor target = target_T.contiguous();
+  check_target_range(target, V, logits_TV);
   const auto acc = acc_dtype(logits_TV.scalar_type());
   const auto opts = logits_TV.options().dtype(acc);
   Tensor logp_T = at::empty({T}, opts), lse_T = at::empty({T}, opts);
   Tensor entropy_T = at::empty({with_entropy ? T : 0}, opts);
-  const Tensor target = target_T.contiguous();
-  std::atomic<int64_t> bad_token{-1};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits_TV.scalar_type(), "logprob_forward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const scalar_t* base = logits_TV.const_data_ptr<scalar_t>();
@@ -151,13 +159,7 @@ std::tuple<Tensor, Tensor, Tensor> logprob_forward(const Tensor& logits_TV, cons
     at::parallel_for(0, T, grain_rows(V), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const scalar_t* row = base + t * ld;
-        const int64_t y = target_at(target, t);
-        if (y < 0 || y >= V) {
-          bad_token.store(t);
-          logp[t] = lse[t] = NAN;
-          if (ent) ent[t] = NAN;
-          continue;
-        }
+        const int64_t y = target_at(target, t);  // in [0, V): check_target_range
         const RowStats st = row_stats(row, V);
         const double lse_t = st.m + std::log(st.s);
         lse[t] = static_cast<acc_t>(lse_t);
@@ -167,17 +169,12 @@ std::tuple<Tensor, Tensor, Tensor> logprob_forward(const Tensor& logits_TV, cons
       }
     });
   });
-  const int64_t bad = bad_token.load();
-  TORCH_CHECK(bad < 0, "megagspo.token_logprobs: target[", bad, "] = ", target_at(target, bad),
-              " is outside the vocabulary [0, ", V, ") of logits ", describe(logits_TV));
   return {logp_T, entropy_T, lse_T};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> logprob_stats(const Tensor& logits_TV, const Tensor& target_T,
                                                          int64_t vocab_start, bool with_entropy) {
-  check_logits(logits_TV);
-  check_target(target_T, logits_TV);
-  TORCH_CHECK(vocab_start >= 0, "megagspo: vocab_start must be >= 0; got ", vocab_start);
+  check_logprob_stats_args(logits_TV, target_T, vocab_start);
   const int64_t T = logits_TV.size(0), V = logits_TV.size(1);
   const auto opts = logits_TV.options().dtype(acc_dtype(logits_TV.scalar_type()));
   Tensor max_T = at::empty({T}, opts), sumexp_T = at::empty({T}, opts);
@@ -204,22 +201,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> logprob_stats(const Tensor& logits_TV
   return {max_T, sumexp_T, sxm_T, tgt_T};
 }
 
-// Writes d logits into out (may be the logits themselves).
+// Writes d logits into out (may be the logits themselves). The caller has checked the arguments.
 void run_backward(const Tensor& grad_logp_T, const c10::optional<Tensor>& grad_entropy_T, const Tensor& logits_TV,
                   const Tensor& out_TV, const Tensor& target_T, const Tensor& lse_T,
                   const c10::optional<Tensor>& entropy_T, int64_t vocab_start) {
-  check_logits(logits_TV);
-  check_target(target_T, logits_TV);
   const int64_t T = logits_TV.size(0), V = logits_TV.size(1);
-  const auto acc = acc_dtype(logits_TV.scalar_type());
-  check_vec(grad_logp_T, T, acc, logits_TV, "grad_logp");
-  check_vec(lse_T, T, acc, logits_TV, "lse");
-  TORCH_CHECK(grad_entropy_T.has_value() == entropy_T.has_value(),
-              "megagspo: logprob_backward needs both grad_entropy and entropy, or neither");
-  if (grad_entropy_T.has_value()) {
-    check_vec(*grad_entropy_T, T, acc, logits_TV, "grad_entropy");
-    check_vec(*entropy_T, T, acc, logits_TV, "entropy");
-  }
+  const bool with_h = grad_entropy_T.has_value() && grad_entropy_T->defined();
   const Tensor target = target_T.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits_TV.scalar_type(), "logprob_backward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -227,8 +214,8 @@ void run_backward(const Tensor& grad_logp_T, const c10::optional<Tensor>& grad_e
     scalar_t* out = out_TV.data_ptr<scalar_t>();
     const int64_t ld_in = logits_TV.stride(0), ld_out = out_TV.stride(0);
     const acc_t* g_lp = grad_logp_T.const_data_ptr<acc_t>();
-    const acc_t* g_h = grad_entropy_T ? grad_entropy_T->const_data_ptr<acc_t>() : nullptr;
-    const acc_t* ent = entropy_T ? entropy_T->const_data_ptr<acc_t>() : nullptr;
+    const acc_t* g_h = with_h ? grad_entropy_T->const_data_ptr<acc_t>() : nullptr;
+    const acc_t* ent = with_h ? entropy_T->const_data_ptr<acc_t>() : nullptr;
     const acc_t* lse = lse_T.const_data_ptr<acc_t>();
     at::parallel_for(0, T, grain_rows(V), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -259,7 +246,8 @@ void advise_huge_pages(const Tensor& t) {
 Tensor logprob_backward(const Tensor& grad_logp_T, const c10::optional<Tensor>& grad_entropy_T,
                         const Tensor& logits_TV, const Tensor& target_T, const Tensor& lse_T,
                         const c10::optional<Tensor>& entropy_T, int64_t vocab_start) {
-  check_logits(logits_TV);
+  check_logprob_backward_args(grad_logp_T, grad_entropy_T, logits_TV, target_T, lse_T, entropy_T, vocab_start,
+                              /*in_place=*/false);
   Tensor grad_TV = at::empty(logits_TV.sizes(), logits_TV.options());
   advise_huge_pages(grad_TV);
   run_backward(grad_logp_T, grad_entropy_T, logits_TV, grad_TV, target_T, lse_T, entropy_T, vocab_start);
@@ -269,6 +257,8 @@ Tensor logprob_backward(const Tensor& grad_logp_T, const c10::optional<Tensor>& 
 void logprob_backward_(const Tensor& logits_TV, const Tensor& grad_logp_T, const c10::optional<Tensor>& grad_entropy_T,
                        const Tensor& target_T, const Tensor& lse_T, const c10::optional<Tensor>& entropy_T,
                        int64_t vocab_start) {
+  check_logprob_backward_args(grad_logp_T, grad_entropy_T, logits_TV, target_T, lse_T, entropy_T, vocab_start,
+                              /*in_place=*/true);
   run_backward(grad_logp_T, grad_entropy_T, logits_TV, logits_TV, target_T, lse_T, entropy_T, vocab_start);
 }
 

@@ -135,8 +135,11 @@ void with_mask_and_cu(const Tensor& mask_T, const Tensor& cu_seqlens_S1, F&& f) 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> gspo_segment_forward(
     const Tensor& logp_T, const Tensor& old_logp_T, const Tensor& mask_T, const Tensor& cu_seqlens_S1,
     const Tensor& advantages_S, double clip_low, double clip_high, double num_global_sequences) {
-  const auto [T, S] = check_gspo(logp_T, old_logp_T, mask_T, cu_seqlens_S1, advantages_S);
-  TORCH_CHECK(num_global_sequences > 0, "megagspo: num_global_sequences must be > 0; got ", num_global_sequences);
+  // cu_seqlens VALUES are not checked (a host sync): the kernel clamps them to [0, T] (see checks.h).
+  const auto [T, S] = check_gspo_forward_args(logp_T, old_logp_T, mask_T, cu_seqlens_S1, advantages_S, clip_low,
+                                              clip_high, num_global_sequences);
+  TORCH_CHECK(S <= static_cast<int64_t>(INT32_MAX), "megagspo: the CUDA GSPO kernel runs one block per sequence "
+              "and takes at most ", INT32_MAX, " sequences per call; got ", S);
   const c10::DeviceGuard guard(logp_T.device());
   const auto acc = acc_dtype(logp_T.scalar_type());
   const auto opts = logp_T.options().dtype(acc);
@@ -168,16 +171,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> gspo_segment_forward(
 
 Tensor gspo_segment_backward(const Tensor& grad_loss, const Tensor& coef_S, const Tensor& mask_T,
                              const Tensor& cu_seqlens_S1, at::ScalarType out_dtype) {
-  TORCH_CHECK(grad_loss.numel() == 1, "megagspo: grad_loss must hold one value; got ", describe(grad_loss));
-  TORCH_CHECK(coef_S.dim() == 1 && coef_S.is_contiguous() && coef_S.size(0) == cu_seqlens_S1.size(0) - 1,
-              "megagspo: coef must be 1-D [sequences] matching cu_seqlens ", cu_seqlens_S1.sizes(), "; got ",
-              describe(coef_S));
-  TORCH_CHECK(coef_S.scalar_type() == acc_dtype(out_dtype), "megagspo: coef must be ", acc_dtype(out_dtype),
-              "; got ", describe(coef_S));
-  TORCH_CHECK(mask_T.dim() == 1 && mask_T.is_contiguous() && cu_seqlens_S1.is_contiguous(),
-              "megagspo: loss_mask and cu_seqlens must be 1-D contiguous; got ", describe(mask_T), " and ",
-              describe(cu_seqlens_S1));
-  const c10::DeviceGuard guard(mask_T.device());
+  check_gspo_backward_args(grad_loss, coef_S, mask_T, cu_seqlens_S1, out_dtype);
+  const c10::DeviceGuard guard(coef_S.device());
   const int64_t T = mask_T.size(0), S = coef_S.size(0);
   Tensor grad_T = at::empty({T}, mask_T.options().dtype(out_dtype));
   if (T == 0) return grad_T;

@@ -239,6 +239,12 @@ bool vec_ok(const void* p, int64_t ld, int64_t elem) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (ld * elem) % 16 == 0;
 }
 
+// One block per token row: the grid's x dimension holds at most 2^31 - 1 blocks.
+void check_grid_rows(int64_t T) {
+  TORCH_CHECK(T <= static_cast<int64_t>(INT32_MAX), "megagspo: the CUDA log-prob kernels run one block per token "
+              "and take at most ", INT32_MAX, " tokens per call; got ", T, " (split the call)");
+}
+
 Tensor target_i64(const Tensor& target_T) {
   return target_T.scalar_type() == at::kLong ? target_T.contiguous() : target_T.to(at::kLong).contiguous();
 }
@@ -276,8 +282,9 @@ void launch_forward(const Tensor& logits_TV, const Tensor& target_T, int64_t voc
 
 std::tuple<Tensor, Tensor, Tensor> logprob_forward(const Tensor& logits_TV, const Tensor& target_T,
                                                    bool with_entropy, bool /*inplace_backward: autograd only*/) {
-  check_logits(logits_TV);
-  check_target(target_T, logits_TV);
+  // Target VALUES are not checked (a host sync): an out-of-vocab target gives a NaN log-prob (see checks.h).
+  check_logprob_forward_args(logits_TV, target_T);
+  check_grid_rows(logits_TV.size(0));
   const c10::DeviceGuard guard(logits_TV.device());
   const int64_t T = logits_TV.size(0);
   const auto opts = logits_TV.options().dtype(acc_dtype(logits_TV.scalar_type()));
@@ -289,8 +296,8 @@ std::tuple<Tensor, Tensor, Tensor> logprob_forward(const Tensor& logits_TV, cons
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> logprob_stats(const Tensor& logits_TV, const Tensor& target_T,
                                                          int64_t vocab_start, bool with_entropy) {
-  check_logits(logits_TV);
-  check_target(target_T, logits_TV);
+  check_logprob_stats_args(logits_TV, target_T, vocab_start);
+  check_grid_rows(logits_TV.size(0));
   const c10::DeviceGuard guard(logits_TV.device());
   const int64_t T = logits_TV.size(0);
   const auto opts = logits_TV.options().dtype(acc_dtype(logits_TV.scalar_type()));
@@ -300,23 +307,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> logprob_stats(const Tensor& logits_TV
   return {max_T, sumexp_T, sxm_T, tgt_T};
 }
 
+// Writes d logits into out (may be the logits themselves). The caller has checked the arguments.
 void run_backward(const Tensor& grad_logp_T, const c10::optional<Tensor>& grad_entropy_T, const Tensor& logits_TV,
                   const Tensor& out_TV, const Tensor& target_T, const Tensor& lse_T,
                   const c10::optional<Tensor>& entropy_T, int64_t vocab_start) {
-  check_logits(logits_TV);
-  check_target(target_T, logits_TV);
   const int64_t T = logits_TV.size(0), V = logits_TV.size(1);
-  const auto acc = acc_dtype(logits_TV.scalar_type());
-  check_vec(grad_logp_T, T, acc, logits_TV, "grad_logp");
-  check_vec(lse_T, T, acc, logits_TV, "lse");
-  TORCH_CHECK(grad_entropy_T.has_value() == entropy_T.has_value(),
-              "megagspo: logprob_backward needs both grad_entropy and entropy, or neither");
-  if (grad_entropy_T.has_value()) {
-    check_vec(*grad_entropy_T, T, acc, logits_TV, "grad_entropy");
-    check_vec(*entropy_T, T, acc, logits_TV, "entropy");
-  }
+  const bool with_h = grad_entropy_T.has_value() && grad_entropy_T->defined();
   if (T == 0) return;
-  const c10::DeviceGuard guard(logits_TV.device());
   const Tensor target = target_i64(target_T);
   const auto stream = current_stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits_TV.scalar_type(), "logprob_bwd_cuda", [&] {
@@ -325,8 +322,8 @@ void run_backward(const Tensor& grad_logp_T, const c10::optional<Tensor>& grad_e
     scalar_t* o = out_TV.data_ptr<scalar_t>();
     const int64_t ld_in = logits_TV.stride(0), ld_out = out_TV.stride(0);
     const bool vec = vec_ok(x, ld_in, sizeof(scalar_t)) && vec_ok(o, ld_out, sizeof(scalar_t));
-    const acc_t* gh = grad_entropy_T ? grad_entropy_T->const_data_ptr<acc_t>() : nullptr;
-    const acc_t* en = entropy_T ? entropy_T->const_data_ptr<acc_t>() : nullptr;
+    const acc_t* gh = with_h ? grad_entropy_T->const_data_ptr<acc_t>() : nullptr;
+    const acc_t* en = with_h ? entropy_T->const_data_ptr<acc_t>() : nullptr;
     const int64_t* y = target.const_data_ptr<int64_t>();
     const acc_t* glp = grad_logp_T.const_data_ptr<acc_t>();
     const acc_t* l = lse_T.const_data_ptr<acc_t>();
@@ -341,7 +338,10 @@ void run_backward(const Tensor& grad_logp_T, const c10::optional<Tensor>& grad_e
 Tensor logprob_backward(const Tensor& grad_logp_T, const c10::optional<Tensor>& grad_entropy_T,
                         const Tensor& logits_TV, const Tensor& target_T, const Tensor& lse_T,
                         const c10::optional<Tensor>& entropy_T, int64_t vocab_start) {
-  check_logits(logits_TV);
+  check_logprob_backward_args(grad_logp_T, grad_entropy_T, logits_TV, target_T, lse_T, entropy_T, vocab_start,
+                              /*in_place=*/false);
+  check_grid_rows(logits_TV.size(0));
+  const c10::DeviceGuard guard(logits_TV.device());
   Tensor grad_TV = at::empty(logits_TV.sizes(), logits_TV.options());
   run_backward(grad_logp_T, grad_entropy_T, logits_TV, grad_TV, target_T, lse_T, entropy_T, vocab_start);
   return grad_TV;
@@ -350,6 +350,10 @@ Tensor logprob_backward(const Tensor& grad_logp_T, const c10::optional<Tensor>& 
 void logprob_backward_(const Tensor& logits_TV, const Tensor& grad_logp_T, const c10::optional<Tensor>& grad_entropy_T,
                        const Tensor& target_T, const Tensor& lse_T, const c10::optional<Tensor>& entropy_T,
                        int64_t vocab_start) {
+  check_logprob_backward_args(grad_logp_T, grad_entropy_T, logits_TV, target_T, lse_T, entropy_T, vocab_start,
+                              /*in_place=*/true);
+  check_grid_rows(logits_TV.size(0));
+  const c10::DeviceGuard guard(logits_TV.device());
   run_backward(grad_logp_T, grad_entropy_T, logits_TV, logits_TV, target_T, lse_T, entropy_T, vocab_start);
 }
 

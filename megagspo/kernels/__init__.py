@@ -21,6 +21,7 @@ entropy, log-sum-exp: 12 B per token), backward writes d logits in the logits' d
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -95,11 +96,53 @@ def _vocab_contiguous(x_TV: Tensor) -> Tensor:
     return x_TV if x_TV.shape[1] <= 1 or x_TV.stride(1) == 1 else x_TV.contiguous()
 
 
+def _check_same_device(fn: str, ref_name: str, ref: Tensor, **tensors: Optional[Tensor]) -> None:
+    """Every tensor argument on the device of `ref`, checked before any kernel runs: the fused ops would
+    otherwise be dispatched on the "highest" device among their arguments (CUDA over CPU) and fail there."""
+    for name, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"megagspo.kernels.{fn}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
+                             f"every tensor argument must be on one device ({name}: {tuple(t.shape)} {t.dtype})")
+
+
 def _check_logits(logits_TV: Tensor, target_T: Tensor, name: str) -> None:
     if logits_TV.dim() != 2 or target_T.dim() != 1 or target_T.shape[0] != logits_TV.shape[0]:
         raise ValueError(f"megagspo.kernels.{name}: expected logits [T, V] and target [T]; got logits "
                          f"{tuple(logits_TV.shape)} {logits_TV.dtype} and target {tuple(target_T.shape)} "
                          f"{target_T.dtype}")
+    _check_same_device(name, "logits", logits_TV, target=target_T)
+
+
+def _num_global_sequences(value, logp_T: Tensor) -> tuple[float, Optional[Tensor]]:
+    """-> (the count passed to the kernel, a tensor the loss is divided by afterwards or None).
+
+    A Python number goes to the kernel. A one-element tensor divides the loss afterwards (the kernel then
+    gets 1), so a count that lives on the GPU is never read on the host (no sync): it must be on logp's
+    device; a CPU tensor is also accepted (it is read on the host, which is free, and checked like a number).
+    """
+    fn = "gspo_segment_loss"
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ValueError(f"megagspo.kernels.{fn}: num_global_sequences must be a number or a one-element real "
+                             f"tensor; got a tensor {tuple(value.shape)} {value.dtype}")
+        if value.device.type == "cpu":
+            n = float(value.detach().reshape(()))
+            if not (math.isfinite(n) and n > 0):
+                raise ValueError(f"megagspo.kernels.{fn}: num_global_sequences must be > 0 and finite; got {n}")
+        elif value.device != logp_T.device:
+            raise ValueError(f"megagspo.kernels.{fn}: num_global_sequences is on {value.device} but logp is on "
+                             f"{logp_T.device}; pass it as a number, a CPU tensor or a tensor on logp's device")
+        return 1.0, value
+    if isinstance(value, bool):
+        raise ValueError(f"megagspo.kernels.{fn}: num_global_sequences must be a count, got {value!r}")
+    try:
+        n = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"megagspo.kernels.{fn}: num_global_sequences must be a number or a one-element tensor; "
+                         f"got {value!r}") from None
+    if not (math.isfinite(n) and n > 0):
+        raise ValueError(f"megagspo.kernels.{fn}: num_global_sequences must be > 0 and finite; got {value!r}")
+    return n, None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -294,6 +337,7 @@ def linear_token_logprobs(
                          f"{tuple(target_T.shape)}")
     if chunk_size < 1:
         raise ValueError(f"megagspo.kernels.linear_token_logprobs: chunk_size must be >= 1; got {chunk_size}")
+    _check_same_device("linear_token_logprobs", "hidden", hidden_TH, weight=weight_VH, target=target_T)
     if impl == "reference":
         return linear_token_logprobs_ref(hidden_TH, weight_VH, target_T, with_entropy)
     backend = _fused_backend() if _use_fused(impl, hidden_TH.device) else _REFERENCE_BACKEND
@@ -323,6 +367,10 @@ def gspo_segment_loss(
     loss = -sum_i obj_i / num_global_sequences; d loss / d logp_t = -(1/N) A_i s_i mask_t / |y_i| [not
     clipped] (eq. 11). Accumulates in float32 (float64 for float64 logp). Gradients flow to logp_T only.
 
+    num_global_sequences: a positive number, or a one-element tensor on logp's device (never read on the
+    host: no sync) or on the CPU. Every tensor argument must be on logp's device; bad arguments raise before
+    any kernel runs (ValueError here, RuntimeError from the op's own checks in csrc/checks.h).
+
     Returns (loss, metrics) with tensor metrics: seq_logratio_S (m_i), ratio_S (s_i), clipped_S (bool),
     clip_fraction (over sequences).
     """
@@ -331,11 +379,9 @@ def gspo_segment_loss(
     if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
         raise ValueError(f"megagspo.kernels.gspo_segment_loss: need 0 <= clip_low < 1 and clip_high >= 0; got "
                          f"clip_low={clip_low}, clip_high={clip_high}")
-    n_tensor = num_global_sequences if isinstance(num_global_sequences, Tensor) else None
-    n_value = 1.0 if n_tensor is not None else float(num_global_sequences)
-    if n_value <= 0:
-        raise ValueError(f"megagspo.kernels.gspo_segment_loss: num_global_sequences must be > 0; got "
-                         f"{num_global_sequences}")
+    n_value, n_tensor = _num_global_sequences(num_global_sequences, logp_T)
+    _check_same_device("gspo_segment_loss", "logp", logp_T, old_logp=old_logp_T, loss_mask=loss_mask_T,
+                       cu_seqlens=cu_seqlens_S1, advantages=advantages_S)
     acc = acc_dtype(logp_T.dtype)
     fused = _use_fused(impl, logp_T.device)
     mask_T = loss_mask_T if loss_mask_T.dtype in (torch.bool, logp_T.dtype) else loss_mask_T.to(logp_T.dtype)
@@ -349,7 +395,7 @@ def gspo_segment_loss(
             logp_T, old_logp_T, mask_T, cu_seqlens_S1, advantages_S, clip_low=clip_low, clip_high=clip_high,
             num_global_sequences=n_value)
     if n_tensor is not None:
-        loss = loss / n_tensor.to(loss.dtype)
+        loss = loss / n_tensor.reshape(()).to(loss.dtype)  # reshape: a [1] count keeps the loss 0-dim
     metrics = {
         "seq_logratio_S": m_S.detach(),
         "ratio_S": s_S.detach(),

@@ -7,7 +7,7 @@ are rows i*G .. i*G+G-1), L = max response tokens, Ly = layers, K = experts per 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Dict, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -36,13 +36,39 @@ class RolloutOutput:
 
 
 class RolloutEngine:
-    """generate(prompts, n, sampling) -> RolloutOutput; update_weights(full Megatron state dict)."""
+    """generate(prompts, n, sampling) -> RolloutOutput. Weights come from the trainer as a stream of buckets,
+    `update_weights_from_buckets`; `update_weights(full Megatron state dict)` is a stream of one bucket."""
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> RolloutOutput:
         raise NotImplementedError
 
     def update_weights(self, megatron_state: Dict[str, torch.Tensor]) -> None:
+        """The whole full (TP=EP=PP=1) Megatron state at once: `update_weights_from_buckets([megatron_state])`."""
+        self.update_weights_from_buckets([megatron_state])
+
+    def update_weights_from_buckets(self, buckets: Iterable[Dict[str, torch.Tensor]]) -> None:
+        """Load new weights from `buckets`: an iterable of dicts {full Megatron name: full tensor}, each a part of
+        the full (TP=EP=PP=1) state, together every tensor once (moe.sharding.iter_full_state_buckets streams
+        the trainer's model this way; a list of one whole state dict works too). The engine consumes each bucket
+        before asking for the next, which may free it (copy what you keep). `buckets.receive` False (when the
+        stream has it) means this rank gets empty buckets: it does not feed an engine, and only iterates.
+
+        Every rank calls this with its stream and iterates it TO THE END, also when it fails part-way
+        (`drain`): the stream's collectives line up across ranks, so stopping early leaves the others waiting."""
         raise NotImplementedError
+
+    def weights_needed(self, generates: bool) -> bool:
+        """Whether this process's engine must receive the weights at a sync, given whether this process
+        generates rollouts (the trainer's model-parallel rank 0 of each data-parallel rank): the stream gives
+        the buckets to those ranks only. Default: the ranks that generate (an engine living in the process)."""
+        return generates
+
+
+def drain(buckets: Iterator) -> None:
+    """Iterate what is left of a weight stream, dropping it: a rank that stops consuming (it does not receive,
+    or its consumer failed) must still take part in the stream's collectives."""
+    for bucket in buckets:
+        del bucket
 
 
 _ENGINES: Dict[str, type] = {}

@@ -1,5 +1,5 @@
 """The embedded rollout engine: transformers' Qwen3MoeForCausalLM, sampling with its KV cache, fed the
-weights exported from Megatron after every update (megatron_to_hf_state_dict).
+weights exported from Megatron after every update, bucket by bucket (weight_sync.HFParamWriter).
 
 Prompts are generated in groups of equal length, so no left padding (and no position-id ambiguity) is
 ever needed. Legend as in base.py.
@@ -8,12 +8,12 @@ ever needed. Legend as in base.py.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Sequence
+from typing import Dict, Iterable, Sequence
 
 import torch
 
-from .base import RolloutEngine, RolloutOutput, SamplingParams, register_engine
-from .weight_sync import megatron_to_hf_state_dict
+from .base import RolloutEngine, RolloutOutput, SamplingParams, drain, register_engine
+from .weight_sync import HFParamWriter
 
 
 def hf_config_for(arch, tokenizer):
@@ -54,12 +54,25 @@ class HFRolloutEngine(RolloutEngine):
         return fn
 
     @torch.no_grad()
-    def update_weights(self, megatron_state: Dict[str, torch.Tensor]) -> None:
-        hf_state = megatron_to_hf_state_dict(megatron_state, self.arch)
-        missing, unexpected = self.model.load_state_dict(hf_state, strict=False)
-        missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
-        if missing or unexpected:
-            raise RuntimeError(f"HF weight sync: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    def update_weights_from_buckets(self, buckets: Iterable[Dict[str, torch.Tensor]]) -> None:
+        """Copy a stream of full-Megatron-state buckets into the model, one bucket at a time (HFParamWriter:
+        each Megatron tensor's row segments straight into their slices of the HF parameters, e.g. one expert of
+        the fused `gate_up_proj`, cast to the model's dtype; no HF state dict is built). Raises, after draining
+        the stream, when a tensor is unknown or misshapen, or when the stream did not write every parameter
+        exactly once. A rank whose stream does not receive (`buckets.receive` False: it never generates) only
+        drains it; its model keeps the weights it had."""
+        it = iter(buckets)
+        if not getattr(buckets, "receive", True):
+            drain(it)
+            return
+        try:
+            writer = HFParamWriter(self.model, self.arch)
+            for bucket in it:
+                writer.write(bucket)
+                del bucket
+            writer.finish()
+        finally:
+            drain(it)  # no-op after a full pass; after a failure, the peers' collectives still complete
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> RolloutOutput:

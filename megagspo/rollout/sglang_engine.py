@@ -11,10 +11,12 @@ out as RolloutOutput.routes_RPLyK (positions prompt + response[:-1], MoE layers 
 With R3 on, a response without routes, or with routes of the wrong size, raises SGLangResponseError naming the
 sample: training never goes on without replay.
 
-update_weights(megatron_state) sends HF-named tensors (per-expert layout, what SGLang's Qwen3-MoE loader maps)
-in one of three ways (`weight_sync`):
-  "disk"         an HF checkpoint in a fresh folder under `sync_dir`, /update_weights_from_disk, /flush_cache, the
-                 previous folder removed. Works wherever the servers can read `sync_dir`.
+update_weights_from_buckets(stream of Megatron buckets; update_weights(full state) is a stream of one) sends
+HF-named tensors (per-expert layout, what SGLang's Qwen3-MoE loader maps; each bucket converted on its own,
+weight_sync.hf_named_tensors_of_bucket) in one of three ways (`weight_sync`):
+  "disk"         an HF checkpoint in a fresh folder under `sync_dir`, written shard by shard as the buckets arrive
+                 (shards of at most `bucket_bytes`), /update_weights_from_disk, /flush_cache, the previous folder
+                 removed. Works wherever the servers can read `sync_dir`.
   "tensor"       same host (colocated): buckets of at most `bucket_bytes` moved to this process's GPU, serialized
                  with SGLang's MultiprocessingSerializer (CUDA IPC handles, base64; one copy per server TP rank)
                  and posted to /update_weights_from_tensor, as a FlattenedTensorBucket ("flattened_bucket") or a
@@ -22,10 +24,14 @@ in one of three ways (`weight_sync`):
   "distributed"  any host: at the first update the engine (trainer rank 0) and every server TP rank form a
                  process group (/init_weights_update_group, rank 0 = trainer); each bucket is announced by
                  /update_weights_from_distributed (names, dtypes, shapes) while rank 0 broadcasts its tensors.
-The cache is flushed only with the last bucket (flush_cache), which also carries the new weight_version. A
-server that answers a bucket with success false stops the update with its message. Under torch.distributed
-with several ranks only rank 0 sends, then broadcasts the outcome: nobody generates with old weights, and a
-failure on rank 0 raises on every rank (SGLangServerError naming it) instead of leaving the others waiting.
+For tensor / distributed the incoming tensors are re-cut into buckets of at most `bucket_bytes` in arrival
+order (`_sync_buckets`): a bucket is sent once it is full, and the last one is held until the stream ends. The
+cache is flushed only with the last bucket (flush_cache), which also carries the new weight_version. A server
+that answers a bucket with success false stops the update with its message. Under torch.distributed with
+several ranks only rank 0 receives the stream's buckets and sends (`weights_needed`); every rank iterates its
+stream to the end (its collectives), then rank 0 broadcasts the outcome: nobody generates with old weights,
+and a failure on rank 0 raises on every rank (SGLangServerError naming it) instead of leaving the others
+waiting.
 
 Legend as in base.py.
 """
@@ -47,16 +53,16 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import RolloutEngine, RolloutOutput, SamplingParams, register_engine
+from .base import RolloutEngine, RolloutOutput, SamplingParams, drain, register_engine
 from .sglang_schema import (SGLangResponseError, destroy_weights_update_group_json, generate_request_json,
                             init_weights_update_group_json, parse_generate_item, sampling_params_json,
                             update_weights_from_distributed_json, update_weights_from_tensor_json,
                             weight_update_result)
-from .weight_sync import (broadcast_bucket, bucket_metadata, hf_named_tensors_for_sync, init_weight_update_group,
+from .weight_sync import (broadcast_bucket, bucket_metadata, hf_named_tensors_of_bucket, init_weight_update_group,
                           plan_buckets)
 
 SGLANG_MISSING = ("launching SGLang servers needs the `sglang` package, which is not importable here: "
@@ -125,7 +131,8 @@ class SGLangEngineConfig:
     weight_sync: str = "disk"                       # disk | tensor (same host, CUDA IPC) | distributed (NCCL)
     sync_dir: Optional[str] = None                  # where "disk" writes HF checkpoints (must be visible to servers)
     load_format: Optional[str] = None               # passed to /update_weights_from_disk when set ("disk" only)
-    bucket_bytes: int = 512 * 2**20                 # tensor / distributed: bytes per bucket (a bigger tensor: alone)
+    bucket_bytes: int = 512 * 2**20                 # tensor / distributed: bytes per bucket (a bigger tensor: alone);
+                                                    #   disk: bytes per safetensors shard of a sync
     sync_dtype: Optional[str] = None                # tensor / distributed: cast to bfloat16 | float16 | float32 first
     ipc_format: str = "flattened_bucket"            # tensor: flattened_bucket | named_tensors
     master_address: Optional[str] = None            # distributed: this host's address as the servers reach it
@@ -506,41 +513,109 @@ class SGLangEngine(RolloutEngine):
             self._released = False
 
     # ------------------------------------------------------------------------------------------ weights
-    def update_weights(self, megatron_state: Dict[str, torch.Tensor]) -> None:
-        """Every rank calls this with the full state; rank 0 (or the only process) sends, then broadcasts the
-        outcome over the default group (None, or its error), so no rank generates before the servers hold the
-        new weights, and a failure on rank 0 raises on every rank (SGLangServerError on the others, naming
-        rank 0's error) instead of leaving them waiting."""
+    @staticmethod
+    def weights_needed(generates: bool) -> bool:
+        """Only rank 0 (or the only process) sends to the servers, whichever ranks generate."""
+        import torch.distributed as dist
+
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+    def update_weights_from_buckets(self, buckets: Iterable[Dict[str, torch.Tensor]]) -> None:
+        """Every rank calls this with its stream of Megatron buckets. Rank 0 (or the only process) sends them as
+        they come, then broadcasts the outcome over the default group (None, or its error), so no rank generates
+        before the servers hold the new weights, and a failure on rank 0 raises on every rank (SGLangServerError
+        on the others, naming rank 0's error) instead of leaving them waiting. The other ranks (which receive
+        empty buckets: `weights_needed`) and rank 0 after a failure iterate the stream to its end first, so its
+        collectives complete everywhere."""
+        import torch.distributed as dist
+
         from megagspo.collective import run_on_rank0
 
-        run_on_rank0("the weight update", lambda: self._send_weights(megatron_state), peer_error=SGLangServerError)
+        count = len(buckets) if hasattr(buckets, "__len__") else None
+        it = iter(buckets)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() != 0:
+            drain(it)
 
-    def _send_weights(self, megatron_state: Dict[str, torch.Tensor]) -> None:
+        def send():
+            try:
+                self._send_weights(it, count)
+            finally:
+                drain(it)
+
+        run_on_rank0("the weight update", send, peer_error=SGLangServerError)
+
+    def _send_weights(self, buckets: Iterator[Dict[str, torch.Tensor]], count: Optional[int]) -> None:
         self.resume_memory()
         if self.config.weight_sync == "disk":
-            self._update_from_disk(megatron_state)
+            self._update_from_disk(buckets)
         elif self.config.weight_sync == "tensor":
-            self._update_from_tensor(megatron_state)
+            self._update_from_tensor(buckets, count)
         else:
-            self._update_from_distributed(megatron_state)
+            self._update_from_distributed(buckets, count)
 
-    def _sync_buckets(self, megatron_state: Dict[str, torch.Tensor]):
-        """(HF (name, tensor) pairs in send order, buckets of their indices) for tensor / distributed sync."""
-        named = hf_named_tensors_for_sync(megatron_state, self.arch, self._sync_dtype)
-        sizes = [(n, t.dtype, t.numel() * t.element_size()) for n, t in named]
-        return named, plan_buckets(sizes, self.config.bucket_bytes)
+    def _sync_buckets(self, buckets: Iterator[Dict[str, torch.Tensor]], count: Optional[int]):
+        """The stream re-cut for tensor / distributed sync: yields (k, n, pairs, last) per server bucket, `pairs`
+        the HF (name, tensor) pairs of bucket k (0-based) in arrival order (HF state-dict order within each
+        incoming bucket; a whole state dict thus goes out in HF order), under `bucket_bytes` and one dtype per
+        bucket (plan_buckets), `n` the number of server buckets once known (None before), `last` on the final
+        one. Converted tensors wait in `pending` until a full bucket forms; the last bucket is held until the
+        stream ends (or its `count` incoming buckets have come), and sent only when the stream held every HF
+        tensor exactly once (else KeyError, before the flush). Holds at most: the incoming bucket, its HF
+        tensors, and less than one server bucket carried over."""
+        from moe.hf_checkpoint import PER_EXPERT, hf_tensor_shapes
+
+        cap = self.config.bucket_bytes
+        expected = hf_tensor_shapes(self.arch, PER_EXPERT)
+        seen: set = set()
+        pending: list = []
+        k = 0
+
+        def sizes(pairs):
+            return [(n, t.dtype, t.numel() * t.element_size()) for n, t in pairs]
+
+        def check_complete():
+            missing = [name for name in expected if name not in seen]
+            if missing:
+                raise KeyError(f"weight sync: the stream lacked {len(missing)} HF tensor(s), e.g. {missing[:5]} "
+                               f"(the servers hold {k} updated bucket(s) of this sync; nothing was flushed)")
+
+        for i, bucket in enumerate(buckets):
+            named = hf_named_tensors_of_bucket(bucket, self.arch, self._sync_dtype)
+            del bucket
+            repeated = [name for name, _ in named if name in seen]
+            if repeated:
+                raise ValueError(f"weight sync: the stream holds {repeated[:5]} more than once")
+            seen.update(name for name, _ in named)
+            pending.extend(named)
+            del named
+            final = count is not None and i == count - 1
+            plan = plan_buckets(sizes(pending), cap) if pending else []
+            if final:
+                check_complete()
+            ready = plan if final else plan[:-1]  # the last one may still grow, or be the update's last
+            n = k + len(plan) if final else None
+            for j, idx in enumerate(ready):
+                yield k, n, [pending[x] for x in idx], final and j == len(plan) - 1
+                k += 1
+            pending = [] if final else [pending[x] for x in plan[-1]] if plan else []
+            if final:
+                return
+        check_complete()
+        plan = plan_buckets(sizes(pending), cap) if pending else []
+        for j, idx in enumerate(plan):
+            yield k, k - j + len(plan), [pending[x] for x in idx], j == len(plan) - 1
+            k += 1
 
     @staticmethod
-    def _bucket_label(b: int, n: int, pairs) -> str:
-        return f"bucket {b + 1}/{n} ({pairs[0][0]} .. {pairs[-1][0]}, {len(pairs)} tensors)"
+    def _bucket_label(b: int, n: Optional[int], pairs) -> str:
+        of = f"/{n}" if n is not None else ""
+        return f"bucket {b + 1}{of} ({pairs[0][0]} .. {pairs[-1][0]}, {len(pairs)} tensors)"
 
-    def _update_from_tensor(self, megatron_state: Dict[str, torch.Tensor]) -> None:
+    def _update_from_tensor(self, buckets, count: Optional[int]) -> None:
         codec, flattened = self._codec, self.config.ipc_format == "flattened_bucket"
-        named, buckets = self._sync_buckets(megatron_state)
         version = str(self._version + 1)
-        for b, idx in enumerate(buckets):
-            last = b == len(buckets) - 1
-            pairs = [(named[i][0], named[i][1].to(codec.device).contiguous()) for i in idx]
+        for b, n, pairs, last in self._sync_buckets(buckets, count):
+            pairs = [(name, t.to(codec.device).contiguous()) for name, t in pairs]
             payload = codec.flatten(pairs) if flattened else pairs
             for url, tp in zip(self.urls, self._tp_sizes):
                 # one serialization per TP rank: each rank opens (and releases) its own IPC handles
@@ -551,25 +626,23 @@ class SGLangEngine(RolloutEngine):
                 ok, message = weight_update_result(status, answer)
                 if not ok:
                     raise SGLangServerError(
-                        f"update_weights_from_tensor failed on {url} for {self._bucket_label(b, len(buckets), pairs)} "
+                        f"update_weights_from_tensor failed on {url} for {self._bucket_label(b, n, pairs)} "
                         f"(HTTP {status}): {message}; the server's weights are partly updated")
             del payload, pairs
             codec.release()
         self._version += 1
 
-    def _update_from_distributed(self, megatron_state: Dict[str, torch.Tensor]) -> None:
+    def _update_from_distributed(self, buckets, count: Optional[int]) -> None:
         if self._group_failed:
             raise SGLangServerError(f"the weight-update process group broke in an earlier update ({self._group_failed}); "
                                     "restart the run (the servers' weights are partly updated)")
         self._ensure_group()
         device = torch.device("cuda", torch.cuda.current_device()) if self.config.dist_backend == "nccl" \
             else torch.device("cpu")
-        named, buckets = self._sync_buckets(megatron_state)
         version = str(self._version + 1)
         group = self._group
-        for b, idx in enumerate(buckets):
-            last = b == len(buckets) - 1
-            pairs = [(named[i][0], named[i][1].to(device).contiguous()) for i in idx]
+        for b, n, pairs, last in self._sync_buckets(buckets, count):
+            pairs = [(name, t.to(device).contiguous()) for name, t in pairs]
             names, dtypes, shapes = bucket_metadata(pairs)
             body = update_weights_from_distributed_json(names, dtypes, shapes, self.config.group_name,
                                                         flush_cache=last, weight_version=version if last else None)
@@ -582,7 +655,7 @@ class SGLangEngine(RolloutEngine):
 
             try:
                 self._with_posts("/update_weights_from_distributed", [body] * len(self.urls), send,
-                                 f"update_weights_from_distributed of {self._bucket_label(b, len(buckets), pairs)}")
+                                 f"update_weights_from_distributed of {self._bucket_label(b, n, pairs)}")
             except BaseException as exc:
                 self._group_failed = str(exc)
                 raise
@@ -651,8 +724,8 @@ class SGLangEngine(RolloutEngine):
                                         f"{', '.join(waiting) or 'none'}; trainer side done: {not threads[-1].is_alive()})")
             time.sleep(0.01)
 
-    def _update_from_disk(self, megatron_state: Dict[str, torch.Tensor]) -> None:
-        path = self.write_hf_checkpoint(megatron_state)
+    def _update_from_disk(self, buckets) -> None:
+        path = self._write_checkpoint(buckets, self.config.bucket_bytes)
         body = {"model_path": str(path), "weight_version": str(self._version)}
         if self.config.load_format:
             body["load_format"] = self.config.load_format
@@ -674,9 +747,13 @@ class SGLangEngine(RolloutEngine):
                             max_shard_bytes: int = 5 * 2**30) -> Path:
         """The full Megatron state as an HF checkpoint (safetensors shards + index + config.json) in a new
         folder `<sync_dir>/weights-v<k>`; returns its path."""
-        from safetensors.torch import save_file
+        return self._write_checkpoint([megatron_state], max_shard_bytes)
 
-        from moe.hf_checkpoint import PER_EXPERT, hf_state_dict_from_megatron
+    def _write_checkpoint(self, buckets, max_shard_bytes: int) -> Path:
+        """`write_hf_checkpoint` from a stream of Megatron buckets: each bucket's per-expert HF tensors are
+        appended to the current shard (moe.hf_checkpoint's shard writer: a shard is written once full, so this
+        holds one shard and one bucket), under a temporary name renamed once the stream held every tensor."""
+        from moe.hf_checkpoint import PER_EXPERT, _ShardWriter, hf_tensor_shapes
         from moe.hf_config import hf_config_from_architecture
 
         self._version += 1
@@ -686,29 +763,27 @@ class SGLangEngine(RolloutEngine):
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        hf = hf_state_dict_from_megatron(megatron_state, self.arch, PER_EXPERT)
-        shards: List[Dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for key, t in hf.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][key] = t.detach().cpu().contiguous()
-            size += nbytes
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata={"format": "pt"})
-                weight_map.update({k: name for k in shard})
-            total = sum(t.numel() * t.element_size() for t in hf.values())
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-        dtype = str(hf["model.embed_tokens.weight"].dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(hf_config_from_architecture(self.arch, dtype=dtype), indent=2))
+        try:
+            writer = _ShardWriter(tmp, max_shard_bytes)
+            written, dtype = set(), None
+            for bucket in buckets:
+                for key, t in hf_named_tensors_of_bucket(bucket, self.arch):
+                    if key in written:
+                        raise ValueError(f"weight sync: the stream holds {key} more than once")
+                    written.add(key)
+                    if key == "model.embed_tokens.weight":
+                        dtype = str(t.dtype).removeprefix("torch.")
+                    writer.add(key, t.detach().cpu())
+                del bucket
+            missing = [k for k in hf_tensor_shapes(self.arch, PER_EXPERT) if k not in written]
+            if missing:
+                raise KeyError(f"weight sync: the stream lacked {len(missing)} HF tensor(s), e.g. {missing[:5]}")
+            writer.finish()
+            (tmp / "config.json").write_text(json.dumps(hf_config_from_architecture(self.arch, dtype=dtype),
+                                                        indent=2))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         os.replace(tmp, path)
         return path
 

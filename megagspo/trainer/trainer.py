@@ -367,7 +367,7 @@ class Trainer:
             return {}
         from moe.optimizer import OptimizerSettings, set_lr
 
-        opt = self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, kind=cfg.optimizer, weight_decay=cfg.weight_decay,
+        opt = self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay,
                                                            beta1=0.9, beta2=0.99, clip_grad=cfg.grad_clip))
         bar = self._progress(cfg.steps, "cold-start SFT")
         tok = self.tokenizer
@@ -613,12 +613,12 @@ class Trainer:
         return row
 
     def make_rl_optimizer(self):
-        """Megatron's distributed optimizer for the RL updates (rl.optimizer, rl.lr, betas, weight decay, clip);
+        """Megatron's distributed optimizer (AdamW) for the RL updates (rl.lr, betas, weight decay, clip);
         its fp32 master weights start from the policy's weights now (after cold-start SFT / init / resume)."""
         from moe.optimizer import OptimizerSettings
 
         cfg = self.cfg.rl
-        return self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, kind=cfg.optimizer, weight_decay=cfg.weight_decay,
+        return self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay,
                                                             beta1=cfg.beta1, beta2=cfg.beta2, clip_grad=cfg.grad_clip))
 
     def run_rl(self, cold_start: dict, start_step: int = 0) -> dict:
