@@ -454,23 +454,35 @@ def optimizer_has_state(optimizer) -> bool:
     return any(len(sub.optimizer.state) for sub in _sub_optimizers(optimizer) if getattr(sub, "optimizer", None))
 
 
+def _has_parameters(sub) -> bool:
+    inner = getattr(sub, "optimizer", None)
+    return inner is not None and any(len(group["params"]) for group in inner.param_groups)
+
+
 def _sharded_optimizer_state(model, optimizer, is_loading: bool) -> dict:
+    """{sub-optimizer index: its sharded state dict} for the sub-optimizers (dense, expert) that hold
+    parameters on this rank. A pipeline stage without MoE layers has a parameter-less expert optimizer, whose
+    state_dict() Megatron-Core 0.16.1 cannot build with torch's Adam (it asserts one step over an empty state):
+    it is left out, and holds nothing to save or load."""
     from moe.cpu_shim import cuda_tensor_types
 
+    out = {}
     with cuda_tensor_types():
-        if is_loading:
-            for sub in _sub_optimizers(optimizer):
+        for index, sub in enumerate(_sub_optimizers(optimizer)):
+            if not _has_parameters(sub):
+                continue
+            if is_loading and len(sub.optimizer.state) == 0:
                 # Megatron-Core 0.16.1 builds the loading template from the optimizer's own state_dict(), which
-                # with torch's AdamW (no TE / apex) asserts that every parameter has a step: a fresh optimizer has
-                # none. Megatron's own remedy (used for its FSDP format) allocates the state with one zero-gradient
-                # step; every value it writes (master weights, moments, step) is then replaced by the load.
-                if len(sub.optimizer.state) == 0:
-                    if not hasattr(sub, "_init_optimizer_states_with_dummy_values"):
-                        raise DistCheckpointError("Megatron's DistributedOptimizer has no "
-                                                  "_init_optimizer_states_with_dummy_values: review moe/dist_checkpoint.py")
-                    sub._init_optimizer_states_with_dummy_values()
-        return optimizer.sharded_state_dict(model_sharded_state_dict(model), is_loading=is_loading,
-                                            metadata=dict(DIST_OPTIMIZER_FORMAT))
+                # with torch's AdamW (no TE / apex) asserts that every parameter has a step: a fresh optimizer
+                # has none. Megatron's own remedy (used for its FSDP format) allocates the state with one
+                # zero-gradient step; every value it writes (master weights, moments, step) is then replaced.
+                if not hasattr(sub, "_init_optimizer_states_with_dummy_values"):
+                    raise DistCheckpointError("Megatron's DistributedOptimizer has no "
+                                              "_init_optimizer_states_with_dummy_values: review moe/dist_checkpoint.py")
+                sub._init_optimizer_states_with_dummy_values()
+            out[index] = sub.sharded_state_dict(model_sharded_state_dict(model), is_loading=is_loading,
+                                                metadata=dict(DIST_OPTIMIZER_FORMAT))
+    return out
 
 
 def save_optimizer(model, optimizer, directory: str) -> None:
@@ -498,8 +510,11 @@ def load_optimizer(model, optimizer, directory: str) -> list:
     live = _hyper_parameters(optimizer)
     template = _sharded_optimizer_state(model, optimizer, is_loading=True)
     loaded = _load(template, directory)
+    state = _in_live_structure(template, loaded, _saved_step(directory))
+    subs = _sub_optimizers(optimizer)
     try:
-        optimizer.load_state_dict(_in_live_structure(template, loaded, _saved_step(directory)))
+        for index, part in state.items():
+            subs[index].load_state_dict(part)
     except (KeyError, ValueError, RuntimeError, AssertionError) as exc:
         raise DistCheckpointError(f"{directory}: optimizer state does not fit this optimizer "
                                   f"({type(exc).__name__}: {exc})") from None

@@ -268,10 +268,12 @@ class FullStateBuckets:
     or a later stage relays one tensor at a time and never holds a bucket; EP peers are data-parallel ranks
     that generate too (with ETP < TP an EP peer may be a TP peer that does not: it then relays, too).
 
-    Memory. A receiving rank holds the current bucket (<= bucket_bytes) plus, while one tensor is assembled
-    from TP shards split on dim 1 (row-parallel) or from the SwiGLU fc1's, the shards and their concatenation
-    (2x that tensor; shards split on dim 0, e.g. the vocab-parallel embedding, are gathered in place: 1x); a
-    relaying rank holds one tensor at a time (plus what the backend buffers inside a collective).
+    Memory. A receiving rank holds the current bucket (<= bucket_bytes) and, from its first use to the end
+    of the pass, one staging buffer the size of the largest TP-split tensor of its stage, which receives the
+    shards of tensors split on dim 1 (row-parallel) and of the SwiGLU fc1 before they are reordered into the
+    bucket (shards split on dim 0, e.g. the vocab-parallel embedding, land in place): at most bucket_bytes + the
+    largest tensor. A relaying rank holds one tensor at a time (plus what the backend buffers inside a
+    collective: gloo flattens a gather's outputs; NCCL's gather and all_gather_single write in place).
     Each bucket's dict is emptied when the next bucket is asked for, so only one bucket is alive even while a
     consumer still holds the previous dict: copy what you keep (`list(buckets)` gives empty dicts). Tensors
     are on the model's device; where no gather was needed (TP does not split it, this rank's stage and EP rank
@@ -344,6 +346,7 @@ class FullStateBuckets:
                                    "(different models or layouts?); refusing to start mismatched collectives")
         self.buckets: list[list[BucketEntry]] = _cut(plan, bucket_bytes)
         self._used = False
+        self._stage: torch.Tensor | None = None  # receive buffer for TP shards (`_staging`)
 
     # ---------------------------------------------------------------------------------------------- plan
     def __len__(self) -> int:
@@ -366,15 +369,18 @@ class FullStateBuckets:
 
     @torch.no_grad()
     def _generate(self):
-        for bucket in self.buckets:
-            out: dict[str, torch.Tensor] = {}
-            for entry in bucket:
-                t = self._move(entry)
-                if t is not None:
-                    out[entry.name] = t
-                del t
-            yield out
-            out.clear()  # free this bucket before the next is gathered, whoever still holds the dict
+        try:
+            for bucket in self.buckets:
+                out: dict[str, torch.Tensor] = {}
+                for entry in bucket:
+                    t = self._move(entry)
+                    if t is not None:
+                        out[entry.name] = t
+                    del t
+                yield out
+                out.clear()  # free this bucket before the next is gathered, whoever still holds the dict
+        finally:
+            self._stage = None
 
     def _move(self, entry: BucketEntry) -> torch.Tensor | None:
         me = self._rank
@@ -412,33 +418,43 @@ class FullStateBuckets:
         needers = [m for m in members if need[m]]
         if not needers:
             return None
-        local, group, dim = local.contiguous(), self._groups[kind], entry.partition_dim
+        local, group, dim, n = local.contiguous(), self._groups[kind], entry.partition_dim, len(members)
         # Shards on dim 0 (vocab-parallel embedding / output layer, column-parallel qkv) land straight in the
-        # full tensor: its dim-0 chunks are contiguous views; the others (row-parallel dim 1, the SwiGLU fc1's
-        # [gate_r; up_r]) are gathered as parts and concatenated (a second copy of the tensor, briefly).
+        # full tensor: its dim-0 chunks are contiguous views. The others (row-parallel dim 1, the SwiGLU fc1's
+        # [gate_r; up_r]) land in the staging buffer and are reordered into a new tensor; a rank that must
+        # take part in an all_gather without needing the result also receives into the staging buffer.
         direct = dim == 0 and not entry.glu
-        full = torch.empty(entry.shape, dtype=local.dtype, device=local.device) \
-            if direct and need[me] else None
-        if len(needers) == 1:
-            if me == needers[0]:
-                parts = list(full.chunk(len(members))) if direct else [torch.empty_like(local) for _ in members]
-            else:
-                parts = None
-            torch.distributed.gather(local, parts, dst=needers[0], group=group)
-        elif direct:
-            out = full if full is not None else torch.empty(entry.shape, dtype=local.dtype, device=local.device)
-            _all_gather_single(out, local, group)
-            full = out if need[me] else None
+        if need[me] and direct:
+            out = torch.empty(entry.shape, dtype=local.dtype, device=local.device)
+        elif need[me] or len(needers) > 1:
+            out = self._staging(entry, local)
         else:
-            parts = _all_gather(local, len(members), group)
+            out = None  # a gather's non-destination
+        if len(needers) == 1:
+            torch.distributed.gather(local, list(out.chunk(n)) if out is not None else None, dst=needers[0],
+                                     group=group)
+        else:
+            _all_gather_single(out, local, group)
         if not need[me]:
             return None
         if direct:
-            return full
+            return out
+        parts = out.chunk(n)
         if entry.glu:
             halves = [torch.chunk(p, 2, dim=dim) for p in parts]
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
         return torch.cat(parts, dim=dim)
+
+    def _staging(self, entry: BucketEntry, local: torch.Tensor) -> torch.Tensor:
+        """A [split * shard rows, ...] receive buffer for `entry`'s shards: a view of one flat byte buffer that
+        lives for the pass, sized at first use for the largest TP-split tensor of this stage (one allocation
+        instead of one per tensor)."""
+        nbytes = entry.nbytes
+        if self._stage is None:
+            self._stage = torch.empty(max(e.nbytes for e in self.plan if e.stage == self.stage and e.split > 1),
+                                      dtype=torch.uint8, device=local.device)
+        rows = local.shape[0] * entry.split
+        return self._stage[:nbytes].view(local.dtype).view((rows,) + tuple(local.shape[1:]))
 
     def _forward(self, t: torch.Tensor | None, src: int, needers: list, kind: str,
                  entry: BucketEntry) -> torch.Tensor | None:
@@ -535,10 +551,3 @@ def _all_gather_single(out: torch.Tensor, t: torch.Tensor, group) -> None:
     dist = torch.distributed
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, t, group=group)
-
-
-def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(size)]
-    torch.distributed.all_gather(parts, t, group=group)
-    return parts

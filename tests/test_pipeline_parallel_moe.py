@@ -6,10 +6,12 @@ against a PP = 1 model:
   an even split (layers 0-1 | 2-3), an uneven one (`num_layers_in_first_pipeline_stage=1`: 0 | 1-3) and
   tied word embeddings (the last stage's copy of the embedding is loaded from it and left out of the gather);
   at PP=2 x EP=2 the experts are also gathered over EP inside each stage;
-- gradients set from the full-model names (the same tensors on both layouts) give the same clipping norm
-  and the same clipped gradients: the squares are summed over the pipeline stages, the tied embedding's
-  copy is counted once, and reduce_gradients sums the two copies' gradients over the embedding group;
-- a sharded checkpoint (weights and AdamW moments / steps) saved at PP=2 loads at PP=1 bit for bit, one
+- gradients set from the full-model names (the same tensors on both layouts) in Megatron DDP's fp32 buffers
+  give, through Megatron's finalize_model_grads and distributed optimizer (moe.optimizer), the same clipping
+  norm and the same clipped gradients: the squares are summed over the pipeline stages, the tied embedding's
+  copy is counted once, and its two copies' gradients are summed over the embedding group;
+- a sharded checkpoint (weights, fp32 master weights, Adam moments and step of the distributed optimizer)
+  saved at PP=2 loads at PP=1 bit for bit, one
   saved at PP=1 loads at PP=2 (even and uneven split) bit for bit, and one process rebuilds the full state
   dict from the PP=2 folder.
 
@@ -62,10 +64,46 @@ def _by_name(name: str, shape, seed: int) -> torch.Tensor:
     return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed * 7919 + zlib.crc32(name.encode())))
 
 
+def _clip_with_megatron(model, local_grads: dict, max_norm: float):
+    """Megatron's production path on this rank's model: DDP's fp32 buffers hold `local_grads`,
+    finalize_model_grads reduces them (data-parallel average of identical replicas, tied-embedding sum), the
+    distributed optimizer clips (its step at lr 0 changes no weight) -> (pre-clip norm, {local name: reduced
+    gradient}, {local name: reduced and clipped gradient}, every shard gathered).
+
+    Megatron's DDP scales every gradient by 1 / DP before summing it over its replicas: DP replicas of a
+    dense weight, expert-DP replicas of an expert (the expert-DP group is smaller when EP > 1, because an
+    expert's gradient already collects the tokens of every data-parallel rank of its EP group through the
+    all-to-all). An expert's local gradient is therefore given as DP / expert-DP times the full-model one, as
+    a backward pass would make it."""
+    from megatron.core import parallel_state as ps
+
+    from moe.optimizer import (
+        OptimizerSettings,
+        build_optimizer,
+        finish_gradients,
+        gather_reduced_gradients,
+        optimizer_step,
+        wrap_data_parallel,
+    )
+
+    ddp = wrap_data_parallel(model)
+    optimizer = build_optimizer(ddp, OptimizerSettings(lr=0.0, clip_grad=max_norm))
+    from moe.sharding import is_expert_param
+
+    expert_factor = ps.get_data_parallel_world_size() // ps.get_expert_data_parallel_world_size()
+    for n, p in model.named_parameters():
+        p.main_grad.copy_(local_grads[n] * (expert_factor if is_expert_param(n) else 1))
+    finish_gradients(ddp)
+    gather_reduced_gradients(ddp)
+    reduced = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    norm = optimizer_step(optimizer)
+    gather_reduced_gradients(ddp)
+    return norm, reduced, {n: p.main_grad.clone() for n, p in model.named_parameters()}
+
+
 def _reference(arch, seed: int):
     """PP=1 on this rank (every rank its own replica): full weights, and the norm / clipped gradients of
     gradients drawn per full name, with max_norm half the norm so that clipping scales them."""
-    from moe.grads import clip_grad_norm_
     from moe.model import build_model
     from moe.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
 
@@ -73,11 +111,8 @@ def _reference(arch, seed: int):
     model = build_model(arch)
     full = {n: _by_name("w." + n, p.shape, seed) for n, p in model.named_parameters()}
     grads = {n: _by_name("g." + n, p.shape, seed) for n, p in model.named_parameters()}
-    for n, p in model.named_parameters():
-        p.grad = grads[n].clone()
     max_norm = 0.5 * float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())))
-    norm = clip_grad_norm_(model, max_norm=max_norm)
-    clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    norm, _, clipped = _clip_with_megatron(model, grads, max_norm)
     destroy_model_parallel()
     return full, grads, max_norm, norm, clipped
 
@@ -95,7 +130,6 @@ def _gather_and_norm(seed, layout_kwargs):
     gathered, given the same gradients (sliced), reduced and clipped."""
     from megatron.core import parallel_state as ps
 
-    from moe.grads import clip_grad_norm_, reduce_gradients
     from moe.model import build_model
     from moe.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
     from moe.sharding import full_names, gather_full_state_dict, layer_offset, load_full_state_dict
@@ -120,21 +154,21 @@ def _gather_and_norm(seed, layout_kwargs):
         # between its two copies by a mask (each element on one copy, zero on the other, so the sum over
         # the embedding group is exact).
         pieces = _local_view(model, grads)
+        local = {}
         for n, p in params.items():
-            p.grad = pieces[n].clone()
+            local[n] = pieces[n]
             if tie and names[n] == EMBEDDING:
                 mask = _by_name("mask", p.shape, seed) > 0
-                p.grad = torch.where(mask if n == EMBEDDING else ~mask, p.grad, torch.zeros_like(p.grad))
-        # every data-parallel replica (dense parameters at PP=2 x EP=2) holds the same gradient: average them
-        reduce_gradients(model, average_replicas=True)
+                local[n] = torch.where(mask if n == EMBEDDING else ~mask, pieces[n], torch.zeros_like(pieces[n]))
+        # every data-parallel replica (dense parameters at PP=2 x EP=2) holds the same gradient: DDP averages
+        norm, reduced, clipped_local = _clip_with_megatron(model, local, max_norm)
         tied_grad_summed = None
         if tie and not ps.is_pipeline_first_stage():
-            tied_grad_summed = torch.equal(params["output_layer.weight"].grad, pieces["output_layer.weight"])
-        norm = clip_grad_norm_(model, max_norm=max_norm)
-        clipped = gather_full_state_dict(model, {n: p.grad for n, p in params.items()})
+            tied_grad_summed = torch.equal(reduced["output_layer.weight"], pieces["output_layer.weight"])
+        clipped = gather_full_state_dict(model, clipped_local)
         tied_copy_clipped = None
         if tie and not ps.is_pipeline_first_stage():
-            tied_copy_clipped = torch.equal(params["output_layer.weight"].grad, clipped[EMBEDDING])
+            tied_copy_clipped = torch.equal(clipped_local["output_layer.weight"], clipped[EMBEDDING])
         offsets = [None] * ps.get_pipeline_model_parallel_world_size()
         torch.distributed.all_gather_object(offsets, layer_offset(model), group=ps.get_pipeline_model_parallel_group())
         sizes = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
@@ -190,8 +224,8 @@ def test_pp2_ep2_gathers_the_full_state_dict_and_clips_like_pp1():
     """PP=2 x EP=2 on 4 ranks (even split): experts are renamed by EP rank and by the stage's layer offset,
     gathered over EP within each stage, then exchanged over the pipeline; the dense parameters have 2
     data-parallel replicas (averaged: they hold the same gradient). Same checks as at PP=2.
-    (PP=2 x TP=2 passes the same checks when the test skips reduce_gradients, which sums the sequence-parallel
-    gradients over TP; it is left out to keep this file under a minute on 2 cores.)"""
+    (PP=2 x TP=2 is left out to keep this file under a minute on 2 cores: finalize_model_grads would sum the
+    sequence-parallel gradients over TP, so the test would have to split them between the TP ranks.)"""
     seed = _fresh_seed()
     layout = {"expert_parallel": 2}
     reports = run_distributed(_gather_and_norm_body, world_size=4, args=(seed, layout), timeout_s=240)
@@ -203,22 +237,31 @@ CHECKPOINT_VARIANTS = ("even", "tied")
 
 
 def _adam_state(model, optimizer) -> dict:
-    """Full-model AdamW state: exp_avg / exp_avg_sq gathered like the weights, and each parameter's step
-    under its full name (collected from every rank)."""
+    """Full-model distributed-optimizer state: fp32 master weights and exp_avg / exp_avg_sq gathered like the
+    weights, and each parameter's step under its full name (collected from every rank)."""
+    from moe.dist_checkpoint import local_optimizer_state
     from moe.sharding import full_names, gather_full_state_dict
 
-    params = dict(model.named_parameters())
+    local = local_optimizer_state(model, optimizer)
     out = {}
-    for kind in ("exp_avg", "exp_avg_sq"):
-        full = gather_full_state_dict(model, {n: optimizer.state[p][kind] for n, p in params.items()})
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        full = gather_full_state_dict(model, {n: state[kind] for n, state in local.items()})
         out.update({f"{kind}/{n}": t for n, t in full.items()})
     names = full_names(model)
-    steps = {f"step/{names[n]}": float(optimizer.state[p]["step"]) for n, p in params.items()}
+    steps = {f"step/{names[n]}": float(state["step"]) for n, state in local.items()}
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, steps)
     for part in gathered:
         out.update({k: torch.tensor(v) for k, v in part.items()})
     return out
+
+
+def _optimizer(model):
+    """Megatron DDP + distributed optimizer (AdamW lr 1e-2, weight decay 0.01, no clipping) around `model`."""
+    from moe.optimizer import OptimizerSettings, build_optimizer, wrap_data_parallel
+
+    ddp = wrap_data_parallel(model)
+    return ddp, build_optimizer(ddp, OptimizerSettings(lr=1e-2, weight_decay=0.01, clip_grad=0.0))
 
 
 def _model(label: str, pipeline_parallel: int):
@@ -242,10 +285,12 @@ def _pp2_body(rank, world_size, directory, seed):
 
 
 def _save_pp2(directory, seed):
-    """PP=2: weights from full-model names, two AdamW steps on gradients from full-model names (the tied
-    embedding's copy gets the embedding's, as after reduce_gradients), then a sharded save of both.
-    -> {variant: (full weights, full AdamW state, model_index)} as gathered at PP=2."""
+    """PP=2: weights from full-model names, two distributed-optimizer steps on gradients from full-model names
+    put straight into DDP's buffers (one data-parallel rank: nothing to reduce; the tied embedding's copy gets
+    the embedding's, as after the embedding-group sum), then a sharded save of both.
+    -> {variant: (full weights, full optimizer state, model_index)} as gathered at PP=2."""
     from moe import dist_checkpoint
+    from moe.optimizer import optimizer_step
     from moe.parallel import destroy_model_parallel
     from moe.sharding import full_names, gather_full_state_dict, load_full_state_dict
 
@@ -255,13 +300,14 @@ def _save_pp2(directory, seed):
         names = full_names(model)
         params = dict(model.named_parameters())
         load_full_state_dict(model, {names[n]: _by_name("w." + names[n], p.shape, seed) for n, p in params.items()})
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        ddp, opt = _optimizer(model)
         for step in range(2):
             grads = {names[n]: _by_name(f"g{step}." + names[n], p.shape, seed) for n, p in params.items()}
             pieces = _local_view(model, grads)
+            ddp.zero_grad_buffer()
             for n, p in params.items():
-                p.grad = pieces[n].clone()
-            opt.step()
+                p.main_grad.copy_(pieces[n])
+            optimizer_step(opt)
         dist_checkpoint.save_model(model, os.path.join(directory, label, "model"))
         dist_checkpoint.save_optimizer(model, opt, os.path.join(directory, label, "optimizer"))
         out[label] = (gather_full_state_dict(model), _adam_state(model, opt), dist_checkpoint.model_index(model))
@@ -270,7 +316,7 @@ def _save_pp2(directory, seed):
 
 
 def _load_body(rank, world_size, directory, labels, pipeline_parallel, resave_to=None):
-    """A fresh model and AdamW at `pipeline_parallel`, loaded from directory/<variant folder>; optionally
+    """A fresh model and distributed optimizer at `pipeline_parallel`, loaded from directory/<variant folder>; optionally
     saved again (PP=1 -> the reverse direction's input)."""
     from moe import dist_checkpoint
     from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
@@ -282,7 +328,7 @@ def _load_body(rank, world_size, directory, labels, pipeline_parallel, resave_to
     out = {}
     for label, folder in labels:
         model = _model(label, pipeline_parallel)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        _, opt = _optimizer(model)
         dist_checkpoint.load_model(model, os.path.join(directory, folder, "model"))
         changed = dist_checkpoint.load_optimizer(model, opt, os.path.join(directory, folder, "optimizer"))
         out[label] = (gather_full_state_dict(model), _adam_state(model, opt), changed)
@@ -311,18 +357,18 @@ def pp2_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp2_checkpoint(pp2_run):
     directory, seed, results = pp2_run
-    for label in CHECKPOINT_VARIANTS:  # every rank gathered the same full state, AdamW state and index
+    for label in CHECKPOINT_VARIANTS:  # every rank gathered the same full state, optimizer state and index
         (full0, adam0, index0), (full1, adam1, index1) = results[0]["saved"][label], results[1]["saved"][label]
         _assert_identical(full1, full0, f"seed {seed} {label} weights, rank 1 vs rank 0")
-        _assert_identical(adam1, adam0, f"seed {seed} {label} AdamW state, rank 1 vs rank 0")
+        _assert_identical(adam1, adam0, f"seed {seed} {label} optimizer state, rank 1 vs rank 0")
         assert index1 == index0
     return directory, seed, results[0]["saved"]
 
 
 @pytest.mark.multiprocess
 def test_pp2_checkpoint_loads_at_pp1_and_back_bit_for_bit(pp2_checkpoint, tmp_path):
-    """Saved at PP=2 (untied and tied embeddings), loaded at PP=1 (1 process): weights, AdamW moments and
-    steps equal the PP=2 run's full gather bit for bit; saved again at PP=1 and loaded at PP=2 (even and
+    """Saved at PP=2 (untied and tied embeddings), loaded at PP=1 (1 process): weights, fp32 master weights,
+    Adam moments and steps equal the PP=2 run's full gather bit for bit; saved again at PP=1 and loaded at PP=2 (even and
     uneven split), the same again."""
     directory, seed, saved = pp2_checkpoint
     labels = [(label, label) for label in CHECKPOINT_VARIANTS]
@@ -331,9 +377,9 @@ def test_pp2_checkpoint_loads_at_pp1_and_back_bit_for_bit(pp2_checkpoint, tmp_pa
     for label in CHECKPOINT_VARIANTS:
         full, adam, _ = saved[label]
         got_full, got_adam, changed = loaded[label]
-        assert len(adam) == 3 * len(full) and changed == []
+        assert len(adam) == 4 * len(full) and changed == []
         _assert_identical(got_full, full, f"seed {seed} {label} PP=2 -> PP=1 weights")
-        _assert_identical(got_adam, adam, f"seed {seed} {label} PP=2 -> PP=1 AdamW state")
+        _assert_identical(got_adam, adam, f"seed {seed} {label} PP=2 -> PP=1 optimizer state")
     back = [("even", "even"), ("uneven", "even"), ("tied", "tied")]
     reloaded = run_distributed(_load_body, world_size=2, timeout_s=180, args=(str(tmp_path), back, 2))
     for rank, by_label in enumerate(reloaded):
@@ -341,7 +387,7 @@ def test_pp2_checkpoint_loads_at_pp1_and_back_bit_for_bit(pp2_checkpoint, tmp_pa
             full, adam, _ = saved[folder]
             got_full, got_adam, _ = by_label[label]
             _assert_identical(got_full, full, f"seed {seed} rank {rank} {label} PP=1 -> PP=2 weights")
-            _assert_identical(got_adam, adam, f"seed {seed} rank {rank} {label} PP=1 -> PP=2 AdamW state")
+            _assert_identical(got_adam, adam, f"seed {seed} rank {rank} {label} PP=1 -> PP=2 optimizer state")
 
 
 def test_single_process_rebuilds_the_full_state_dict_of_a_pp2_checkpoint(pp2_checkpoint):
