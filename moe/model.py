@@ -75,7 +75,7 @@ def build_model(
     )
     # With tie_word_embeddings and PP > 1 the last stage holds a copy of the embedding as output_layer.weight,
     # made equal to the first stage's by Megatron (an all-reduce over the embedding group that first moves it
-    # with .cuda(): kept on the CPU here) and kept equal by moe.grads.reduce_gradients.
+    # with .cuda(): kept on the CPU here) and kept equal by finalize_model_grads (moe.optimizer.finish_gradients).
     construct = contextlib.nullcontext()
     if cpu and arch.tie_word_embeddings and layout.pipeline_parallel > 1:
         from moe.cpu_shim import tensor_cuda_as_identity

@@ -27,8 +27,15 @@ def main(argv=None) -> None:
 
     from moe.architecture import Qwen3MoeArchitecture
     from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
-    from moe.grads import reduce_gradients
     from moe.model import build_model, forward_logits
+    from moe.optimizer import (
+        OptimizerSettings,
+        build_optimizer,
+        finish_gradients,
+        optimizer_step,
+        wrap_data_parallel,
+        zero_gradients,
+    )
     from moe.parallel import ParallelLayout, destroy_model_parallel, init_distributed, initialize_model_parallel
 
     apply_cpu_shim()
@@ -40,7 +47,8 @@ def main(argv=None) -> None:
                                 num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                 num_experts_per_tok=2, max_position_embeddings=128)
     model = build_model(arch, layout)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ddp = wrap_data_parallel(model)
+    optimizer = build_optimizer(ddp, OptimizerSettings(lr=3e-3))
     tokens_BS = torch.randint(0, arch.vocab_size, (4, 33), generator=torch.Generator().manual_seed(args.seed))
     first = last = None
     start = time.perf_counter()
@@ -48,11 +56,11 @@ def main(argv=None) -> None:
         logits_BSV = forward_logits(model, tokens_BS[:, :-1])
         loss = vocab_parallel_cross_entropy(logits_BSV.transpose(0, 1).contiguous(),
                                             tokens_BS[:, 1:].t().contiguous()).mean()
-        optimizer.zero_grad(set_to_none=True)
+        zero_gradients(ddp)
         loss.backward()
-        # Every rank sees the same batch, so replicas average.
-        reduce_gradients(model, average_replicas=True)
-        optimizer.step()
+        # Every rank sees the same batch: Megatron's DDP averages the replicas
+        finish_gradients(ddp)
+        optimizer_step(optimizer)
         first = first if first is not None else loss.item()
         last = loss.item()
         if torch.distributed.get_rank() == 0:

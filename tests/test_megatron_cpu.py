@@ -40,24 +40,28 @@ def _loss_and_grads(model, tokens_BS, num_global_tokens, dp_group_reduce):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from moe.grads import reduce_gradients
     from moe.model import forward_logits
+    from moe.optimizer import finish_gradients, gather_reduced_gradients, loss_scale_for_sum, wrap_data_parallel
 
+    # the parallel runs go through Megatron's DDP (fp32 gradient buffers, finalize_model_grads), as training does
+    ddp = wrap_data_parallel(model) if dp_group_reduce else None
     logits_BSV = forward_logits(model, tokens_BS[:, :-1])
     # vocab_parallel_cross_entropy takes [S, B, V/TP] and combines max / sum-exp across the TP group.
     per_token = vocab_parallel_cross_entropy(logits_BSV.transpose(0, 1).contiguous(), tokens_BS[:, 1:].t().contiguous())
     loss = per_token.sum() / num_global_tokens
-    model.zero_grad(set_to_none=True)
-    loss.backward()
+    if ddp is None:
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    # Sum over replicas: the loss is already normalised by the global token count (DDP's 1 / DP undone)
+    (loss * loss_scale_for_sum(ddp)).backward()
+    finish_gradients(ddp)
+    gather_reduced_gradients(ddp)  # the distributed optimizer's layout leaves each rank its shard only
     loss = loss.detach()
-    if dp_group_reduce:
-        # Sum over replicas: the loss is already normalised by the global token count.
-        reduce_gradients(model)
-        dp_group = ps.get_data_parallel_group()
-        if torch.distributed.get_world_size(dp_group) > 1:
-            torch.distributed.all_reduce(loss, group=dp_group)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return loss, grads
+    dp_group = ps.get_data_parallel_group()
+    if torch.distributed.get_world_size(dp_group) > 1:
+        torch.distributed.all_reduce(loss, group=dp_group)
+    return loss, {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def _parity_body(rank, world_size, layout_kwargs, dispatcher, seed):
