@@ -208,7 +208,8 @@ class Trainer:
         torch.manual_seed(cfg.seed * 7919 + self.dp_rank)
         if self.resume:
             self.ckpt.restore_rng_and_data(self, self.resume)
-        self.summary: dict = {"data": self.data_stats}
+        self.summary: dict = {"data": self.data_stats, "device": str(self.policy.device),
+                              "precision": cfg.model.precision}
         if self.is_main:
             import yaml
 
