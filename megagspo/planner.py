@@ -5,9 +5,17 @@ hand (tests pin it against hand-computed cases). The figure is the busiest rank:
 (embedding + its layers + the most micro-batches in flight) or the last (its layers + the LM head and the
 log-prob path), whichever is larger.
 
-Bytes per parameter (Megatron-Core mixed precision with the distributed optimizer):
-  weights bf16 2 B; gradients 4 B (fp32 main-grad buffer, grad_reduce_in_fp32); optimizer 12 B (fp32
-  master copy + Adam m and v) sharded over the parameter's data-parallel group (dense: DP; experts: expert-DP).
+Bytes per parameter (Megatron-Core DDP and distributed optimizer, moe/optimizer.py), by `precision`
+(config `model.precision`):
+  bf16: weights 2 B; gradients 4 B (fp32 main-grad buffer, grad_reduce_in_fp32); optimizer 12 B (fp32 master
+        copy + Adam m and v).
+  fp32: weights 4 B; gradients 4 B; optimizer 8 B (Adam m and v only: the distributed optimizer's master
+        weights for fp32 parameters are views of the parameters themselves, no copy).
+  The optimizer state is sharded over the parameter's data-parallel group (dense: DP; experts: expert-DP).
+  Tensor parallelism splits the linear layers and the embedding / output layer; the norms (2 per layer, the
+  q/k norms, the final norm) and the router are replicated on every TP rank. DDP pads each parameter's start
+  to 64 elements and each bucket to a multiple of lcm(DP, 128) elements: a few KiB per rank, left out
+  (tests/test_planner_allocations.py checks these terms against the bytes Megatron actually allocates).
 Activations per token per layer, bf16, stored for backward (no recompute, flash attention, sequence
 parallel so that every term is divided by TP):
   attention: 2 B * (2h [norm in/out] + (nq + 2 nkv) d [qkv] + nq d [core out]) + 4 B * nq [softmax lse]
@@ -17,7 +25,7 @@ parallel so that every term is divided by TP):
 Log-prob path (last stage), per token: logits bf16 2 V/TP; naive adds an fp32 log-softmax 4 V/TP and its
 fp32 gradient 4 V/TP, fused adds 16 B (per-token lse, max, log-prob, entropy).
 Routing replay: tokens * (MoE layers on the stage) * top-k * (1 B if experts <= 256 else 2 B).
-KL reference policy (rl.kl_coef > 0): a frozen second copy of the weights, bf16 2 B per parameter, sharded over
+KL reference policy (rl.kl_coef > 0): a frozen second copy of the weights in the run's precision, sharded over
 TP / EP / PP exactly like the policy's (no gradients, no optimizer state; its no-grad forward's activations
 are freed before the training forward, so they add nothing to the peak).
 """
@@ -31,6 +39,12 @@ from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import LayoutError, ParallelLayout
 
 GIB = 1024**3
+
+# precision -> (weight bytes, optimizer bytes) per parameter; gradients are 4 B (fp32 main grad) in both.
+# fp32: the distributed optimizer's "master" shard of an fp32 parameter is a view of the parameter itself.
+PRECISION_BYTES = {"bf16": (2, 12), "fp32": (4, 8)}
+_OPTIMIZER_LABEL = {"bf16": "optimizer (fp32 master + Adam, sharded over DP)",
+                    "fp32": "optimizer (fp32 Adam m + v, sharded over DP; the fp32 weights are the master)"}
 
 
 class PlanError(ValueError):
@@ -51,6 +65,7 @@ class PlanInputs:
     fused_logprob: bool = True
     routing_replay: bool = False
     reference_model: bool = False  # rl.kl_coef > 0: the frozen KL reference policy's weights
+    precision: str = "bf16"  # model.precision: "bf16" or "fp32" parameters (moe.optimizer.PRECISIONS)
     gpu_memory_gib: float = 80.0
     reserve_gib: float = 6.0  # CUDA context, NCCL buffers, allocator fragmentation
 
@@ -58,6 +73,8 @@ class PlanInputs:
         for name in ("world_size", "micro_batch_tokens", "num_micro_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.precision not in PRECISION_BYTES:
+            raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, got {self.precision!r}")
 
 
 @dataclass(frozen=True)
@@ -133,16 +150,22 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
     moe_layers = math.ceil(arch.num_moe_layers / pp)
     dense_layers = layers - moe_layers if layers >= moe_layers else 0
 
-    dense_params = layers * counts.attention_per_layer + dense_layers * counts.dense_mlp_per_layer
-    dense_params += moe_layers * counts.router_per_layer  # the router is replicated over TP, like norms
-    dense_params //= tp
+    h, d = arch.hidden_size, arch.head_dim
+    # Replicated on every TP rank: the 2 layer norms and the q/k norms of each layer, and each MoE layer's router.
+    replicated_per_layer = 2 * h + 2 * d
+    tp_split = layers * (counts.attention_per_layer - replicated_per_layer) + dense_layers * counts.dense_mlp_per_layer
+    dense_params = tp_split // tp + layers * replicated_per_layer + moe_layers * counts.router_per_layer
     if first:
         dense_params += counts.embedding // tp
     if last:
         dense_params += counts.output_layer // tp + counts.final_norm
+        if arch.tie_word_embeddings and pp > 1:
+            # tied embeddings across stages: the last stage holds its own copy of the embedding as the output
+            # layer (moe.model.build_model), trained like any weight and kept equal by finalize_model_grads
+            dense_params += counts.embedding // tp
     expert_params = moe_layers * counts.experts_per_layer // (ep * etp)
 
-    h, d, nq, nkv = arch.hidden_size, arch.head_dim, arch.num_attention_heads, arch.num_key_value_heads
+    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
     attention_act = 2 * (2 * h + (nq + 2 * nkv) * d + nq * d) + 4 * nq
     moe_act = 2 * 2 * h + 4 * arch.num_experts + arch.num_experts_per_tok * 2 * (h + 3 * arch.moe_intermediate_size)
     dense_act = 2 * (3 * h + 3 * arch.intermediate_size)
@@ -151,12 +174,14 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
     tokens = inputs.micro_batch_tokens
     activations = per_token_stage * tokens * in_flight / tp
 
+    precision = inputs.precision
+    weight_bytes, optimizer_bytes = PRECISION_BYTES[precision]
     terms = {
-        "weights (bf16)": 2 * (dense_params + expert_params),
-        **({"reference model weights (bf16, frozen, KL)": 2 * (dense_params + expert_params)}
+        f"weights ({precision})": weight_bytes * (dense_params + expert_params),
+        **({f"reference model weights ({precision}, frozen, KL)": weight_bytes * (dense_params + expert_params)}
            if inputs.reference_model else {}),
         "gradients (fp32 main grad)": 4 * (dense_params + expert_params),
-        "optimizer (fp32 master + Adam, sharded over DP)": 12 * dense_params / dp + 12 * expert_params / expert_dp,
+        _OPTIMIZER_LABEL[precision]: optimizer_bytes * dense_params / dp + optimizer_bytes * expert_params / expert_dp,
         "activations": activations,
     }
     if last:
@@ -200,5 +225,5 @@ def require_fit(plan: MemoryPlan) -> MemoryPlan:
     return plan
 
 
-__all__ = ["GIB", "LayoutError", "MemoryPlan", "PlanError", "PlanInputs", "ParameterCounts", "parameter_counts",
+__all__ = ["GIB", "PRECISION_BYTES", "LayoutError", "MemoryPlan", "PlanError", "PlanInputs", "ParameterCounts", "parameter_counts",
            "plan_memory", "require_fit"]

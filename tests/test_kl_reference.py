@@ -237,8 +237,10 @@ def test_planner_adds_the_reference_weights():
 
 
 def test_plan_command_names_the_reference():
+    # The planner labels the weights with model.precision (the reference is kept in the policy's precision);
+    # given explicitly so that this check does not depend on the precision the recipe file declares.
     out = _run([sys.executable, "-m", "megagspo.cli", "plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml",
-                "rl.kl_coef=0.01"])
+                "rl.kl_coef=0.01", "model.precision=bf16"])
     assert "reference model weights (bf16, frozen, KL)" in out.stdout and "KL coef 0.01" in out.stdout
     out = _run([sys.executable, "-m", "megagspo.cli", "plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml"])
     assert "reference model weights" not in out.stdout
