@@ -341,6 +341,9 @@ class ParallelConfig:
     expert_parallel: int = 1
     pipeline_parallel: int = 1      # layers split over stages; micro-batches run Megatron's 1F1B schedule
     token_dispatcher: str = "alltoall"
+    # Start each gradient bucket's data-parallel reduction during backward (Megatron DDP's overlap_grad_reduce;
+    # micro-batches before the last accumulate without communicating). Same gradients either way.
+    overlap_grad_reduce: bool = False
     # Cluster sizing, read by `megagspo plan` and `megagspo train --dry-run` (a run takes its world size
     # from torchrun; when world_size is set here, a run under another world size is refused).
     world_size: int = 0             # 0 = whatever torchrun starts

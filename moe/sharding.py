@@ -324,7 +324,8 @@ class FullStateBuckets:
         for s, _, part in sorted(pp, key=lambda x: x[0]):
             for entry in part:
                 if entry.name in held:
-                    raise RuntimeError(f"full state: {entry.name} is held by pipeline stages {held[entry.name]} and {s}")
+                    raise RuntimeError(f"full state: {entry.name} is held by pipeline stages {held[entry.name]} "
+                                       f"and {s}")
                 held[entry.name] = s
                 plan.append(entry)
         self.plan = plan

@@ -176,6 +176,29 @@ def test_micro_batch_accumulation_equals_the_whole_mini_batch(tmp_path, extra):
     assert ref_rows[0]["grad_norm"] > 0
 
 
+# ---------------------------------------------------------------------------------- overlapped reduce
+def _overlap_body(rank, world_size, out_dir, seed):
+    runs = {}
+    for overlap in (False, True):
+        trainer = _trainer([*BASE, f"seed={seed}", "sft.steps=2", "sft.lr=0.5", "rl.lr=0.5", "rl.micro_batch_size=2",
+                            "sft.micro_batch_size=2", "parallel.expert_parallel=2", f"log.out_dir={out_dir}",
+                            f"parallel.overlap_grad_reduce={str(overlap).lower()}", f"name=overlap{overlap}"])
+        assert trainer.dp == 2 and trainer.policy.ddp.ddp_config.overlap_grad_reduce is overlap
+        runs[overlap] = _run(trainer, rl_steps=1)
+    return runs
+
+
+@pytest.mark.multiprocess
+def test_overlapped_gradient_reduction_equals_the_synchronous_one(tmp_path):
+    """parallel.overlap_grad_reduce=true (buckets reduce-scattered during the last micro-batch's backward, the
+    earlier ones under DDP's no_sync) at DP=2 x EP=2 with 2 micro-batches per step gives the gradients,
+    weights and metrics of the synchronous reduction on both ranks."""
+    seed = _fresh_seed()
+    reports = run_distributed(_overlap_body, world_size=2, args=(str(tmp_path), seed), timeout_s=300)
+    for rank, runs in enumerate(reports):
+        _runs_match([runs[True]], runs[False], f"seed {seed} rank {rank} overlap")
+
+
 # ------------------------------------------------------------------------------- tensor parallelism
 # SGD lr 0.05: at 0.5 the ulp-level differences of the TP reduction order, fed back through 5 large updates,
 # exceeded the tolerance at the last step for some seeds (298800: 5.7e-6 vs 1.9e-6 allowed, step 5), which

@@ -104,7 +104,7 @@ class MegatronPolicy:
         else:
             from moe.optimizer import loss_scale_for_sum, wrap_data_parallel
 
-            self.ddp = wrap_data_parallel(self.model)
+            self.ddp = wrap_data_parallel(self.model, overlap_grad_reduce=parallel_cfg.overlap_grad_reduce)
             # losses are normalised by global counts and summed over ranks; DDP averages: undo its 1 / DP
             self.loss_scale = loss_scale_for_sum(self.ddp)
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -166,6 +166,17 @@ class MegatronPolicy:
         logp_T, ent_T = self.logprobs_fn(logits_BSV.reshape(b * s, v), targets_BS.reshape(-1))
         return logp_T.reshape(b, s), ent_T.reshape(b, s)
 
+    @property
+    def _overlap(self) -> bool:
+        return self.ddp is not None and self.ddp.ddp_config.overlap_grad_reduce
+
+    def _grad_sync(self, last: bool):
+        """With overlap_grad_reduce, the backward of every micro-batch but the last runs under DDP's no_sync:
+        its gradients accumulate in the buffers, and the buckets' reductions start during the last backward."""
+        if self._overlap and not last:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
+
     def _padding_mask(self, input_ids_BS: torch.Tensor, unpadded_len: Optional[int]):
         seq_len = input_ids_BS.shape[1]
         if unpadded_len is None or unpadded_len >= seq_len:
@@ -205,7 +216,8 @@ class MegatronPolicy:
                         results[i] = (logp_BS, ent_BS)
                         continue
                     loss, results[i] = loss_fn(i, logp_BS, ent_BS)
-                    (loss * self.loss_scale).backward()  # into the DDP's fp32 gradient buffers
+                    with self._grad_sync(last=i == n - 1):
+                        (loss * self.loss_scale).backward()  # into the DDP's fp32 gradient buffers
             return results
         return self._run_pipeline(batches, unpadded_len, enter, loss_fn, results)
 
@@ -223,6 +235,8 @@ class MegatronPolicy:
                                  f"{(batch, seq_len)} (the p2p buffers are sized once per call)")
         loss_multiplier = (self.loss_scale if train else 1.0) * n
         self.model.config.grad_scale_func = None
+        # with overlap_grad_reduce the schedule runs every backward but the last under DDP's no_sync
+        self.model.config.no_sync_func = self.ddp.no_sync if train and self._overlap else None
 
         def forward_step(data_iterator, model):
             i = next(data_iterator)
