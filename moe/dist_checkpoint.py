@@ -508,9 +508,11 @@ def load_optimizer(model, optimizer, directory: str) -> list:
     the live optimizer's (the run's config, which a resumed run may change on purpose, e.g. `--resume
     rl.weight_decay=0.1`). -> ["key: saved -> now", ...] for each one that differs from the checkpoint's."""
     live = _hyper_parameters(optimizer)
+    saved_groups = _saved_param_groups(directory)
     template = _sharded_optimizer_state(model, optimizer, is_loading=True)
     loaded = _load(template, directory)
-    state = _in_live_structure(template, loaded, _saved_step(directory))
+    # the live optimizer's own non-tensor entries, hyper-parameters included, with the saved step
+    state = _in_live_structure(template, loaded, _saved_step(saved_groups, directory))
     subs = _sub_optimizers(optimizer)
     try:
         for index, part in state.items():
@@ -519,15 +521,9 @@ def load_optimizer(model, optimizer, directory: str) -> list:
         raise DistCheckpointError(f"{directory}: optimizer state does not fit this optimizer "
                                   f"({type(exc).__name__}: {exc})") from None
     _untie_adam_steps(optimizer)
-    saved = _hyper_parameters(optimizer)
-    changed = []
-    for i, (group, now, was) in enumerate(zip(optimizer.param_groups, live, saved)):
-        for k, v in now.items():
-            old = was.get(k, v)
-            if (tuple(old) if isinstance(old, list) else old) != (tuple(v) if isinstance(v, list) else v):
-                changed.append(f"{k}: {old!r} in the checkpoint -> {v!r} now"
-                               + (f" (param group {i})" if len(live) > 1 else ""))
-            group[k] = v
+    for group, hyper in zip(optimizer.param_groups, live):
+        group.update(hyper)
+    changed = _changed_hyper_parameters(saved_groups, live)
     # the model's parameters take the loaded master weights (bf16 parameters: rounded from the fp32 masters)
     for sub in _sub_optimizers(optimizer):
         if hasattr(sub, "_copy_main_params_to_model_params"):
@@ -535,28 +531,53 @@ def load_optimizer(model, optimizer, directory: str) -> list:
     return changed
 
 
-def _saved_step(directory: str) -> float:
-    """The Adam step of an optimizer checkpoint (every param group of every sub-optimizer holds the same one)."""
+def _saved_param_groups(directory: str) -> list:
+    """Every param group (dicts of hyper-parameters and the step) in an optimizer checkpoint's common part,
+    whatever sub-optimizer structure wrote it."""
     path = os.path.join(directory, COMMON)
     try:
         common = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure to read it safely is the same error
         raise DistCheckpointError(f"{path}: cannot be read as a weights-only torch file ({type(exc).__name__}: "
                                   f"{exc})") from None
-    steps = set()
+    groups: list = []
 
     def walk(node):
         if isinstance(node, dict):
             for key, value in node.items():
                 if key == "param_groups" and isinstance(value, list):
-                    steps.update(float(g["step"]) for g in value if isinstance(g, dict) and "step" in g)
+                    groups.extend(g for g in value if isinstance(g, dict))
                 else:
                     walk(value)
 
     walk(common)
+    if not groups:
+        raise DistCheckpointError(f"{path}: no optimizer param groups")
+    return groups
+
+
+def _saved_step(groups: list, directory: str) -> float:
+    """The Adam step of an optimizer checkpoint (every param group of every sub-optimizer holds the same one)."""
+    steps = {float(g["step"]) for g in groups if g.get("step") is not None}
     if len(steps) != 1:
-        raise DistCheckpointError(f"{path}: expected one optimizer step in its param groups, found {sorted(steps)}")
+        raise DistCheckpointError(f"{os.path.join(directory, COMMON)}: expected one optimizer step in its param "
+                                  f"groups, found {sorted(steps)}")
     return steps.pop()
+
+
+def _changed_hyper_parameters(saved_groups: list, live: list) -> list:
+    """["key: saved -> now", ...] for each hyper-parameter whose values over the param groups differ between
+    the checkpoint and the live optimizer (compared as sets: the two may group the parameters differently)."""
+    def values(groups, key):
+        return {tuple(g[key]) if isinstance(g[key], (list, tuple)) else g[key] for g in groups if key in g}
+
+    changed = []
+    for key in sorted({k for g in live for k in g}):
+        was, now = values(saved_groups, key), values(live, key)
+        if was and was != now:
+            show = lambda vs: repr(next(iter(vs))) if len(vs) == 1 else repr(sorted(vs, key=repr))  # noqa: E731
+            changed.append(f"{key}: {show(was)} in the checkpoint -> {show(now)} now")
+    return changed
 
 
 def _in_live_structure(template, loaded, step: float):
@@ -609,10 +630,8 @@ def local_optimizer_state(model, optimizer) -> Dict[str, Dict[str, torch.Tensor]
     for sub in _sub_optimizers(optimizer):
         with cuda_tensor_types():
             world = sub.get_parameter_state_dp_zero(use_gloo_comm=True, return_on_all_ranks=True)
-        steps = [g.get("step") for g in sub.optimizer.param_groups]
-        step = next((s for s in steps if s is not None), None)
-        if step is None:  # torch keeps it per parameter until Megatron's state_dict moves it to the groups
-            step = next(iter(st["step"] for st in sub.optimizer.state.values() if "step" in st), 0)
+        # torch's Adam counts per parameter (a group's "step" is only what Megatron's load left there)
+        step = next((float(st["step"]) for st in sub.optimizer.state.values() if "step" in st), 0.0)
         for gbuf_idx, buffer in enumerate(sub.buffers):
             for tensors in world[gbuf_idx].values():
                 for param, (start, end, _) in buffer.param_index_map.items():

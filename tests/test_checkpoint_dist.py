@@ -2,7 +2,8 @@
 
 - at EP=2 each rank writes its own torch_dist shard file, and the metadata says rank 1's file holds exactly
   the experts rank 1 owns (2 and 3 of 4) while the replicated dense weights are written once, by rank 0;
-- loaded at EP=1 (1 process), weights and AdamW moments / steps equal the EP=2 run's full gather bit for bit;
+- loaded at EP=1 (1 process), weights and the distributed optimizer's fp32 master weights, Adam moments and
+  steps equal the EP=2 run's full gather bit for bit;
 - one process with no process group rebuilds the full TP=EP=1 state dict from the shards;
 - the pickled `.metadata` is read with an allow-list: a file carrying code is refused and the code never runs;
 - the Megatron internals the in-process save relies on are checked and fail loudly when they change.
@@ -32,17 +33,20 @@ def _policy(ep):
 
 
 def _save_body(rank, world_size, directory):
-    """EP=2: two AdamW steps on random gradients (different per rank), then a sharded save."""
+    """EP=2: two distributed-optimizer steps on random gradients (different per rank, reduced by Megatron's
+    DDP), then a sharded save."""
     from megagspo.checkpoint.state import gather_optimizer_state
     from moe import dist_checkpoint
+    from moe.optimizer import OptimizerSettings
 
     policy = _policy(world_size)
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = policy.make_optimizer(OptimizerSettings(lr=1e-3, weight_decay=0.01))
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(2):
+        policy.zero_grad()
         for p in policy.model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen)
-        opt.step()
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+        policy.step(opt)
     dist_checkpoint.save_model(policy.model, os.path.join(directory, "model"))
     dist_checkpoint.save_optimizer(policy.model, opt, os.path.join(directory, "optimizer"))
     index = dist_checkpoint.model_index(policy.model)
@@ -50,15 +54,17 @@ def _save_body(rank, world_size, directory):
 
 
 def _load_body(rank, world_size, directory):
-    """EP=1 (1 process): load the EP=2 checkpoint into a fresh model and a fresh AdamW."""
+    """EP=1 (1 process): load the EP=2 checkpoint into a fresh model and a fresh distributed optimizer."""
     from megagspo.checkpoint.state import gather_optimizer_state
     from moe import dist_checkpoint
+    from moe.optimizer import OptimizerSettings
 
     policy = _policy(1)
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=0.5, weight_decay=0.2)
+    opt = policy.make_optimizer(OptimizerSettings(lr=0.5, weight_decay=0.2))
     dist_checkpoint.load_model(policy.model, os.path.join(directory, "model"))
     changed = dist_checkpoint.load_optimizer(policy.model, opt, os.path.join(directory, "optimizer"))
-    return policy.full_state_dict(), gather_optimizer_state(policy, opt), opt.param_groups[0]["weight_decay"], changed
+    decays = sorted({group["weight_decay"] for group in opt.param_groups})
+    return policy.full_state_dict(), gather_optimizer_state(policy, opt), decays, changed
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +103,19 @@ def test_each_rank_writes_its_own_shard_file(ep2_checkpoint):
 @pytest.mark.multiprocess
 def test_ep2_checkpoint_loads_at_ep1_with_identical_weights_and_moments(ep2_checkpoint):
     directory, full, opt_full, _ = ep2_checkpoint
-    got_full, got_opt, weight_decay, changed = run_distributed(_load_body, world_size=1, timeout_s=240,
-                                                               args=(directory,))[0]
+    got_full, got_opt, decays, changed = run_distributed(_load_body, world_size=1, timeout_s=240,
+                                                         args=(directory,))[0]
     assert set(got_full) == set(full) and all(torch.equal(got_full[k], full[k]) for k in full)
-    assert set(got_opt) == set(opt_full) and len(opt_full) == 3 * len(full)
-    for key, value in opt_full.items():  # exp_avg / exp_avg_sq / step of every parameter, experts 2-3 included
+    assert set(got_opt) == set(opt_full) and len(opt_full) == 4 * len(full)
+    for key, value in opt_full.items():  # master / exp_avg / exp_avg_sq / step of every parameter, experts 2-3
         assert torch.equal(got_opt[key], value), key
     assert any(key.startswith("exp_avg/") and "local_experts.3." in key for key in opt_full)
+    for name, weight in full.items():  # fp32 run: the master weights are the weights
+        assert torch.equal(got_opt[f"master/{name}"], weight), name
     # Hyper-parameters stay the configured ones (a resumed run may change them on purpose); the change is
-    # reported. The learning rate is the schedule's and never reported.
-    assert weight_decay == 0.2
+    # reported (once, whatever the param groups: dense and expert). The learning rate is the schedule's and never
+    # reported.
+    assert decays == [0.2]
     assert changed == ["weight_decay: 0.01 in the checkpoint -> 0.2 now"]
 
 

@@ -1,13 +1,13 @@
 """Checkpoints of a tensor-parallel run (issue "Checkpoints that never lose a run": "resuming with a different
 parallel layout works", "a resumed CPU run reproduces the uninterrupted run's metrics exactly"), with real
-trainers on 2 gloo ranks at parallel.tensor_parallel=2 (sequence parallelism on, AdamW):
+trainers on 2 gloo ranks at parallel.tensor_parallel=2 (sequence parallelism on, Megatron's distributed optimizer):
 
 - the shards are TP shards: each rank's .distcp file holds its half of a column-parallel weight (rows), of a
-  row-parallel weight (columns) and of the vocab-parallel LM head, and AdamW's moments are split the same way;
+  row-parallel weight (columns) and of the vocab-parallel LM head, and the optimizer's master weights and moments are split the same way;
 - one process with no process group (`load_run_checkpoint`, i.e. `megagspo export` / `model.init_from`)
   rebuilds the full weights, and `read_full_state_dict` the full moments, equal to the run's TP gather bit
   for bit (SwiGLU fc1 included: TP splits gate and up separately);
-- the checkpoint resumes at TP=1 (1 process) and at TP=2: weights and AdamW moments / steps after loading
+- the checkpoint resumes at TP=1 (1 process) and at TP=2: weights and optimizer state (masters, moments, steps) after loading
   equal the saved ones exactly;
 - a TP=2 run stopped after step 2 (SIGTERM on one rank: finish the step, checkpoint, exit 143) and resumed
   with checkpoint.resume=auto logs exactly the uninterrupted run's metrics and ends with its weights.
@@ -32,7 +32,7 @@ DATA = ["data.train_size=200", "data.eval_size=20"]
 
 def _trainer_body(rank, world_size, out_dir, name, overrides, stop_after):
     """A `megagspo train` run in this gloo rank. stop_after: SIGTERM (as the handler records it) reaches the
-    last rank during RL step `stop_after` - 1. -> (exit code, full weights, full AdamW state, local shapes, the
+    last rank during RL step `stop_after` - 1. -> (exit code, full weights, full optimizer state, local shapes, the
     step the run resumed at or None)."""
     from megagspo.checkpoint import Preempted
     from megagspo.checkpoint.state import gather_optimizer_state
@@ -65,12 +65,13 @@ def _trainer_body(rank, world_size, out_dir, name, overrides, stop_after):
 
 
 def _reload_body(rank, world_size, ckpt_dir, overrides):
-    """A fresh policy and AdamW at the layout of `overrides` load the checkpoint the way resume does.
-    -> (full weights, full AdamW state, local shapes)."""
+    """A fresh policy and distributed optimizer at the layout of `overrides` load the checkpoint the way resume does.
+    -> (full weights, full optimizer state, local shapes)."""
     from megagspo.checkpoint.state import CheckpointManager, gather_optimizer_state
     from megagspo.config import load_config
     from megagspo.data import build_datasets
     from megagspo.trainer.policy import MegatronPolicy, setup_parallel
+    from moe.optimizer import OptimizerSettings
 
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
     tok, _, _, _ = build_datasets(cfg.data)
@@ -78,7 +79,7 @@ def _reload_body(rank, world_size, ckpt_dir, overrides):
     policy = MegatronPolicy(cfg.model.architecture(tok.vocab_size), layout, cfg.parallel)
     assert policy.tp_size * policy.pp_size == world_size
     assert (policy.tp_size, policy.pp_size) == (cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=0.5, weight_decay=0.5)
+    opt = policy.make_optimizer(OptimizerSettings(lr=0.5, weight_decay=0.5))
     mgr = CheckpointManager(cfg, rank, world_size)
     point = {"path": ckpt_dir, "state": json.load(open(os.path.join(ckpt_dir, "trainer_state.json")))}
     mgr.load_model(policy, point)
@@ -95,12 +96,12 @@ def _assert_equal(got: dict, expected: dict, what: str):
 
 def uninterrupted_run(out, overrides):
     """A 2-rank run of `overrides` (4 RL steps, a checkpoint every 2) to the end. -> (run folder, full weights,
-    full AdamW state, each rank's local parameter shapes); both ranks gather the same full state."""
+    full optimizer state, each rank's local parameter shapes); both ranks gather the same full state."""
     reports = run_distributed(_trainer_body, world_size=2, timeout_s=300, args=(str(out), "ref", overrides, 0))
     (code, full, opt_full, shapes, resumed_at), other = reports
     assert code == 0 and other[0] == 0 and resumed_at is None
     _assert_equal(other[1], full, "rank 1's gathered weights")
-    _assert_equal(other[2], opt_full, "rank 1's gathered AdamW state")
+    _assert_equal(other[2], opt_full, "rank 1's gathered optimizer state")
     assert sorted(os.listdir(out / "ref" / "checkpoints")) == ["step_000000", "step_000002", "step_000004"]
     return out / "ref", full, opt_full, (shapes, other[3])
 
@@ -165,7 +166,7 @@ def test_tp2_checkpoint_resumes_with_identical_weights_and_moments(tp2_run, tp):
     ckpt = str(run_dir / "checkpoints" / "step_000004")
     reports = run_distributed(_reload_body, world_size=tp, timeout_s=240,
                               args=(ckpt, [*DATA, f"parallel.tensor_parallel={tp}"]))
-    assert len(opt_full) == 3 * len(full)  # exp_avg, exp_avg_sq and step of every parameter
+    assert len(opt_full) == 4 * len(full)  # fp32 master, exp_avg, exp_avg_sq and step of every parameter
     assert all(bool(v.any()) for k, v in opt_full.items() if k.startswith("exp_avg_sq/"))  # every moment is live
     for rank, (got_full, got_opt, shapes) in enumerate(reports):
         if tp == 1:
@@ -173,7 +174,7 @@ def test_tp2_checkpoint_resumes_with_identical_weights_and_moments(tp2_run, tp):
         else:
             assert shapes == saved_shapes
         _assert_equal(got_full, full, f"TP={tp} rank {rank} weights")
-        _assert_equal(got_opt, opt_full, f"TP={tp} rank {rank} AdamW state")
+        _assert_equal(got_opt, opt_full, f"TP={tp} rank {rank} optimizer state")
 
 
 def stopped_and_resumed_equals_uninterrupted(ref_dir, full, opt_full, tmp_path, overrides):
@@ -191,7 +192,7 @@ def stopped_and_resumed_equals_uninterrupted(ref_dir, full, opt_full, tmp_path, 
     _assert_same_metrics(ref_dir, run_dir)
     for rank, (_, got_full, got_opt, _, _) in enumerate(resumed):
         _assert_equal(got_full, full, f"resumed rank {rank} final weights")
-        _assert_equal(got_opt, opt_full, f"resumed rank {rank} final AdamW state")
+        _assert_equal(got_opt, opt_full, f"resumed rank {rank} final optimizer state")
 
 
 @pytest.mark.slow
