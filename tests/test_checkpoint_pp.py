@@ -1,9 +1,9 @@
 """Checkpoints of a pipeline-parallel run, with real trainers on 2 gloo ranks at parallel.pipeline_parallel=2
-(one layer per stage, micro-batches through Megatron's 1F1B schedule, AdamW):
+(one layer per stage, micro-batches through Megatron's 1F1B schedule, Megatron's distributed optimizer):
 
 - each stage writes its own layers: the first stage's shard file holds the embedding and layer 0, the last
   stage's the LM head and layer 1, under global layer numbers;
-- the checkpoint resumes in one process at PP=1 (another layout): weights and AdamW moments / steps after
+- the checkpoint resumes in one process at PP=1 (another layout): weights and optimizer state (fp32 masters, moments, steps) after
   loading equal the saved ones exactly;
 - a PP=2 run stopped after step 2 (SIGTERM on the last stage: finish the step, checkpoint, exit 143) and
   resumed with checkpoint.resume=auto logs exactly the uninterrupted run's metrics and ends with its weights
@@ -52,9 +52,9 @@ def test_pp2_stages_write_their_layers_and_resume_at_pp1(pp2_run):
     (got_full, got_opt, shapes), = run_distributed(_reload_body, world_size=1, timeout_s=240,
                                                    args=(str(ckpt), [*DATA, "parallel.pipeline_parallel=1"]))
     assert shapes == {n: tuple(t.shape) for n, t in full.items()}
-    assert len(opt_full) == 3 * len(full)
+    assert len(opt_full) == 4 * len(full)  # fp32 master, moments, step
     _assert_equal(got_full, full, "PP=1 weights")
-    _assert_equal(got_opt, opt_full, "PP=1 AdamW state")
+    _assert_equal(got_opt, opt_full, "PP=1 optimizer state")
 
 
 @pytest.mark.slow
