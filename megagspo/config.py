@@ -211,6 +211,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     record_routes: bool = True      # routed experts per token from the engine (needed by R3)
+    # Weight sync after each update: the full model streams to the engine in buckets of at most this many
+    # bytes, gathered one bucket at a time over TP / EP / PP (no rank ever holds the whole model).
+    sync_bucket_mib: int = 512
     # engine = sglang: the fields of megagspo.rollout.sglang_engine.SGLangEngineConfig (urls of running
     # servers or launch settings, sync_dir, colocate, ...), validated here so a typo fails before any compute.
     sglang: dict = field(default_factory=dict)
@@ -235,6 +238,7 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.sglang: {exc}") from None
         elif self.sglang:
             raise ConfigError("rollout.sglang is set but rollout.engine is not 'sglang'")
+        _pos_int("rollout", "sync_bucket_mib", self.sync_bucket_mib)
         _num("rollout", "temperature", self.temperature, 0.0, 10.0, lo_open=True)
         _num("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
 

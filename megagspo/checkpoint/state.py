@@ -10,8 +10,9 @@ Files in `step_X/` (see store.py for the atomic protocol; the manifest lists eve
                            first RL update): fp32 master weights and Adam moments as ShardedTensors mirroring
                            their parameters (`optimizer.state.<kind>.<param key>`); common.pt: param groups
                            (hyper-parameters and the Adam step)
-    rng.safetensors        per rank: `rank<r>/torch` (global CPU generator: HF `generate` samples with it),
-                           `rank<r>/sample_gen` (the mini-batch permutation generator)
+    rng.safetensors        per rank: `rank<r>/torch` (global CPU generator: HF `generate` samples with it on
+                           CPU), `rank<r>/sample_gen` (the mini-batch permutation generator), `rank<r>/cuda`
+                           (this rank's GPU generator, where the run uses CUDA)
     trainer_state.json     step, run id, layout, model architecture, tokenizer, config, data-loader position
                            (sampler RNG + epoch order), Python / NumPy RNG per rank, last eval, summary so far,
                            metrics (row count + tail), whether optimizer/ exists, and `model_index` (full
@@ -64,11 +65,16 @@ def arch_dict(arch) -> dict:
 def capture_rng(sample_gen: torch.Generator) -> dict:
     import numpy as np
 
+    from moe.device import use_cuda
+
     np_state = np.random.get_state()
     py_state = random.getstate()
-    return {"torch": torch.get_rng_state(), "sample_gen": sample_gen.get_state(),
-            "python": [py_state[0], list(py_state[1]), py_state[2]],
-            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    out = {"torch": torch.get_rng_state(), "sample_gen": sample_gen.get_state(),
+           "python": [py_state[0], list(py_state[1]), py_state[2]],
+           "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    if use_cuda():  # the embedded engine samples on this GPU with its generator
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
 
 
 def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict, rank: int, sample_gen: torch.Generator) -> None:
@@ -76,6 +82,10 @@ def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict, rank: int, sample_
 
     torch.set_rng_state(tensors[f"rank{rank}/torch"])
     sample_gen.set_state(tensors[f"rank{rank}/sample_gen"])
+    from moe.device import use_cuda
+
+    if use_cuda() and f"rank{rank}/cuda" in tensors:
+        torch.cuda.set_rng_state(tensors[f"rank{rank}/cuda"])
     py = meta["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = meta["numpy"]
@@ -317,6 +327,8 @@ class CheckpointManager:
             for r, s in enumerate(rngs):
                 rng_t[f"rank{r}/torch"] = s["torch"]
                 rng_t[f"rank{r}/sample_gen"] = s["sample_gen"]
+                if "cuda" in s:
+                    rng_t[f"rank{r}/cuda"] = s["cuda"]
 
             def dump_json(p):
                 with open(p, "w") as f:

@@ -36,7 +36,11 @@ class HFRolloutEngine(RolloutEngine):
 
         self.arch = arch
         self.tokenizer = tokenizer
-        self.model = Qwen3MoeForCausalLM(hf_config_for(arch, tokenizer)).eval()
+        from moe.device import model_device
+
+        # the trainer's device: this process's GPU when the policy runs on CUDA (MEGAGSPO_DEVICE), else the CPU
+        self.device = model_device()
+        self.model = Qwen3MoeForCausalLM(hf_config_for(arch, tokenizer)).eval().to(self.device)
         self.record_routes = record_routes
         self._routes: Dict[int, list] = defaultdict(list)
         self._gates = []
@@ -102,7 +106,8 @@ class HFRolloutEngine(RolloutEngine):
             by_len[len(p)].append(i)
         for plen, idx in by_len.items():
             rows = torch.tensor([r for i in idx for r in range(i * n, i * n + n)])
-            input_ids = torch.tensor([list(prompts[i]) for i in idx for _ in range(n)], dtype=torch.long)
+            input_ids = torch.tensor([list(prompts[i]) for i in idx for _ in range(n)], dtype=torch.long,
+                                     device=self.device)
             self._routes.clear()
             self._recording = routes is not None
             try:
@@ -113,7 +118,9 @@ class HFRolloutEngine(RolloutEngine):
             new_RT = out.sequences[:, plen:]
             steps = new_RT.shape[1]
             logits_RTV = torch.stack(out.logits, dim=1).float()
-            lp_RT = torch.log_softmax(logits_RTV, dim=-1).gather(-1, new_RT[..., None]).squeeze(-1)
+            lp_RT = torch.log_softmax(logits_RTV, dim=-1).gather(-1, new_RT[..., None]).squeeze(-1).cpu()
+            del logits_RTV
+            new_RT = new_RT.cpu()  # the rollout's tensors go back to the trainer on the CPU
             is_eos = new_RT == tok.eos_id
             # a token is part of the response up to and including the first eos
             before_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0
@@ -125,6 +132,6 @@ class HFRolloutEngine(RolloutEngine):
                     chunks = [c.reshape(len(rows), -1, c.shape[-1]) for c in self._routes[layer]]
                     r_RPK = torch.cat(chunks, dim=1)
                     width = min(r_RPK.shape[1], plen + steps - 1)
-                    routes[rows, :width, layer] = r_RPK[:, :width].to(torch.int16)
+                    routes[rows, :width, layer] = r_RPK[:, :width].to("cpu", torch.int16)
         prompt_ids = [list(p) for p in prompts for _ in range(n)]
         return RolloutOutput(prompt_ids, response_RL, mask_RL, logp_RL, routes)

@@ -268,17 +268,16 @@ class Trainer:
     def sync_weights(self) -> float:
         """Stream the policy's weights to the rollout engine (collective: every rank calls it); returns seconds.
 
-        The full (TP=EP=PP=1) model goes out in buckets of at most `rollout.sync_bucket_bytes` (default
-        moe.sharding.DEFAULT_BUCKET_BYTES, 512 MiB), gathered one bucket at a time over TP / EP / PP
+        The full (TP=EP=PP=1) model goes out in buckets of at most `rollout.sync_bucket_mib` MiB, gathered one bucket at a time over TP / EP / PP
         (moe.sharding.iter_full_state_buckets), so that no rank ever holds the whole model. Only the ranks
         whose engine needs the weights receive buckets (engine.weights_needed: for the embedded engine the
         ranks that generate, model-parallel rank 0 of each data-parallel rank, see _generate; for SGLang rank 0,
         which sends); the others relay their shards and iterate empty buckets."""
-        from moe.sharding import DEFAULT_BUCKET_BYTES, iter_full_state_buckets
+        from moe.sharding import iter_full_state_buckets
 
         t0 = time.perf_counter()
         generates = self.policy.mp_size == 1 or torch.distributed.get_rank(self.policy.mp_group) == 0
-        bucket_bytes = getattr(self.cfg.rollout, "sync_bucket_bytes", None) or DEFAULT_BUCKET_BYTES
+        bucket_bytes = self.cfg.rollout.sync_bucket_mib * 2**20
         buckets = iter_full_state_buckets(self.policy.model, bucket_bytes,
                                           receive=self.engine.weights_needed(generates))
         self.engine.update_weights_from_buckets(buckets)
