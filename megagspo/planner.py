@@ -16,13 +16,14 @@ Bytes per parameter (Megatron-Core DDP and distributed optimizer, moe/optimizer.
   q/k norms, the final norm) and the router are replicated on every TP rank. DDP pads each parameter's start
   to 64 elements and each bucket to a multiple of lcm(DP, 128) elements: a few KiB per rank, left out
   (tests/test_planner_allocations.py checks these terms against the bytes Megatron actually allocates).
-Activations per token per layer, bf16, stored for backward (no recompute, flash attention, sequence
-parallel so that every term is divided by TP):
+Activations per token per layer, stored for backward (no recompute, flash attention, sequence parallel so that
+every term is divided by TP), written for bf16 (2 B); an fp32 run stores each at 4 B (the fp32 softmax lse and
+router logits are 4 B either way):
   attention: 2 B * (2h [norm in/out] + (nq + 2 nkv) d [qkv] + nq d [core out]) + 4 B * nq [softmax lse]
   MoE MLP:   2 B * (2h [norm in/out]) + 4 B * E [router logits] + k * 2 B * (h + 3 I) [per routed copy:
              permuted input, fc1 output (gate and up), activation]
   dense MLP: 2 B * (2h + h + 3 I_dense)
-Log-prob path (last stage), per token: logits bf16 2 V/TP; naive adds an fp32 log-softmax 4 V/TP and its
+Log-prob path (last stage), per token: logits 2 V/TP (4 V/TP in fp32); naive adds an fp32 log-softmax 4 V/TP and its
 fp32 gradient 4 V/TP, fused adds 16 B (per-token lse, max, log-prob, entropy).
 Routing replay: tokens * (MoE layers on the stage) * top-k * (1 B if experts <= 256 else 2 B).
 KL reference policy (rl.kl_coef > 0): a frozen second copy of the weights in the run's precision, sharded over
@@ -166,9 +167,10 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
     expert_params = moe_layers * counts.experts_per_layer // (ep * etp)
 
     nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
-    attention_act = 2 * (2 * h + (nq + 2 * nkv) * d + nq * d) + 4 * nq
-    moe_act = 2 * 2 * h + 4 * arch.num_experts + arch.num_experts_per_tok * 2 * (h + 3 * arch.moe_intermediate_size)
-    dense_act = 2 * (3 * h + 3 * arch.intermediate_size)
+    a = 2 if inputs.precision == "bf16" else 4  # bytes of an activation / logit in the run's precision
+    attention_act = a * (2 * h + (nq + 2 * nkv) * d + nq * d) + 4 * nq
+    moe_act = a * 2 * h + 4 * arch.num_experts + arch.num_experts_per_tok * a * (h + 3 * arch.moe_intermediate_size)
+    dense_act = a * (3 * h + 3 * arch.intermediate_size)
     per_token_stage = layers * attention_act + moe_layers * moe_act + dense_layers * dense_act
     in_flight = min(pp, inputs.micro_batches_per_update or inputs.num_micro_batches) if first else 1
     tokens = inputs.micro_batch_tokens
@@ -186,7 +188,7 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
     }
     if last:
         vocab_local = arch.vocab_size / tp
-        terms["log-prob: logits (bf16)"] = 2 * vocab_local * tokens
+        terms[f"log-prob: logits ({precision})"] = a * vocab_local * tokens
         if inputs.fused_logprob:
             terms["log-prob: fused kernel stats"] = 16 * tokens
         else:

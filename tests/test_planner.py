@@ -51,6 +51,20 @@ def test_ep2_plan_by_hand():
     assert plan.stage == "only" and plan.fits
 
 
+def test_fp32_plan_by_hand():
+    """The EP=2 case above in fp32: 4 B weights, the optimizer holds Adam's m and v only (the fp32 weights are
+    their own master), activations and logits at 4 B (the softmax lse and router logits are fp32 either way)."""
+    inputs = PlanInputs(world_size=2, layout=ParallelLayout(expert_parallel=2), micro_batch_tokens=10,
+                        fused_logprob=True, gpu_memory_gib=1.0, reserve_gib=0.0, precision="fp32")
+    got = {name: round(gib * GIB) for name, gib in plan_memory(TINY, inputs).terms_gib.items()}
+    assert got["weights (fp32)"] == 4 * (2104 + 576)
+    assert got["gradients (fp32 main grad)"] == 4 * (2104 + 576)
+    assert [v for k, v in got.items() if k.startswith("optimizer")] == [8 * 2104 // 2 + 8 * 576]
+    # attention 4*(16 + 16 + 8) + 4*2 = 168; MoE 4*16 + 4*4 + 2*4*(8 + 18) = 288; 2 layers, 10 tokens
+    assert got["activations"] == (2 * 168 + 2 * 288) * 10
+    assert got["log-prob: logits (fp32)"] == 4 * 100 * 10
+
+
 def test_naive_logprob_and_routing_replay_terms():
     inputs = PlanInputs(world_size=2, layout=ParallelLayout(tensor_parallel=2), micro_batch_tokens=10,
                         num_micro_batches=3, fused_logprob=False, routing_replay=True)
