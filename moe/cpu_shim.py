@@ -330,28 +330,33 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
 
 
 @contextlib.contextmanager
+def _scoped_patch(owner, attribute: str, make_replacement, uses, needle: str, name: str, does: str):
+    """Within the block, on a host without CUDA, `owner.attribute` is `make_replacement(original)`; restored on
+    exit. Does nothing where CUDA is used. Raises MegatronShimError first when the source of `uses` (the
+    Megatron code the patch is for, which `does` something) no longer contains `needle`."""
+    if use_cuda():
+        yield
+        return
+    if needle not in inspect.getsource(uses):
+        raise MegatronShimError(f"CPU shim: {uses.__qualname__} no longer {does} ({needle!r} is gone); {name} may "
+                                "be obsolete — review moe/cpu_shim.py")
+    original = getattr(owner, attribute)
+    setattr(owner, attribute, make_replacement(original))
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, original)
+
+
 def tensor_cuda_as_identity():
     """Within the block, on a host without CUDA, `Tensor.cuda()` returns the tensor itself (CPU stays CPU)
     instead of raising; restored on exit. Does nothing where CUDA is available. Checks that Megatron still
     makes the call it is for (LanguageModule.setup_embeddings_and_output_layer, tied embeddings at PP > 1)."""
-    if use_cuda():
-        yield
-        return
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    if "weight.data.cuda()" not in inspect.getsource(LanguageModule.setup_embeddings_and_output_layer):
-        raise MegatronShimError("CPU shim: LanguageModule.setup_embeddings_and_output_layer no longer calls "
-                                "weight.data.cuda(); tensor_cuda_as_identity may be obsolete — review moe/cpu_shim.py")
-    original = torch.Tensor.cuda
-
-    def cuda(self, *args, **kwargs):
-        return self
-
-    torch.Tensor.cuda = cuda
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = original
+    return _scoped_patch(torch.Tensor, "cuda", lambda original: lambda self, *args, **kwargs: self,
+                         LanguageModule.setup_embeddings_and_output_layer, "weight.data.cuda()",
+                         "tensor_cuda_as_identity", "calls weight.data.cuda()")
 
 
 class _CpuFactoriesTorch:
@@ -394,33 +399,26 @@ _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.BFloat
                     "torch.HalfTensor": "torch.cuda.HalfTensor"}
 
 
-@contextlib.contextmanager
-def cuda_tensor_types():
-    """Within the block, on a host without CUDA, `Tensor.type()` (no argument) names CPU float32 / bfloat16 /
-    float16 tensors by their CUDA type names, so that Megatron's optimizer accepts CPU parameters and
-    gradients; `Tensor.type(dtype)` and every other call are unchanged; restored on exit. Does nothing where
-    CUDA is used. Checks that the distributed optimizer still makes the check it is for."""
-    if use_cuda():
-        yield
-        return
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    if "'torch.cuda.BFloat16Tensor'" not in inspect.getsource(DistributedOptimizer._build_model_and_main_param_groups):
-        raise MegatronShimError("CPU shim: DistributedOptimizer no longer checks param.type() against CUDA type "
-                                "names; cuda_tensor_types may be obsolete — review moe/cpu_shim.py")
-    original = torch.Tensor.type
-
+def _cuda_type_names(original):
     def type_(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and not kwargs:
             name = original(self)
             return _CUDA_TYPE_NAMES.get(name, name)
         return original(self, dtype, non_blocking, **kwargs)
 
-    torch.Tensor.type = type_
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original
+    return type_
+
+
+def cuda_tensor_types():
+    """Within the block, on a host without CUDA, `Tensor.type()` (no argument) names CPU float32 / bfloat16 /
+    float16 tensors by their CUDA type names, so that Megatron's optimizer accepts CPU parameters and
+    gradients; `Tensor.type(dtype)` and every other call are unchanged; restored on exit. Does nothing where
+    CUDA is used. Checks that the distributed optimizer still makes the check it is for."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return _scoped_patch(torch.Tensor, "type", _cuda_type_names, DistributedOptimizer._build_model_and_main_param_groups,
+                         "'torch.cuda.BFloat16Tensor'", "cuda_tensor_types",
+                         "checks param.type() against CUDA type names")
 
 
 def _config_without_sequence_parallel(config):
@@ -455,24 +453,13 @@ class _ScheduleTorch:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
-@contextlib.contextmanager
 def pipeline_schedule_on_cpu():
     """Within the block, on a host without CUDA, Megatron's pipeline schedules (`schedules.py`) build their
     token counter (`torch.zeros([], device="cuda")`) on the CPU; restored on exit. Does nothing where CUDA is
     available. Checks that the schedules still make that call."""
-    if use_cuda():
-        yield
-        return
     from megatron.core.pipeline_parallel import schedules
 
-    if 'torch.zeros([], dtype=torch.int, device="cuda")' not in inspect.getsource(
-            schedules.forward_backward_pipelining_without_interleaving):
-        raise MegatronShimError("CPU shim: forward_backward_pipelining_without_interleaving no longer builds its "
-                                "token counter on 'cuda'; pipeline_schedule_on_cpu may be obsolete — review "
-                                "moe/cpu_shim.py")
-    original = schedules.torch
-    schedules.torch = _ScheduleTorch()
-    try:
-        yield
-    finally:
-        schedules.torch = original
+    return _scoped_patch(schedules, "torch", lambda original: _ScheduleTorch(),
+                         schedules.forward_backward_pipelining_without_interleaving,
+                         'torch.zeros([], dtype=torch.int, device="cuda")', "pipeline_schedule_on_cpu",
+                         "builds its token counter on 'cuda'")
