@@ -52,12 +52,10 @@ import os
 import pickle
 import queue
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict
 
 import torch
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-OPTIMIZER_PREFIX = "optimizer.state"
 SAVE_THREADS = 1  # files per rank
 METADATA = ".metadata"
 COMMON = "common.pt"
