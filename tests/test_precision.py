@@ -6,6 +6,7 @@
   weights and Adam moments inside Megatron's distributed optimizer;
 - from the same weights, the bf16 model's token log-probs equal the fp32 model's within the bf16 tolerance
   below, and cold-start SFT's losses follow the fp32 run's step by step (same data, same seed);
+- a bf16 resume continues bit for bit from the checkpoint's fp32 masters, moments and step;
 - the fp32 master weights carry updates smaller than bf16's resolution (an update of 1e-4 relative moves a
   master weight but not its bf16 copy), so that many small steps add up as they do in fp32.
 
@@ -183,3 +184,68 @@ def test_fp32_master_weights_accumulate_updates_below_bf16_resolution():
     assert torch.tensor(1.0 - 1e-4).to(torch.bfloat16).item() == 1.0
     torch.testing.assert_close(bf16_now, master.to(torch.bfloat16).float(), rtol=0, atol=0)
     assert float(bf16_now.max()) < 1.0
+
+
+def _bf16_resume_body(rank, world_size, directory, seed):
+    """bf16 weights, 3 distributed-optimizer steps, a checkpoint of model + optimizer, 3 more steps; then the
+    weights put back, a FRESH optimizer loaded from the checkpoint, the same 3 steps. -> (weights after the
+    uninterrupted steps, after the resumed ones, after 3 steps of a fresh optimizer that did not load)."""
+    from megagspo.trainer.policy import setup_parallel
+    from moe import dist_checkpoint
+    from moe.architecture import Qwen3MoeArchitecture
+    from moe.model import build_model
+    from moe.optimizer import OptimizerSettings, build_optimizer, optimizer_step, wrap_data_parallel, zero_gradients
+
+    class _Parallel:
+        tensor_parallel = expert_parallel = pipeline_parallel = 1
+
+    layout, _, _ = setup_parallel(_Parallel, seed)
+    arch = Qwen3MoeArchitecture(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
+                                num_experts_per_tok=2, max_position_embeddings=16)
+    model = build_model(arch, layout, params_dtype=torch.bfloat16)
+    ddp = wrap_data_parallel(model)
+    settings = OptimizerSettings(lr=3e-3, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    grads = [{n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()} for _ in range(6)]
+
+    def steps(optimizer, chunk):
+        for g in chunk:
+            zero_gradients(ddp)
+            for n, p in model.named_parameters():
+                p.main_grad.copy_(g[n])
+            optimizer_step(optimizer)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    optimizer = build_optimizer(ddp, settings)
+    steps(optimizer, grads[:3])
+    dist_checkpoint.save_model(model, os.path.join(directory, "model"))
+    dist_checkpoint.save_optimizer(model, optimizer, os.path.join(directory, "optimizer"))
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    uninterrupted = steps(optimizer, grads[3:])
+
+    def restart(load: bool):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(saved[n])
+        fresh = build_optimizer(ddp, settings)  # its fp32 masters start from the bf16 weights
+        if load:
+            dist_checkpoint.load_model(model, os.path.join(directory, "model"))
+            dist_checkpoint.load_optimizer(model, fresh, os.path.join(directory, "optimizer"))
+        return steps(fresh, grads[3:])
+
+    return uninterrupted, restart(load=True), restart(load=False)
+
+
+@pytest.mark.multiprocess
+def test_bf16_resume_continues_exactly_from_the_fp32_master_weights(tmp_path):
+    """A bf16 run resumed from a checkpoint updates from the saved fp32 masters (and moments, step), so its next
+    steps equal the uninterrupted run's bit for bit; an optimizer that restarts from the rounded bf16 weights
+    (and fresh moments) does not."""
+    seed = _fresh_seed()
+    uninterrupted, resumed, restarted = run_distributed(_bf16_resume_body, world_size=1,
+                                                        args=(str(tmp_path), seed), timeout_s=120)[0]
+    assert all(t.dtype == torch.bfloat16 for n, t in uninterrupted.items() if not n.endswith("layernorm.weight"))
+    for name, weight in uninterrupted.items():
+        assert torch.equal(resumed[name], weight), f"seed {seed}: {name} differs after the resume"
+    assert any(not torch.equal(restarted[n], w) for n, w in uninterrupted.items())
