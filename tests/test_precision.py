@@ -139,13 +139,12 @@ def test_bf16_policy_is_mixed_precision_and_tracks_fp32_on_cuda(tmp_path):
     _check(result, seed, "cuda")
 
 
-def _master_weights_body(rank, world_size, seed):
-    """One bf16 parameter, an update far below bf16's resolution, 64 times: the fp32 master weight moves by
-    the sum, the bf16 copy only when the sum crosses a bf16 step (what plain bf16 weights would lose)."""
+def _tiny_bf16_model(seed: int):
+    """A one-layer bf16 MoE model in Megatron's DDP, in this (1-rank) process. -> (model, ddp)."""
     from megagspo.trainer.policy import setup_parallel
     from moe.architecture import Qwen3MoeArchitecture
     from moe.model import build_model
-    from moe.optimizer import OptimizerSettings, build_optimizer, optimizer_step, wrap_data_parallel, zero_gradients
+    from moe.optimizer import wrap_data_parallel
 
     class _Parallel:
         tensor_parallel = expert_parallel = pipeline_parallel = 1
@@ -155,7 +154,15 @@ def _master_weights_body(rank, world_size, seed):
                                 num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
                                 num_experts_per_tok=2, max_position_embeddings=16)
     model = build_model(arch, layout, params_dtype=torch.bfloat16)
-    ddp = wrap_data_parallel(model)
+    return model, wrap_data_parallel(model)
+
+
+def _master_weights_body(rank, world_size, seed):
+    """One bf16 parameter, an update far below bf16's resolution, 64 times: the fp32 master weight moves by
+    the sum, the bf16 copy only when the sum crosses a bf16 step (what plain bf16 weights would lose)."""
+    from moe.optimizer import OptimizerSettings, build_optimizer, optimizer_step, zero_gradients
+
+    model, ddp = _tiny_bf16_model(seed)
     with torch.no_grad():  # before the optimizer copies its fp32 masters from the weights
         dict(model.named_parameters())["decoder.layers.0.self_attention.linear_proj.weight"].fill_(1.0)
     # Adam's first steps are sign-like: lr is the per-step change of every weight with a gradient
@@ -190,21 +197,10 @@ def _bf16_resume_body(rank, world_size, directory, seed):
     """bf16 weights, 3 distributed-optimizer steps, a checkpoint of model + optimizer, 3 more steps; then the
     weights put back, a FRESH optimizer loaded from the checkpoint, the same 3 steps. -> (weights after the
     uninterrupted steps, after the resumed ones, after 3 steps of a fresh optimizer that did not load)."""
-    from megagspo.trainer.policy import setup_parallel
     from moe import dist_checkpoint
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.model import build_model
-    from moe.optimizer import OptimizerSettings, build_optimizer, optimizer_step, wrap_data_parallel, zero_gradients
+    from moe.optimizer import OptimizerSettings, build_optimizer, optimizer_step, zero_gradients
 
-    class _Parallel:
-        tensor_parallel = expert_parallel = pipeline_parallel = 1
-
-    layout, _, _ = setup_parallel(_Parallel, seed)
-    arch = Qwen3MoeArchitecture(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
-                                num_experts_per_tok=2, max_position_embeddings=16)
-    model = build_model(arch, layout, params_dtype=torch.bfloat16)
-    ddp = wrap_data_parallel(model)
+    model, ddp = _tiny_bf16_model(seed)
     settings = OptimizerSettings(lr=3e-3, weight_decay=0.01)
     gen = torch.Generator().manual_seed(seed)
     grads = [{n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()} for _ in range(6)]

@@ -1,5 +1,6 @@
 """The policy on Megatron-Core: distributed set-up, model build (fp32 or bf16), token log-probs, gradients
-through Megatron's DDP and updates through its distributed optimizer, full-state export for the rollout engine (gathering TP shards and EP experts).
+through Megatron's DDP and updates through its distributed optimizer, full-state export for the rollout
+engine (gathering TP shards and EP experts).
 
 Tensor parallelism: the LM head's logits stay vocab-parallel ([B, S, V/TP] per rank) and go straight into
 the vocab-parallel log-prob kernel (megagspo.kernels.token_logprobs with the TP group: partial max/sum-exp
@@ -93,7 +94,6 @@ class MegatronPolicy:
 
         self.arch = arch
         self.frozen = frozen
-        self.precision = precision
         self.model = build_model(arch, layout, token_dispatcher=parallel_cfg.token_dispatcher,
                                  routing_replay=not frozen, params_dtype=params_dtype(precision))
         self.ddp = None

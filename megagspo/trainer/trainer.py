@@ -268,8 +268,9 @@ class Trainer:
     def sync_weights(self) -> float:
         """Stream the policy's weights to the rollout engine (collective: every rank calls it); returns seconds.
 
-        The full (TP=EP=PP=1) model goes out in buckets of at most `rollout.sync_bucket_mib` MiB, gathered one bucket at a time over TP / EP / PP
-        (moe.sharding.iter_full_state_buckets), so that no rank ever holds the whole model. Only the ranks
+        The full (TP=EP=PP=1) model goes out in buckets of at most `rollout.sync_bucket_mib` MiB, gathered one
+        bucket at a time over TP / EP / PP (moe.sharding.iter_full_state_buckets), so that no rank ever holds
+        the whole model. Only the ranks
         whose engine needs the weights receive buckets (engine.weights_needed: for the embedded engine the
         ranks that generate, model-parallel rank 0 of each data-parallel rank, see _generate; for SGLang rank 0,
         which sends); the others relay their shards and iterate empty buckets."""
