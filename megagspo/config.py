@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import yaml
 
+from megagspo.data.tokenizer import PROMPT_FORMATS
+
 
 class ConfigError(ValueError):
     """A configuration key is unknown, missing or out of range; the message names it."""
@@ -81,7 +83,9 @@ def _choice(owner: str, name: str, value: Any, choices) -> None:
 
 
 PRECISIONS = ("fp32", "bf16")
-_NOT_ARCHITECTURE = ("init_from", "arch_file", "precision")  # model.* keys that are not Qwen3MoeArchitecture fields
+_NOT_ARCHITECTURE = ("init_from", "arch_file", "precision", "logprob_path",
+                     "logprob_chunk_tokens")  # model.* keys that are not Qwen3MoeArchitecture fields
+LOGPROB_PATHS = ("hidden", "logits")
 
 
 @dataclass
@@ -101,17 +105,28 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 64
     initializer_range: float = 0.02
-    init_from: str = ""  # a run folder or checkpoint file (megagspo export/sft output); "" = random init
+    # The starting weights: a Hugging Face model folder (config.json + safetensors, one file or sharded with
+    # its index; `save_pretrained` or `megagspo export` output), a megagspo run folder or checkpoint file
+    # (`megagspo sft` output), or "" for a random init. An HF folder's config.json defines the architecture
+    # unless model.arch_file is set; fields set above must then agree with it. Each rank reads only its slices.
+    init_from: str = ""
     # An HF config.json / checkpoint folder / YAML of the architecture (e.g. configs/models/qwen3_30b_a3b.yaml).
     # When set it defines the whole architecture, and the fields above must stay at their defaults.
     arch_file: str = ""
     # Parameter precision: fp32, or bf16 (the GPU recipes): bf16 weights and activations with fp32 gradient
     # buffers and fp32 master weights / Adam moments in Megatron's distributed optimizer (moe/optimizer.py).
     precision: str = "fp32"
+    # Token log-probs in the trainer: hidden (from the final hidden states and the LM head weight, chunks of
+    # logprob_chunk_tokens tokens: the [tokens, vocab] logits are never materialised) | logits (Megatron's
+    # output layer, then the log-prob kernel)
+    logprob_path: str = "hidden"
+    logprob_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
         _nonneg_int("model", "vocab_size", self.vocab_size)
         _choice("model", "precision", self.precision, PRECISIONS)
+        _choice("model", "logprob_path", self.logprob_path, LOGPROB_PATHS)
+        _pos_int("model", "logprob_chunk_tokens", self.logprob_chunk_tokens)
         if self.init_from and not _path_present("model.init_from", self.init_from):
             raise ConfigError(f"model.init_from = {self.init_from!r}: no such file or folder")
         if self.arch_file:
@@ -138,6 +153,8 @@ class ModelConfig:
                 raise ConfigError(f"model.arch_file vocab_size {arch.vocab_size} is smaller than the "
                                   f"tokenizer's {vocab_size}")
             return arch
+        if self.init_from_hf():
+            return self._architecture_of_init_folder(vocab_size)
         kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name not in _NOT_ARCHITECTURE}
         kwargs["vocab_size"] = self.vocab_size or vocab_size
@@ -147,6 +164,35 @@ class ModelConfig:
             return Qwen3MoeArchitecture(**kwargs)
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
+
+
+    def init_from_hf(self) -> bool:
+        """True when model.init_from is a Hugging Face model folder present on this machine."""
+        from moe.hf_checkpoint import is_hf_model_folder
+
+        return bool(self.init_from) and is_hf_model_folder(self.init_from)
+
+    def _architecture_of_init_folder(self, vocab_size: int):
+        """The architecture in model.init_from's config.json; recipe fields set away from their defaults
+        must agree with it (so a recipe cannot silently describe another model than the weights)."""
+        from moe.hf_config import architecture_from_hf_config
+
+        try:
+            arch = architecture_from_hf_config(self.init_from)
+        except ValueError as exc:
+            raise ConfigError(f"model.init_from = {self.init_from!r}: its config.json: {exc}") from None
+        defaults = ModelConfig()
+        differ = [f"model.{f.name} = {getattr(self, f.name)!r} but config.json has {getattr(arch, f.name)!r}"
+                  for f in dataclasses.fields(self) if f.name not in _NOT_ARCHITECTURE
+                  and getattr(self, f.name) != getattr(defaults, f.name)
+                  and getattr(self, f.name) != getattr(arch, f.name)]
+        if differ:
+            raise ConfigError(f"model.init_from = {self.init_from!r} defines the architecture, and the recipe "
+                              "disagrees with it: " + "; ".join(differ) + " (drop these keys from the recipe)")
+        if arch.vocab_size < vocab_size:
+            raise ConfigError(f"model.init_from = {self.init_from!r}: config.json vocab_size {arch.vocab_size} is "
+                              f"smaller than the tokenizer's {vocab_size}")
+        return arch
 
 
 TASKS = ("addition", "file")
@@ -164,7 +210,12 @@ class DataConfig:
     eval_path: str = ""             # file: held-out set; "" = split eval_size rows off the train file
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    tokenizer: str = "builtin"      # builtin (digits + symbols) | path to a local HF tokenizer folder
+    # auto: the tokenizer in model.init_from when it is an HF folder holding one, else builtin |
+    # builtin (digits + symbols) | path to a local HF tokenizer folder
+    tokenizer: str = "auto"
+    # auto: the tokenizer's chat template (generation prompt added) when it has one, else plain text |
+    # chat | plain
+    prompt_format: str = "auto"
     max_prompt_tokens: int = 16
     max_response_tokens: int = 6
     drop_long_prompts: bool = False  # False: prompts over max_prompt_tokens are an error (counted, listed)
@@ -189,8 +240,10 @@ class DataConfig:
                     raise ConfigError(f"data.{name} = {path!r}: no such file")
                 if path and not path.endswith((".jsonl", ".json", ".parquet")):
                     raise ConfigError(f"data.{name} = {path!r}: expected a .jsonl or .parquet file")
-        if self.tokenizer != "builtin" and not _path_present("data.tokenizer", self.tokenizer, "dir"):
-            raise ConfigError(f"data.tokenizer = {self.tokenizer!r}: expected 'builtin' or a local tokenizer folder")
+        _choice("data", "prompt_format", self.prompt_format, PROMPT_FORMATS)
+        if self.tokenizer not in ("auto", "builtin") and not _path_present("data.tokenizer", self.tokenizer, "dir"):
+            raise ConfigError(f"data.tokenizer = {self.tokenizer!r}: expected 'auto', 'builtin' or a local "
+                              "tokenizer folder")
 
 
 @dataclass
@@ -272,6 +325,8 @@ class SFTConfig:
 LOSSES = ("gspo", "gspo_token", "grpo")
 OLD_LOGP = ("recompute", "rollout")
 ROUTING_REPLAY = ("none", "r2", "r3")
+LOSS_IMPLS = ("torch", "kernels")
+FUSED_LOSSES = ("gspo", "gspo_token")  # the losses megagspo.kernels.gspo_segment_loss computes
 SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -305,6 +360,9 @@ class RLConfig:
     beta2: float = 0.99
     grad_clip: float = 1.0
     logprob_impl: str = "auto"      # auto (megagspo.kernels if importable) | kernels | torch
+    # The policy loss: torch (megagspo.algorithm) | kernels (the fused segmented GSPO kernel for gspo and
+    # gspo_token; grpo has no fused kernel and is refused)
+    loss_impl: str = "torch"
     eval_every: int = 25
     eval_samples: int = 4           # also score this many T=1 samples per held-out prompt (0 = greedy only)
     scale_adv_by_std: bool = True
@@ -323,6 +381,10 @@ class RLConfig:
         _choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)
         _choice("rl", "lr_schedule", self.lr_schedule, SCHEDULES)
         _choice("rl", "logprob_impl", self.logprob_impl, ("auto", "kernels", "torch"))
+        _choice("rl", "loss_impl", self.loss_impl, LOSS_IMPLS)
+        if self.loss_impl == "kernels" and self.loss not in FUSED_LOSSES:
+            raise ConfigError(f"rl.loss_impl = 'kernels' has no fused kernel for rl.loss = {self.loss!r} (fused: "
+                              f"{', '.join(FUSED_LOSSES)}); set rl.loss_impl=torch")
         _num("rl", "clip_low", self.clip_low, 0.0, 1.0, lo_open=True)
         _num("rl", "clip_high", self.clip_high, 0.0, lo_open=True)
         _num("rl", "kl_coef", self.kl_coef, 0.0)
@@ -410,12 +472,30 @@ class Config:
     def __post_init__(self) -> None:
         _nonneg_int("", "seed", self.seed)
         _pos_int("", "threads", self.threads)
+        if self.model.logprob_path == "hidden" and self.rl.logprob_impl == "torch":
+            raise ConfigError("model.logprob_path = 'hidden' computes log-probs chunk by chunk with megagspo.kernels, "
+                              "but rl.logprob_impl = 'torch' needs the whole logits: set rl.logprob_impl to auto or "
+                              "kernels, or model.logprob_path=logits")
+        if self.data.tokenizer == "auto":
+            self.data.tokenizer = self._auto_tokenizer()
         if self.rl.routing_replay != "none":
             from megagspo.trainer.replay import replay_available
 
             ok, why = replay_available()
             if not ok:
                 raise ConfigError(f"rl.routing_replay = {self.rl.routing_replay!r} is not available yet: {why}")
+
+    def _auto_tokenizer(self) -> str:
+        """data.tokenizer = auto: model.init_from's own tokenizer when it has one (also when the folder is
+        a cluster path absent from this machine, where a dry run reports it), else the built-in one."""
+        from megagspo.data.tokenizer import has_tokenizer_files
+
+        init_from = self.model.init_from
+        if not init_from or os.path.isfile(init_from):
+            return "builtin"
+        if not os.path.exists(init_from) or has_tokenizer_files(init_from):
+            return init_from
+        return "builtin"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -71,7 +71,8 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     absent under `deferred_path_checks()` (cluster paths); they are reported, and skipped here."""
     from megagspo.data import load_tokenizer
     from megagspo.trainer.trainer import check_layout
-    from moe.hf_checkpoint import hf_tensor_shapes, inspect_hf_checkpoint
+    from megagspo.trainer.init_weights import preflight_init_from
+    from moe.hf_checkpoint import hf_tensor_shapes
     from moe.parallel import ParallelLayout
 
     world = _world_size(cfg)
@@ -83,7 +84,10 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
                               "must come from model.arch_file")
         vocab_size = 0
     else:
-        vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
+        vocab_size = load_tokenizer(cfg.data.tokenizer, cfg.data.prompt_format).vocab_size
+    if cfg.model.init_from in absent and not cfg.model.arch_file:
+        raise ConfigError(f"model.init_from = {cfg.model.init_from!r} is not on this machine, so the architecture "
+                          "must come from model.arch_file to be checked here")
     arch = cfg.model.architecture(vocab_size)
     layout = ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
                             pipeline_parallel=cfg.parallel.pipeline_parallel)
@@ -92,18 +96,11 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
 
     counts = parameter_counts(arch)
     init_from = cfg.model.init_from
-    if init_from and init_from not in absent and os.path.exists(os.path.join(init_from, "config.json")):
-        expert_layout, shapes = inspect_hf_checkpoint(init_from, arch)
-        checkpoint = f"{init_from}: {len(shapes)} tensors match the architecture ({expert_layout} experts)"
+    shapes = hf_tensor_shapes(arch)
+    if init_from and init_from in absent:
+        checkpoint = f"expected {len(shapes)} HF tensors; {init_from} is checked against them when the run starts"
     else:
-        shapes = hf_tensor_shapes(arch)
-        if not init_from:
-            note = " (random init)"
-        elif init_from in absent:
-            note = f"; {init_from} is checked against them when the run starts"
-        else:
-            note = f"; {init_from} is a megagspo checkpoint, not an HF folder"
-        checkpoint = f"expected {len(shapes)} HF tensors{note}"
+        checkpoint = preflight_init_from(cfg.model, arch).description  # the trainer's own start-up check
     numel = sum(math.prod(shape) for shape in shapes.values())
     if numel != counts.total(arch):
         raise ConfigError(f"checkpoint tensors hold {numel} parameters but the architecture has "

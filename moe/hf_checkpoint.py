@@ -60,6 +60,14 @@ SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 
 
+def is_hf_model_folder(path: str | os.PathLike) -> bool:
+    """True when `path` is a Hugging Face model folder: a config.json beside `model.safetensors` or the
+    index of a sharded checkpoint (what `save_pretrained` and `megagspo export` write)."""
+    folder = Path(path)
+    return folder.is_dir() and (folder / "config.json").is_file() and \
+        ((folder / SAFE_WEIGHTS).is_file() or (folder / SAFE_INDEX).is_file())
+
+
 class CheckpointError(ValueError):
     """A checkpoint does not match the architecture or the model: the message names each tensor and shape."""
 
@@ -474,7 +482,10 @@ def load_hf_state_dict(model, hf_state_dict: Mapping[str, torch.Tensor], arch: Q
 
 def inspect_hf_checkpoint(path: str | os.PathLike, arch: Qwen3MoeArchitecture) -> tuple[str, dict]:
     """(expert layout, {key: shape}) of the checkpoint at `path`, from headers only; raises CheckpointError
-    naming every missing, wrongly shaped or unexpected tensor with both shapes."""
+    naming every missing, wrongly shaped or unexpected tensor with both shapes, or each field where its
+    config.json describes another architecture. The same checks `load_hf_checkpoint` makes, without reading
+    a weight."""
+    _check_config_matches(Path(path), arch)
     with SafetensorsSource(path) as source:
         shapes = source.shapes()
     layout = detect_expert_layout(shapes)

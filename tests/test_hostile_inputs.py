@@ -110,10 +110,18 @@ CONFIG_AND_DATA_CASES = [
     ("not_json_data", lambda t: _data(t, b"{prompt: 1+2}\n"), "d.jsonl:1: not valid JSON"),
     ("empty_data_file", lambda t: _data(t, b""), "holds no rows"),
     ("huge_prompt", lambda t: _data(t, _rows() + _rows(1, "1" * 200_000)),
-     "prompts are longer than data.max_prompt_tokens = 8 (with bos)"),
+     "prompts are longer than data.max_prompt_tokens = 8 (as the model sees them"),
     ("unencodable_prompt", lambda t: _data(t, _rows() + _rows(1, "h\u00e9llo")),
      "built-in tokenizer cannot encode character"),
-    ("prompt_not_a_string", lambda t: _data(t, [{"prompt": [1], "answer": "2"}] * 60), "must be strings"),
+    ("prompt_not_a_string", lambda t: _data(t, [{"prompt": 7, "answer": "2"}] * 60),
+     "must be a string or a chat message list"),
+    ("prompt_list_not_messages", lambda t: _data(t, [{"prompt": [1], "answer": "2"}] * 60),
+     "message 0 must be an object with string 'role' and 'content'"),
+    ("chat_prompt_builtin_tokenizer", lambda t: _data(t, [{"prompt": [{"role": "user", "content": "1+1="}],
+                                                           "answer": "2"}] * 60),
+     "the built-in tokenizer takes string prompts"),
+    ("answer_not_a_string", lambda t: _data(t, [{"prompt": "1+1=", "answer": [2]}] * 60),
+     "'answer' a string or number"),
 ]
 
 

@@ -59,6 +59,7 @@ def _arch(tie: bool = False, big: bool = False):
 
 class _Tok:
     pad_id, eos_id, bos_id = 0, 1, 2
+    eos_ids = (1,)
 
 
 def _by_name(name: str, shape, seed: int) -> torch.Tensor:

@@ -1,9 +1,13 @@
 """Prompt datasets: (prompt, answer) examples from JSONL / parquet or the synthetic task, tokenised and
 checked before any compute.
 
-Every problem is reported at load time with the file, line and field names: a missing file, a row without
-the configured `prompt_key` / `answer_key` (the message lists the keys the row has), non-string values,
-and prompts longer than `max_prompt_tokens` (counted; an error unless `drop_long_prompts`).
+A prompt is a string or a chat message list (`[{"role": "user", "content": ...}, ...]`), rendered by the
+tokenizer (its chat template with the generation prompt, or plain text). The answer sits under
+`answer_key`, which may be a dotted path into nested fields (`reward_model.ground_truth`); numbers are
+taken as their text. Every problem is reported at load time with the file, row and field names: a missing
+file, a row without the configured `prompt_key` / `answer_key` (the message lists the keys the row has),
+values of the wrong type, and prompts longer than `max_prompt_tokens` (counted; an error unless
+`drop_long_prompts`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str
+    prompt: object  # str, or a tuple of {"role", "content"} messages
     answer: str
-    prompt_ids: tuple  # bos + encoded prompt
+    prompt_ids: tuple  # the model's input ids for the prompt (tokenizer.prompt_ids)
 
 
 def _read_rows(path: str) -> list[dict]:
@@ -33,14 +37,16 @@ def _read_rows(path: str) -> list[dict]:
         raise DataError(f"dataset file {path!r} does not exist")
     if path.endswith(".parquet"):
         try:
-            import pandas as pd  # noqa: F401
-            rows = pd.read_parquet(path).to_dict("records")
+            import pyarrow.parquet as pq
         except ImportError:
-            try:
-                import pyarrow.parquet as pq
-            except ImportError:
-                raise DataError(f"reading {path!r} needs pandas or pyarrow, neither is installed") from None
+            raise DataError(f"reading {path!r} needs pyarrow (pinned in requirements/base.txt; run make install)") \
+                from None
+        try:
             rows = pq.read_table(path).to_pylist()
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a broken file
+            raise DataError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from None
+        if not rows:
+            raise DataError(f"dataset file {path!r} holds no rows")
         return rows
     rows = []
     with open(path) as f:
@@ -59,20 +65,55 @@ def _read_rows(path: str) -> list[dict]:
     return rows
 
 
-def load_examples(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[tuple[str, str]]:
+def _field(row: dict, key: str):
+    """row[key], or the value at a dotted path into nested mappings; KeyError when absent."""
+    if key in row:
+        return row[key]
+    node = row
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(key)
+        node = node[part]
+    return node
+
+
+def _check_messages(prompt, where: str) -> tuple:
+    """A chat message list as a tuple of {"role", "content"} dicts, or DataError naming what is wrong."""
+    if not prompt:
+        raise DataError(f"{where}: the message list is empty")
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: message {j} must be an object with string 'role' and 'content', got "
+                            f"{_shorten(message)}")
+    return tuple({"role": m["role"], "content": m["content"]} for m in prompt)
+
+
+def _shorten(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def load_examples(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[tuple]:
+    """[(prompt, answer)]: prompt a string or a tuple of chat messages, answer a string."""
     pairs = []
     for i, row in enumerate(_read_rows(path)):
-        for key in (prompt_key, answer_key):
-            if key not in row:
-                raise DataError(
-                    f"{path}: row {i} has no field {key!r} (data.{'prompt' if key == prompt_key else 'answer'}_key); "
-                    f"the row's fields are {sorted(row)}")
-        prompt, answer = row[prompt_key], row[answer_key]
+        values = []
+        for key, option in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+            try:
+                values.append(_field(row, key))
+            except KeyError:
+                raise DataError(f"{path}: row {i} has no field {key!r} (data.{option}); the row's fields are "
+                                f"{sorted(row)}") from None
+        prompt, answer = values
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
-        if not isinstance(prompt, str) or not isinstance(answer, str):
-            raise DataError(f"{path}: row {i}: {prompt_key!r} and {answer_key!r} must be strings, got "
-                            f"{type(prompt).__name__} and {type(answer).__name__}")
+        if isinstance(prompt, list):
+            prompt = _check_messages(prompt, f"{path}: row {i}: {prompt_key!r}")
+        if not isinstance(prompt, (str, tuple)) or not isinstance(answer, str):
+            raise DataError(f"{path}: row {i}: {prompt_key!r} must be a string or a chat message list and "
+                            f"{answer_key!r} a string or number, got {type(prompt).__name__} and "
+                            f"{type(answer).__name__}")
         pairs.append((prompt, answer))
     return pairs
 
@@ -83,7 +124,12 @@ def encode_examples(pairs, tokenizer, max_prompt_tokens: int, drop_long: bool, w
     counts them together with `already_long` found in the other split(s)."""
     out, too_long = [], []
     for i, (prompt, answer) in enumerate(pairs):
-        ids = (tokenizer.bos_id,) + tuple(tokenizer.encode(prompt))
+        try:
+            ids = tuple(tokenizer.prompt_ids(prompt))
+        except ValueError as exc:
+            raise DataError(f"{where}: row {i}: {exc}") from None
+        if not ids:
+            raise DataError(f"{where}: row {i}: the prompt encodes to no tokens")
         if len(ids) > max_prompt_tokens:
             too_long.append((i, len(ids)))
             continue
@@ -91,8 +137,9 @@ def encode_examples(pairs, tokenizer, max_prompt_tokens: int, drop_long: bool, w
     if too_long and not drop_long:
         shown = ", ".join(f"row {i} ({n} tokens)" for i, n in too_long[:5])
         raise DataError(
-            f"{where}: {len(too_long) + already_long} of {len(pairs) + already_long} prompts are longer than data.max_prompt_tokens = "
-            f"{max_prompt_tokens} (with bos): {shown}{' ...' if len(too_long) > 5 else ''}; raise the limit or "
+            f"{where}: {len(too_long) + already_long} of {len(pairs) + already_long} prompts are longer than "
+            f"data.max_prompt_tokens = {max_prompt_tokens} (as the model sees them: bos / chat template "
+            f"included): {shown}{' ...' if len(too_long) > 5 else ''}; raise the limit or "
             "set data.drop_long_prompts=true to drop them")
     if not out:
         raise DataError(f"{where}: no usable prompts")
@@ -122,7 +169,7 @@ class PromptDataset:
 
 def build_datasets(data_cfg, tokenizer=None):
     """-> (tokenizer, train examples, held-out examples, stats). Everything is validated here."""
-    tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer)
+    tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer, data_cfg.prompt_format)
     if data_cfg.task == "addition":
         train_pairs, eval_pairs = addition_examples(data_cfg.num_digits, data_cfg.train_size,
                                                     data_cfg.eval_size, data_cfg.seed)

@@ -1,24 +1,44 @@
 """Tokenizers: a built-in character-level one for the synthetic task, or a local HF tokenizer folder.
 
-Both expose: vocab_size, pad_id, bos_id, eos_id, encode(str) -> list[int] (no special tokens),
-decode(list[int]) -> str (stops at eos, skips pad/bos).
+Both expose: vocab_size, pad_id, bos_id, eos_id (the token that ends a demonstration), eos_ids (every token
+that ends a generated response: the tokenizer's eos plus `generation_config.json`'s eos_token_id list),
+prompt_format ("chat" or "plain"), prompt_ids(prompt) -> the model's input ids for one prompt (a string, or
+a chat message list under the chat format), encode(str) -> list[int] (no special tokens) and
+decode(list[int]) -> str (stops at the first of eos_ids, skips special tokens).
 """
 
 from __future__ import annotations
 
+import json
 import os
+
+PROMPT_FORMATS = ("auto", "chat", "plain")
+
+# Files a Hugging Face tokenizer folder holds: tokenizer.json (fast tokenizers), or a tokenizer_config.json
+# with the slow tokenizer's vocabulary files beside it.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
+def has_tokenizer_files(path: str) -> bool:
+    """True when `path` is a folder holding a Hugging Face tokenizer (any of its defining files)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
 
 
 class BuiltinTokenizer:
-    """Digits, arithmetic symbols and a space; ids 0..2 are <pad>, <bos>, <eos>."""
+    """Digits, arithmetic symbols and a space; ids 0..2 are <pad>, <bos>, <eos>. Plain prompts only."""
 
     SPECIALS = ("<pad>", "<bos>", "<eos>")
     CHARS = "0123456789+-*=() "
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_format: str = "auto") -> None:
+        if prompt_format == "chat":
+            raise ValueError("data.prompt_format = 'chat' needs a tokenizer with a chat template; the built-in "
+                             "tokenizer has none (use data.tokenizer=<local HF tokenizer folder>)")
         self.itos = list(self.SPECIALS) + list(self.CHARS)
         self.stoi = {c: i for i, c in enumerate(self.itos)}
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.eos_ids = (self.eos_id,)
+        self.prompt_format = "plain"
 
     @property
     def vocab_size(self) -> int:
@@ -30,6 +50,12 @@ class BuiltinTokenizer:
         except KeyError as exc:
             raise ValueError(f"built-in tokenizer cannot encode character {exc.args[0]!r} in {text!r}; "
                              f"it knows {self.CHARS!r} (use data.tokenizer=<local HF tokenizer folder>)") from None
+
+    def prompt_ids(self, prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError("the built-in tokenizer takes string prompts, not chat messages (it has no chat "
+                             "template; use data.tokenizer=<local HF tokenizer folder>)")
+        return [self.bos_id] + self.encode(prompt)
 
     def decode(self, ids) -> str:
         out = []
@@ -43,20 +69,75 @@ class BuiltinTokenizer:
         return "".join(out)
 
 
+def _generation_config(path: str) -> dict:
+    """generation_config.json of the folder ({} when absent); a broken one is an error naming it."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{file} could not be read: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return data
+
+
+def _token_ids(value, where: str) -> list[int]:
+    """An int or a list of ints (generation_config's eos_token_id / pad_token_id) as a list."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{where} must be a token id or a list of token ids, got {value!r}")
+    return values
+
+
 class HFTokenizer:
-    """A local Hugging Face tokenizer folder (no downloads)."""
+    """A local Hugging Face tokenizer folder (no downloads), with its chat template and generation config."""
 
-    def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, path: str, prompt_format: str = "auto") -> None:
+        if prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"data.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
         if not os.path.isdir(path):
             raise ValueError(f"tokenizer folder {path!r} does not exist")
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.eos_id = self.tok.eos_token_id
-        if self.eos_id is None:
-            raise ValueError(f"tokenizer {path!r} has no eos token")
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+        if not has_tokenizer_files(path):
+            raise ValueError(f"tokenizer folder {path!r} holds no tokenizer: expected tokenizer.json, or "
+                             f"tokenizer_config.json with its vocabulary files ({', '.join(_TOKENIZER_FILES[2:])})")
+        from transformers import AutoTokenizer
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - transformers raises many types; each becomes one clear error
+            raise ValueError(f"tokenizer folder {path!r} could not be loaded: {type(exc).__name__}: {exc}") from None
+        specials = set(self.tok.all_special_ids)
+        if len(self.tok) <= len(specials):
+            raise ValueError(f"tokenizer folder {path!r} has no vocabulary besides its {len(specials)} special "
+                             "token(s): its vocabulary file is missing or empty")
+        gen = _generation_config(path)
+        gen_file = os.path.join(path, "generation_config.json")
+        own_eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
+        eos_ids = list(dict.fromkeys(own_eos + _token_ids(gen.get("eos_token_id"), f"{gen_file}: eos_token_id")))
+        if not eos_ids:
+            raise ValueError(f"tokenizer {path!r} has no eos token (neither its eos_token nor "
+                             "generation_config.json's eos_token_id): responses could never end")
+        if any(i >= len(self.tok) for i in eos_ids):
+            raise ValueError(f"{gen_file}: eos_token_id {eos_ids} lies outside the tokenizer's {len(self.tok)} ids")
+        self.eos_ids = tuple(eos_ids)
+        self.eos_id = eos_ids[0]  # the tokenizer's own eos ends a demonstration (SFT)
+        gen_pad = _token_ids(gen.get("pad_token_id"), f"{gen_file}: pad_token_id")
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else \
+            (gen_pad[0] if gen_pad else self.eos_id)
+        # bos_id is what the rollout engine's config names; prompts carry a bos only where the tokenizer's own
+        # special-token rule or chat template adds one (Qwen3 has none).
         self.bos_id = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.eos_id
+        has_template = bool(getattr(self.tok, "chat_template", None))
+        if prompt_format == "chat" and not has_template:
+            raise ValueError(f"data.prompt_format = 'chat' but tokenizer {path!r} has no chat template")
+        self.prompt_format = "chat" if prompt_format == "chat" or (prompt_format == "auto" and has_template) \
+            else "plain"
+        self.path = path
 
     @property
     def vocab_size(self) -> int:
@@ -65,12 +146,28 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
+    def prompt_ids(self, prompt) -> list[int]:
+        """Chat format: the template applied to the messages (a string prompt is one user message) with the
+        generation prompt added. Plain format: the string with the tokenizer's own special tokens (e.g. a bos)."""
+        if self.prompt_format == "plain":
+            if not isinstance(prompt, str):
+                raise ValueError("chat-message prompts need data.prompt_format = 'chat' (or 'auto' with a "
+                                 "tokenizer that has a chat template)")
+            return self.tok.encode(prompt, add_special_tokens=True)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - a template error (jinja) names the problem; keep it
+            raise ValueError(f"the chat template failed on this prompt: {type(exc).__name__}: {exc}") from None
+        return self.tok.encode(text, add_special_tokens=False)
+
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
-        if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
+        ends = [ids.index(e) for e in self.eos_ids if e in ids]
+        if ends:
+            ids = ids[:min(ends)]
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(spec: str):
-    return BuiltinTokenizer() if spec == "builtin" else HFTokenizer(spec)
+def load_tokenizer(spec: str, prompt_format: str = "auto"):
+    return BuiltinTokenizer(prompt_format) if spec == "builtin" else HFTokenizer(spec, prompt_format)

@@ -24,7 +24,7 @@ def hf_config_for(arch, tokenizer):
 
     config = Qwen3MoeConfig(**hf_config_from_architecture(arch, dtype="float32"))
     config.pad_token_id = tokenizer.pad_id
-    config.eos_token_id = tokenizer.eos_id
+    config.eos_token_id = list(tokenizer.eos_ids) if len(tokenizer.eos_ids) > 1 else tokenizer.eos_id
     config.bos_token_id = tokenizer.bos_id
     return config
 
@@ -98,7 +98,7 @@ class HFRolloutEngine(RolloutEngine):
             max_new_tokens=max_new, do_sample=not sampling.greedy,
             temperature=sampling.temperature if not sampling.greedy else None,
             top_p=sampling.top_p if not sampling.greedy else None, top_k=None,
-            pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
+            pad_token_id=tok.pad_id, eos_token_id=list(tok.eos_ids), bos_token_id=tok.bos_id,
             output_logits=True, return_dict_in_generate=True,
         )
         by_len: Dict[int, list] = defaultdict(list)
@@ -121,8 +121,8 @@ class HFRolloutEngine(RolloutEngine):
             lp_RT = torch.log_softmax(logits_RTV, dim=-1).gather(-1, new_RT[..., None]).squeeze(-1).cpu()
             del logits_RTV
             new_RT = new_RT.cpu()  # the rollout's tensors go back to the trainer on the CPU
-            is_eos = new_RT == tok.eos_id
-            # a token is part of the response up to and including the first eos
+            is_eos = torch.isin(new_RT, torch.tensor(tok.eos_ids, dtype=new_RT.dtype))
+            # a token is part of the response up to and including the first eos (any of the stop tokens)
             before_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0
             response_RL[rows, :steps] = torch.where(before_eos, new_RT, torch.full_like(new_RT, tok.pad_id))
             mask_RL[rows, :steps] = before_eos

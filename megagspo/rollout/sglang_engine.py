@@ -800,7 +800,7 @@ class SGLangEngine(RolloutEngine):
         tok = self.tokenizer
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         num, max_new = len(rows), sampling.max_new_tokens
-        sp = sampling_params_json(max_new, sampling.temperature, sampling.top_p, sampling.greedy, [tok.eos_id])
+        sp = sampling_params_json(max_new, sampling.temperature, sampling.top_p, sampling.greedy, list(tok.eos_ids))
         chunks = [(s, rows[s:s + self.config.max_batch]) for s in range(0, num, self.config.max_batch)]
 
         def run(job):
@@ -835,8 +835,9 @@ class SGLangEngine(RolloutEngine):
                                 dtype=torch.int16)
         for r, s in enumerate(parsed):
             tokens = s.tokens
-            if tok.eos_id in tokens:  # a response ends at (and includes) its first eos
-                tokens = tokens[:tokens.index(tok.eos_id) + 1]
+            ends = [tokens.index(e) for e in tok.eos_ids if e in tokens]
+            if ends:  # a response ends at (and includes) its first eos (any of the stop tokens)
+                tokens = tokens[:min(ends) + 1]
             length = len(tokens)
             response_RL[r, :length] = torch.tensor(tokens, dtype=torch.long)
             mask_RL[r, :length] = True

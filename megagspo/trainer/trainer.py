@@ -141,6 +141,9 @@ class Trainer:
         except LayoutError as exc:
             raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel / parallel.pipeline_parallel do "
                               f"not fit the model: {exc}") from None
+        from megagspo.trainer.init_weights import load_init_weights, preflight_init_from
+
+        init_source = preflight_init_from(cfg.model, arch)
         from megagspo.checkpoint import with_time_limit
 
         self.reward_fn = with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
@@ -150,6 +153,10 @@ class Trainer:
         if cfg.rl.kl_coef > 0:  # loss += kl_coef * k3 KL to the frozen reference (algorithm/kl.py, losses._finish)
             loss_fields["kl"] = {"coef": cfg.rl.kl_coef, "estimator": "k3"}
         self.loss_cfg = self.loss_fn.Config(**loss_fields)
+        if cfg.rl.loss_impl == "kernels":  # the fused segmented GSPO kernel: same loss, gradient and metrics
+            from megagspo.kernels.policy_losses import fused_loss
+
+            self.loss_fn = fused_loss(cfg.rl.loss)
         engine_cls = get_engine_class(cfg.rollout.engine)
         if cfg.rl.routing_replay == "r3" and not cfg.rollout.record_routes:
             raise ConfigError("rl.routing_replay = 'r3' replays the engine's routes: set rollout.record_routes=true")
@@ -167,12 +174,9 @@ class Trainer:
         self.stop = StopRequest()
         self.arch = arch
         self.policy = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl,
-                                     precision=cfg.model.precision)
-        if cfg.model.init_from:
-            try:
-                self.policy.load_full_state_dict(load_checkpoint(cfg.model.init_from)["state"])
-            except (KeyError, ValueError) as exc:
-                raise ConfigError(f"model.init_from = {cfg.model.init_from!r} does not fit this model: {exc}") from None
+                                     precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
+                                     logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
+        load_init_weights(self.policy, init_source, arch)
         if self.resume:
             self.ckpt.load_model(self.policy, self.resume)  # the engine gets these weights just below
         # KL reference policy (rl.kl_coef > 0 only): a second, frozen Megatron model of the same layout. Built
@@ -184,7 +188,8 @@ class Trainer:
         self._reference_ready = False
         if cfg.rl.kl_coef > 0:
             self.reference = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl, frozen=True,
-                                            precision=cfg.model.precision)
+                                            precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
+                                            logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
             if self.resume and self.resume["state"]["step"] > 0:
                 self._resume_reference()
         engine_kwargs = {"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang" else {}
