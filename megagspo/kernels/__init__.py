@@ -262,21 +262,26 @@ class _VocabParallelLogProb(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------
 class _LinearLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend):
+    def forward(ctx, hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend, tp_group=None, vocab_start=0):
         T = hidden_TH.shape[0]
         acc = acc_dtype(hidden_TH.dtype)
-        logp_T = hidden_TH.new_empty(T, dtype=acc)
-        lse_T = hidden_TH.new_empty(T, dtype=acc)
-        entropy_T = hidden_TH.new_empty(T if with_entropy else 0, dtype=acc)
-        for c0 in range(0, T, chunk_size):
-            c1 = min(c0 + chunk_size, T)
-            logits_CV = hidden_TH[c0:c1] @ weight_VH.t()
-            lp, ent, lse = backend.forward(logits_CV, target_T[c0:c1], with_entropy)
-            logp_T[c0:c1], lse_T[c0:c1] = lp, lse
-            if with_entropy:
-                entropy_T[c0:c1] = ent
-            del logits_CV
-        ctx.chunk_size, ctx.with_entropy, ctx.backend = chunk_size, with_entropy, backend
+        if tp_group is None:
+            logp_T, entropy_T, lse_T = _linear_forward_local(hidden_TH, weight_VH, target_T, chunk_size,
+                                                             with_entropy, backend, acc)
+        else:
+            # vocab shard: partial statistics per chunk into O(T) buffers, then ONE pair of all-reduces for all
+            # T tokens (not one per chunk)
+            stats = [hidden_TH.new_empty(T, dtype=acc) for _ in range(4)]  # max, sumexp, sxm, target logit
+            for c0 in range(0, T, chunk_size):
+                c1 = min(c0 + chunk_size, T)
+                logits_CV = hidden_TH[c0:c1] @ weight_VH.t()
+                for buf_T, part_C in zip(stats, backend.stats(logits_CV, target_T[c0:c1], vocab_start,
+                                                              with_entropy)):
+                    buf_T[c0:c1] = part_C
+                del logits_CV
+            stats = all_reduce_logprob_stats(*stats, group=tp_group, with_entropy=with_entropy)
+            logp_T, entropy_T, lse_T = finish_logprob_stats(*stats, with_entropy)
+        ctx.chunk_size, ctx.with_entropy, ctx.backend, ctx.vocab_start = chunk_size, with_entropy, backend, vocab_start
         ctx.save_for_backward(hidden_TH, weight_VH, target_T, lse_T, entropy_T if with_entropy else None)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy_T)
@@ -299,7 +304,7 @@ class _LinearLogProb(torch.autograd.Function):
             h_CH = hidden_TH[c0:c1]
             logits_CV = h_CH @ weight_VH.t()  # recomputed, then overwritten by its own gradient
             ctx.backend.backward_(logits_CV, g_lp[c0:c1], g_h[c0:c1] if use_h else None, target_T[c0:c1],
-                                  lse_T[c0:c1], entropy_T[c0:c1] if use_h else None, 0)
+                                  lse_T[c0:c1], entropy_T[c0:c1] if use_h else None, ctx.vocab_start)
             if need_h:
                 torch.mm(logits_CV, weight_VH, out=d_hidden_TH[c0:c1])
             if need_w:
@@ -310,7 +315,26 @@ class _LinearLogProb(torch.autograd.Function):
             del logits_CV
         if need_w:
             d_weight_VH = d_weight_VH.to(weight_VH.dtype)
-        return d_hidden_TH, d_weight_VH, None, None, None, None
+        # d hidden is this vocab shard's share: the caller's communication (Megatron's sequence-parallel
+        # gather, whose backward reduce-scatters) sums the shards, as it does behind the output layer
+        return d_hidden_TH, d_weight_VH, None, None, None, None, None, None
+
+
+def _linear_forward_local(hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend, acc):
+    """The whole vocabulary on this rank: the fused forward per chunk -> (logp_T, entropy_T, lse_T)."""
+    T = hidden_TH.shape[0]
+    logp_T = hidden_TH.new_empty(T, dtype=acc)
+    lse_T = hidden_TH.new_empty(T, dtype=acc)
+    entropy_T = hidden_TH.new_empty(T if with_entropy else 0, dtype=acc)
+    for c0 in range(0, T, chunk_size):
+        c1 = min(c0 + chunk_size, T)
+        logits_CV = hidden_TH[c0:c1] @ weight_VH.t()
+        lp, ent, lse = backend.forward(logits_CV, target_T[c0:c1], with_entropy)
+        logp_T[c0:c1], lse_T[c0:c1] = lp, lse
+        if with_entropy:
+            entropy_T[c0:c1] = ent
+        del logits_CV
+    return logp_T, entropy_T, lse_T
 
 
 def linear_token_logprobs(
@@ -320,6 +344,8 @@ def linear_token_logprobs(
     *,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_start: Optional[int] = None,
     impl: str = "auto",
 ):
     """Token log-probs of logits = hidden_TH @ weight_VH^T, computed `chunk_size` tokens at a time.
@@ -328,6 +354,13 @@ def linear_token_logprobs(
     gradient (fused kernel, in place) and accumulates d hidden and d weight, so the extra peak memory is
     O(chunk_size x V) instead of O(T x V). impl="reference" is the naive full-logits path; the fallback of
     impl="auto" without the extension runs the same chunking on the reference ops.
+
+    tp_group / vocab_start: vocab-parallel mode, as in `token_logprobs`: `weight_VH` holds the rows
+        [vocab_start, vocab_start + V) of the LM head (default vocab_start: rank_in_group * V), `hidden_TH`
+        the same tokens on every rank, `target_T` global ids. Each chunk's partial (max, sum-exp, ...) stay
+        on the rank until one all_reduce(MAX) and one all_reduce(SUM) over all T tokens. The gradient w.r.t.
+        hidden_TH is this shard's PARTIAL d hidden: sum it over the group (Megatron's sequence-parallel
+        all-gather does, in its backward reduce-scatter; see moe.output_hidden). Backward communicates nothing.
     """
     if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
         raise ValueError(f"megagspo.kernels.linear_token_logprobs: expected hidden [T, H] and weight [V, H]; got "
@@ -335,13 +368,25 @@ def linear_token_logprobs(
     if target_T.dim() != 1 or target_T.shape[0] != hidden_TH.shape[0]:
         raise ValueError(f"megagspo.kernels.linear_token_logprobs: target must be [T={hidden_TH.shape[0]}]; got "
                          f"{tuple(target_T.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"megagspo.kernels.linear_token_logprobs: chunk_size must be >= 1; got {chunk_size}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"megagspo.kernels.linear_token_logprobs: chunk_size must be >= 1 (an integer); got "
+                         f"{chunk_size!r}")
+    if hidden_TH.dtype != weight_VH.dtype:
+        raise ValueError(f"megagspo.kernels.linear_token_logprobs: hidden is {hidden_TH.dtype} but weight is "
+                         f"{weight_VH.dtype}; the LM-head product needs one dtype")
     _check_same_device("linear_token_logprobs", "hidden", hidden_TH, weight=weight_VH, target=target_T)
+    if tp_group is None and vocab_start not in (None, 0):
+        raise ValueError(f"megagspo.kernels.linear_token_logprobs: vocab_start={vocab_start} needs a tp_group")
+    if tp_group is not None and vocab_start is None:
+        vocab_start = dist.get_rank(tp_group) * weight_VH.shape[0]
     if impl == "reference":
-        return linear_token_logprobs_ref(hidden_TH, weight_VH, target_T, with_entropy)
+        if tp_group is None:
+            return linear_token_logprobs_ref(hidden_TH, weight_VH, target_T, with_entropy)
+        return token_logprobs(hidden_TH @ weight_VH.t(), target_T, with_entropy=with_entropy, tp_group=tp_group,
+                              vocab_start=vocab_start, impl="reference")
     backend = _fused_backend() if _use_fused(impl, hidden_TH.device) else _REFERENCE_BACKEND
-    logp_T, entropy_T = _LinearLogProb.apply(hidden_TH, weight_VH, target_T, int(chunk_size), with_entropy, backend)
+    logp_T, entropy_T = _LinearLogProb.apply(hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend,
+                                             tp_group, 0 if tp_group is None else int(vocab_start))
     return (logp_T, entropy_T) if with_entropy else logp_T
 
 

@@ -2,10 +2,18 @@
 through Megatron's DDP and updates through its distributed optimizer, full-state export for the rollout
 engine (gathering TP shards and EP experts).
 
-Tensor parallelism: the LM head's logits stay vocab-parallel ([B, S, V/TP] per rank) and go straight into
-the vocab-parallel log-prob kernel (megagspo.kernels.token_logprobs with the TP group: partial max/sum-exp
-all-reduced, no [T, V] gather); the TP ranks of one data-parallel rank get identical log-probs, losses and
-metrics. With sequence parallelism S must be a multiple of TP (`seq_multiple`).
+Log-prob paths (`logprob_path`, config model.logprob_path):
+- "hidden" (default): the decoder's final hidden states and the LM head's weight (moe.output_hidden) go into
+  the chunked linear log-prob kernel (megagspo.kernels.linear_token_logprobs): the [T, V/TP] logits exist
+  one chunk of `logprob_chunk_tokens` tokens at a time, in forward and in backward, never whole. Gradients
+  reach the LM head weight (the tied embedding or its last-stage copy) and the hidden states as on the
+  logits path.
+- "logits": Megatron's output layer materialises [B, S, V/TP] logits, then the log-prob kernel
+  (megagspo.kernels.token_logprobs) or, with logprob_impl "torch", a naive log_softmax.
+Tensor parallelism: both paths stay vocab-parallel (each rank multiplies by its V/TP rows; partial max /
+sum-exp all-reduced over the TP group, no [T, V] gather); the TP ranks of one data-parallel rank get
+identical log-probs, losses and metrics. With sequence parallelism S must be a multiple of TP
+(`seq_multiple`); the hidden path all-gathers the sequence-split hidden states as the output layer does.
 
 Pipeline parallelism (`run_micro_batches`): with PP > 1 each rank holds a contiguous range of layers (the
 embedding on the first stage, the LM head on the last) and the micro-batches go through Megatron-Core's
@@ -13,7 +21,8 @@ non-interleaved 1F1B schedule (`get_forward_backward_func`): activations and the
 stages by p2p, only the last stage computes log-probs and the loss, and its per-micro-batch results are
 returned there (None on the other stages). With PP = 1 the same call is a plain loop, unchanged.
 
-Legend: B rows, S sequence length (model input), V vocab (V/TP local), T = B*S tokens in storage order (b*S + s).
+Legend: B rows, S sequence length (model input), V vocab (V/TP local), H hidden, T = B*S tokens in storage order
+(b*S + s).
 """
 
 from __future__ import annotations
@@ -49,20 +58,25 @@ def setup_parallel(parallel_cfg, seed: int):
     return layout, torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+LOGPROB_PATHS = ("hidden", "logits")
+# logprob_impl (config rl.logprob_impl) -> the megagspo.kernels impl: "kernels" demands the fused kernels
+# (an error where megagspo._C cannot serve the device, never a fallback)
+_KERNEL_IMPL = {"auto": "auto", "kernels": "fused"}
+
+
 def _logprob_fn(impl: str, tp_group=None):
-    """(logits_TV, target_T) -> (logp_T, entropy_T). megagspo.kernels when importable (impl auto).
+    """(logits_TV, target_T) -> (logp_T, entropy_T): megagspo.kernels.token_logprobs (impl auto / kernels),
+    or the naive torch path (impl torch).
 
     tp_group (TP > 1): logits_TV is this rank's vocab shard; the kernels combine the shards' statistics
     over the group; the naive torch path all-gathers the full [T, V] logits first (differentiably)."""
-    if impl in ("auto", "kernels"):
-        try:
-            from megagspo.kernels import token_logprobs
-        except ImportError:
-            if impl == "kernels":
-                raise
-            token_logprobs = None
-        if token_logprobs is not None:
-            return lambda logits, target: token_logprobs(logits, target, with_entropy=True, tp_group=tp_group)
+    if impl in _KERNEL_IMPL:
+        from megagspo.kernels import token_logprobs
+
+        return lambda logits, target: token_logprobs(logits, target, with_entropy=True, tp_group=tp_group,
+                                                     impl=_KERNEL_IMPL[impl])
+    if impl != "torch":
+        raise ValueError(f"logprob_impl = {impl!r} is not valid; valid values: auto, kernels, torch")
 
     def torch_logprobs(logits_TV, target_T):
         if tp_group is not None:
@@ -77,23 +91,47 @@ def _logprob_fn(impl: str, tp_group=None):
     return torch_logprobs
 
 
+def _linear_logprob_fn(impl: str, chunk_tokens: int, tp_group=None):
+    """(hidden_TH, weight_VH, target_T) -> (logp_T, entropy_T) by the chunked linear kernel, vocab-parallel
+    over tp_group (TP > 1). impl "torch" is refused: it needs the whole logits."""
+    if impl not in _KERNEL_IMPL:
+        raise ValueError(f"logprob_path = 'hidden' computes log-probs chunk by chunk with megagspo.kernels; "
+                         f"logprob_impl = {impl!r} needs the whole logits: use logprob_impl auto or kernels, or "
+                         f"logprob_path = 'logits'")
+    from megagspo.kernels import linear_token_logprobs
+
+    return lambda hidden, weight, target: linear_token_logprobs(
+        hidden, weight, target, chunk_size=chunk_tokens, with_entropy=True, tp_group=tp_group,
+        impl=_KERNEL_IMPL[impl])
+
+
 class MegatronPolicy:
     def __init__(self, arch, layout, parallel_cfg, logprob_impl: str = "auto", *, frozen: bool = False,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", logprob_path: str = "hidden", logprob_chunk_tokens: int = 1024) -> None:
         """frozen=True: the KL reference policy (rl.kl_coef > 0): the same layout and log-prob path, no
         gradients, eval mode, and no routing replay (it always routes with its own router; see rl_step).
 
         precision: "fp32" or "bf16" parameters (moe.optimizer.PRECISIONS). A trainable policy is wrapped in
         Megatron-Core's DistributedDataParallel (`self.ddp`: fp32 gradient buffers, bucketed reduction) and is
         updated by Megatron's distributed optimizer (`make_optimizer` / `step`); `self.model` stays the bare
-        GPTModel that forwards run through."""
+        GPTModel that forwards run through.
+
+        logprob_path: "hidden" (log-probs from the final hidden states and the LM head weight, chunks of
+        `logprob_chunk_tokens` tokens) or "logits" (Megatron's output layer, then the log-prob kernel); see
+        the module docstring. Checked before the model is built."""
         from megatron.core import parallel_state as ps
 
         from moe.model import build_model
         from moe.optimizer import params_dtype
 
+        if logprob_path not in LOGPROB_PATHS:
+            raise ValueError(f"logprob_path = {logprob_path!r} is not valid; valid values: {', '.join(LOGPROB_PATHS)}")
+        if isinstance(logprob_chunk_tokens, bool) or not isinstance(logprob_chunk_tokens, int) \
+                or logprob_chunk_tokens < 1:
+            raise ValueError(f"logprob_chunk_tokens must be a positive integer, got {logprob_chunk_tokens!r}")
         self.arch = arch
         self.frozen = frozen
+        self.logprob_path = logprob_path
         self.model = build_model(arch, layout, token_dispatcher=parallel_cfg.token_dispatcher,
                                  routing_replay=not frozen, params_dtype=params_dtype(precision))
         self.ddp = None
@@ -111,7 +149,11 @@ class MegatronPolicy:
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.seq_multiple = self.tp_size  # sequence parallelism splits S over the TP ranks
-        self.logprobs_fn = _logprob_fn(logprob_impl, self.tp_group if self.tp_size > 1 else None)
+        tp_group = self.tp_group if self.tp_size > 1 else None
+        if logprob_path == "hidden":
+            self.linear_logprobs_fn = _linear_logprob_fn(logprob_impl, logprob_chunk_tokens, tp_group)
+        else:
+            self.logprobs_fn = _logprob_fn(logprob_impl, tp_group)
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -155,15 +197,31 @@ class MegatronPolicy:
         unpadded_len: positions >= it are alignment padding (S rounded up to a multiple of TP): left out of
         the router aux loss, so that it equals the loss of the unpadded batch; causal attention keeps them
         from changing any earlier position's log-prob."""
+        head_input = self._forward_to_head(self.model, input_ids_BS, unpadded_len)
+        return self._logprobs_of_head_input(head_input, targets_BS)
+
+    def _forward_to_head(self, model, input_ids_BS: torch.Tensor, unpadded_len: Optional[int]):
+        """The forward up to the log-prob computation: hidden_BSH (hidden path) or logits_BSV (logits path) on
+        the last stage; on other pipeline stages the activations they send on."""
+        padding_mask_BS = self._padding_mask(input_ids_BS, unpadded_len)
+        if self.logprob_path == "hidden":
+            from moe.output_hidden import forward_hidden
+
+            return forward_hidden(model, input_ids_BS, padding_mask_BS=padding_mask_BS)
         from moe.model import forward_logits
 
-        logits_BSV = forward_logits(self.model, input_ids_BS,
-                                    padding_mask_BS=self._padding_mask(input_ids_BS, unpadded_len))
-        return self._logprobs_of_logits(logits_BSV, targets_BS)
+        return forward_logits(model, input_ids_BS, padding_mask_BS=padding_mask_BS)
 
-    def _logprobs_of_logits(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor):
-        b, s, v = logits_BSV.shape
-        logp_T, ent_T = self.logprobs_fn(logits_BSV.reshape(b * s, v), targets_BS.reshape(-1))
+    def _logprobs_of_head_input(self, head_input_BSX: torch.Tensor, targets_BS: torch.Tensor):
+        """hidden_BSH (with the LM head weight) or logits_BSV -> logp_BS, entropy_BS."""
+        b, s, x = head_input_BSX.shape
+        if self.logprob_path == "hidden":
+            from moe.output_hidden import output_weight
+
+            logp_T, ent_T = self.linear_logprobs_fn(head_input_BSX.reshape(b * s, x), output_weight(self.model),
+                                                    targets_BS.reshape(-1))
+        else:
+            logp_T, ent_T = self.logprobs_fn(head_input_BSX.reshape(b * s, x), targets_BS.reshape(-1))
         return logp_T.reshape(b, s), ent_T.reshape(b, s)
 
     @property
@@ -224,8 +282,6 @@ class MegatronPolicy:
     def _run_pipeline(self, batches, unpadded_len, enter, loss_fn, results):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from moe.model import forward_logits
-
         n = len(batches)
         train = loss_fn is not None
         batch, seq_len = batches[0][0].shape
@@ -242,12 +298,12 @@ class MegatronPolicy:
             i = next(data_iterator)
             input_BS, target_BS = batches[i]
             with enter(i):
-                output = forward_logits(model, input_BS, padding_mask_BS=self._padding_mask(input_BS, unpadded_len))
+                output = self._forward_to_head(model, input_BS, unpadded_len)
 
-            def loss_func(logits_BSV, i=i, target_BS=target_BS):
-                logp_BS, ent_BS = self._logprobs_of_logits(logits_BSV, target_BS)
+            def loss_func(head_input_BSX, i=i, target_BS=target_BS):
+                logp_BS, ent_BS = self._logprobs_of_head_input(head_input_BSX, target_BS)
                 if not train:
-                    return logits_BSV.new_zeros(()), (i, (logp_BS, ent_BS))
+                    return head_input_BSX.new_zeros(()), (i, (logp_BS, ent_BS))
                 loss, result = loss_fn(i, logp_BS, ent_BS)
                 return loss * loss_multiplier, (i, result)
 
