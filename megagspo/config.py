@@ -84,7 +84,8 @@ def _choice(owner: str, name: str, value: Any, choices) -> None:
 
 PRECISIONS = ("fp32", "bf16")
 _NOT_ARCHITECTURE = ("init_from", "arch_file", "precision", "logprob_path",
-                     "logprob_chunk_tokens")  # model.* keys that are not Qwen3MoeArchitecture fields
+                     "logprob_chunk_tokens", "experts", "attention",
+                     "recompute")  # model.* keys that are not Qwen3MoeArchitecture fields
 LOGPROB_PATHS = ("hidden", "logits")
 
 
@@ -121,9 +122,20 @@ class ModelConfig:
     # output layer, then the log-prob kernel)
     logprob_path: str = "hidden"
     logprob_chunk_tokens: int = 1024
+    # How the model computes (never what; moe/implementation.py): experts grouped (torch grouped GEMM) |
+    # sequential (Megatron's per-expert loop); attention sdpa (torch SDPA, flash on CUDA) | local (Megatron's
+    # DotProductAttention); recompute none | selective (core attention + MoE layers) | full (every layer).
+    experts: str = "grouped"
+    attention: str = "sdpa"
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         _nonneg_int("model", "vocab_size", self.vocab_size)
+        from moe.implementation import ATTENTION_PATHS, EXPERT_PATHS, RECOMPUTE_MODES
+
+        _choice("model", "experts", self.experts, EXPERT_PATHS)
+        _choice("model", "attention", self.attention, ATTENTION_PATHS)
+        _choice("model", "recompute", self.recompute, RECOMPUTE_MODES)
         _choice("model", "precision", self.precision, PRECISIONS)
         _choice("model", "logprob_path", self.logprob_path, LOGPROB_PATHS)
         _pos_int("model", "logprob_chunk_tokens", self.logprob_chunk_tokens)
@@ -138,6 +150,12 @@ class ModelConfig:
             if clash:
                 raise ConfigError(f"model.arch_file is set, so model.{clash[0]} must not be (the architecture "
                                   f"comes from {self.arch_file!r}); set fields in one place only")
+
+    def implementation(self):
+        """moe.model.build_model's `implementation`: experts, attention, recompute."""
+        from moe.implementation import ModelImplementation
+
+        return ModelImplementation(experts=self.experts, attention=self.attention, recompute=self.recompute)
 
     def architecture(self, vocab_size: int):
         from moe.architecture import Qwen3MoeArchitecture

@@ -119,7 +119,7 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     inputs = PlanInputs(world_size=world, layout=layout, micro_batch_tokens=micro,
                         num_micro_batches=num_micro_batches, micro_batches_per_update=mini_rows // micro_rows, fused_logprob=rl.logprob_impl != "torch",
                         routing_replay=rl.routing_replay != "none", reference_model=rl.kl_coef > 0,
-                        precision=cfg.model.precision,
+                        precision=cfg.model.precision, recompute=cfg.model.recompute,
                         gpu_memory_gib=cfg.parallel.gpu_memory_gib)
     plan = plan_memory(arch, inputs)
     if require_fitting:

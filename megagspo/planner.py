@@ -23,6 +23,13 @@ router logits are 4 B either way):
   MoE MLP:   2 B * (2h [norm in/out]) + 4 B * E [router logits] + k * 2 B * (h + 3 I) [per routed copy:
              permuted input, fc1 output (gate and up), activation]
   dense MLP: 2 B * (2h + h + 3 I_dense)
+Activation recompute (`recompute`, config model.recompute; moe.implementation):
+  selective: Megatron recomputes the core attention and the whole MoE layer in backward. Attention drops the
+             softmax lse (4 B * nq; q, k, v and the core output are kept as the checkpoint's inputs / the next
+             linear's input); an MoE layer keeps only 2 B * 2h (norm in/out, its checkpoint input). One MoE
+             layer's other activations (4 B * E + k * 2 B * (h + 3 I)) are live again while it is recomputed.
+  full:      each layer keeps only its input, 2 B * h; one layer's full activations (attention + its MLP, as
+             without recompute) are live again while it is recomputed.
 Log-prob path (last stage), per token: logits 2 V/TP (4 V/TP in fp32); naive adds an fp32 log-softmax 4 V/TP and its
 fp32 gradient 4 V/TP, fused adds 16 B (per-token lse, max, log-prob, entropy).
 Routing replay: tokens * (MoE layers on the stage) * top-k * (1 B if experts <= 256 else 2 B).
@@ -37,6 +44,7 @@ import math
 from dataclasses import dataclass
 
 from moe.architecture import Qwen3MoeArchitecture
+from moe.implementation import RECOMPUTE_MODES
 from moe.parallel import LayoutError, ParallelLayout
 
 GIB = 1024**3
@@ -67,6 +75,7 @@ class PlanInputs:
     routing_replay: bool = False
     reference_model: bool = False  # rl.kl_coef > 0: the frozen KL reference policy's weights
     precision: str = "bf16"  # model.precision: "bf16" or "fp32" parameters (moe.optimizer.PRECISIONS)
+    recompute: str = "none"  # model.recompute: none | selective | full (moe.implementation.RECOMPUTE_MODES)
     gpu_memory_gib: float = 80.0
     reserve_gib: float = 6.0  # CUDA context, NCCL buffers, allocator fragmentation
 
@@ -76,6 +85,8 @@ class PlanInputs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.precision not in PRECISION_BYTES:
             raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, got {self.precision!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
 
 
 @dataclass(frozen=True)
@@ -171,10 +182,18 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
     attention_act = a * (2 * h + (nq + 2 * nkv) * d + nq * d) + 4 * nq
     moe_act = a * 2 * h + 4 * arch.num_experts + arch.num_experts_per_tok * a * (h + 3 * arch.moe_intermediate_size)
     dense_act = a * (3 * h + 3 * arch.intermediate_size)
+    recomputed_per_token = 0  # live again, for one layer at a time, while that layer is recomputed
+    if inputs.recompute == "selective":
+        moe_recomputed = moe_act - a * 2 * h
+        attention_act, moe_act = attention_act - 4 * nq, a * 2 * h
+        recomputed_per_token = moe_recomputed if moe_layers else 0
+    elif inputs.recompute == "full":
+        recomputed_per_token = attention_act + (moe_act if moe_layers else dense_act)
+        attention_act, moe_act, dense_act = a * h, 0, 0
     per_token_stage = layers * attention_act + moe_layers * moe_act + dense_layers * dense_act
     in_flight = min(pp, inputs.micro_batches_per_update or inputs.num_micro_batches) if first else 1
     tokens = inputs.micro_batch_tokens
-    activations = per_token_stage * tokens * in_flight / tp
+    activations = (per_token_stage * in_flight + recomputed_per_token) * tokens / tp
 
     precision = inputs.precision
     weight_bytes, optimizer_bytes = PRECISION_BYTES[precision]

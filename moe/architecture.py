@@ -97,12 +97,17 @@ def transformer_config(
     params_dtype=None,
     cpu: bool = True,
     routing_replay: bool = False,
+    recompute: str = "none",
     **overrides,
 ):
-    """Megatron-Core TransformerConfig computing the same function as HF's Qwen3MoeForCausalLM."""
+    """Megatron-Core TransformerConfig computing the same function as HF's Qwen3MoeForCausalLM.
+
+    recompute: activation recompute, one of moe.implementation.RECOMPUTE_MODES (none | selective | full)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
+
+    from moe.implementation import ModelImplementation
 
     if token_dispatcher not in ("alltoall", "allgather"):
         raise ArchitectureError(f"token_dispatcher must be 'alltoall' or 'allgather', got {token_dispatcher!r}")
@@ -152,5 +157,6 @@ def transformer_config(
         from moe.cpu_shim import CPU_TRANSFORMER_SETTINGS
 
         settings.update(CPU_TRANSFORMER_SETTINGS)
+    settings.update(ModelImplementation(recompute=recompute).transformer_settings())
     settings.update(overrides)
     return TransformerConfig(**settings)

@@ -1,7 +1,7 @@
 """Make Megatron-Core 0.16.1 run MoE models on a host without CUDA.
 
 Applied by an explicit call, `apply_cpu_shim()`, never on import, and only when CUDA is absent. It changes
-exactly eight things (each answers a failure measured on Megatron-Core 0.16.1) and logs each one:
+exactly nine things (each answers a failure measured on Megatron-Core 0.16.1) and logs each one:
 
 1. `torch.cuda.current_device()` is passed as `device=` in ~175 places in Megatron: it returns "cpu".
 2. `moe_utils.te_general_gemm` is referenced although Transformer Engine is absent (a NameError in
@@ -24,6 +24,10 @@ exactly eight things (each answers a failure measured on Megatron-Core 0.16.1) a
 8. Without TE or apex, `clip_grads` computes the gradient norm with `megatron.core.utils.local_multi_tensor_
    l2_norm`, which returns its result with `device="cuda"`: `clip_grads.l2_norm_impl` is replaced by the same
    norm (sqrt of the sum of squared per-tensor L2 norms, in float32) returned on the gradients' device.
+9. Activation recompute (`tensor_parallel.checkpoint`, `model.recompute`) saves and restores the RNG states
+   around the recomputed forward with `_get_all_rng_states` / `_set_all_rng_states`, which read the CUDA
+   generator: on a CUDA-less host they save / restore the CPU generator and the RNG tracker's states only
+   (there is no CUDA generator whose state a recompute could disturb).
 
 Besides these global patches, three scoped ones apply only inside a `with` block, only without CUDA:
 - `cuda_tensor_types()`, which `moe.optimizer` enters around building and stepping Megatron's optimizer: its
@@ -128,6 +132,11 @@ PATCH_TARGETS: tuple[PatchTarget, ...] = (
                 "(8) TE/apex-less local_multi_tensor_l2_norm returns its result on 'cuda'"),
     PatchTarget("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups",
                 None, "(7, scoped cuda_tensor_types) param.type() checks against torch.cuda type names"),
+    PatchTarget("megatron.core.tensor_parallel.random", "_get_all_rng_states", "()",
+                "(9) activation recompute saves the CUDA generator's state"),
+    PatchTarget("megatron.core.tensor_parallel.random", "_set_all_rng_states",
+                "(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracker)",
+                "(9) activation recompute restores the CUDA generator's state"),
     PatchTarget("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
                 "(cls, config: megatron.core.transformer.transformer_config.TransformerConfig, "
                 "hidden_size: int, eps: float = 1e-05, persist_layer_norm: bool = False, "
@@ -321,6 +330,23 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
     # (8)
     clip_grads.l2_norm_impl = _mark_original(_l2_norm_on_grad_device, clip_grads.l2_norm_impl)
     changes.append("megatron clip_grads.l2_norm_impl -> the same float32 L2 norm, returned on the CPU")
+
+    # (9)
+    import megatron.core.tensor_parallel.random as tp_random
+
+    tracker = tp_random.get_cuda_rng_tracker
+
+    def get_all_rng_states():
+        return torch.get_rng_state(), None, tracker().get_states()
+
+    def set_all_rng_states(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracker):
+        torch.set_rng_state(cpu_rng_state)
+        tracker().set_states(cuda_rng_state_tracker)
+
+    tp_random._get_all_rng_states = _mark_original(get_all_rng_states, tp_random._get_all_rng_states)
+    tp_random._set_all_rng_states = _mark_original(set_all_rng_states, tp_random._set_all_rng_states)
+    changes.append("megatron tensor_parallel.random._get/_set_all_rng_states (activation recompute) -> the CPU "
+                   "generator and the RNG tracker, no CUDA generator")
 
     for line in changes:
         if line not in compat:

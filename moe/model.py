@@ -6,10 +6,12 @@ Shape legend: B batch, S sequence length, V vocabulary (V/TP per rank with tenso
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
 from moe.architecture import Qwen3MoeArchitecture, transformer_config
+from moe.implementation import ModelImplementation
 from moe.parallel import ParallelLayout
 
 
@@ -22,16 +24,39 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec(config, use_transformer_engine: bool | None = None):
-    """Layer specs per decoder layer: local (torch) modules on CPU, Transformer Engine when available."""
+def layer_spec(config, use_transformer_engine: bool | None = None,
+               implementation: ModelImplementation = ModelImplementation()):
+    """Layer specs per decoder layer: Transformer Engine's when TE is available on a GPU host; otherwise
+    Megatron's local (torch) spec with the experts and core attention that `implementation` names."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if use_transformer_engine is None:
         from moe.device import use_cuda
 
         use_transformer_engine = use_cuda() and transformer_engine_available()
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
                                       normalization="RMSNorm")
+    if use_transformer_engine:
+        return spec
+    # Megatron builds these specs from module-level objects: edit a copy, never the shared ones.
+    spec = copy.deepcopy(spec)
+    for layer in spec.layer_specs:
+        if implementation.attention == "sdpa":
+            from moe.attention import SDPACoreAttention
+
+            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        mlp = layer.submodules.mlp
+        if implementation.experts == "grouped" and getattr(mlp.submodules, "experts", None) is not None:
+            from megatron.core.transformer.moe.experts import SequentialMLP
+
+            from moe.experts import GroupedGemmExperts
+
+            # layers share spec objects (the copy keeps that aliasing): a shared one is already replaced
+            if mlp.submodules.experts.module not in (SequentialMLP, GroupedGemmExperts):
+                raise RuntimeError(f"layer_spec: expected Megatron's local SequentialMLP experts, found "
+                                   f"{mlp.submodules.experts.module}")
+            mlp.submodules.experts.module = GroupedGemmExperts
+    return spec
 
 
 def build_model(
@@ -42,9 +67,13 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     routing_replay: bool = False,
     use_transformer_engine: bool | None = None,
+    implementation: ModelImplementation = ModelImplementation(),
     **config_overrides,
 ):
-    """A GPTModel for this rank of `layout`; model-parallel groups must already exist."""
+    """A GPTModel for this rank of `layout`; model-parallel groups must already exist.
+
+    implementation: experts / core attention / activation recompute (moe.implementation); every choice
+    computes the same function and keeps the same parameter names."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -71,6 +100,7 @@ def build_model(
         params_dtype=params_dtype,
         cpu=cpu,
         routing_replay=routing_replay,
+        recompute=implementation.recompute,
         **config_overrides,
     )
     # With tie_word_embeddings and PP > 1 the last stage holds a copy of the embedding as output_layer.weight,
@@ -84,7 +114,7 @@ def build_model(
     with construct:
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(config, use_transformer_engine),
+            transformer_layer_spec=layer_spec(config, use_transformer_engine, implementation),
             vocab_size=arch.vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(),
@@ -121,6 +151,19 @@ def causal_attention_mask(seq_len: int, device=None) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
+def attention_mask_for(model, seq_len: int, device=None) -> torch.Tensor | None:
+    """The attention_mask to pass `model` for causal sequences: None when every layer's core attention is
+    SDPA (it runs `is_causal=True`, which lets flash attention run; an explicit mask would rule it out),
+    else `causal_attention_mask` (Megatron's DotProductAttention builds its default mask on "cuda")."""
+    from moe.attention import SDPACoreAttention
+
+    decoder = getattr(model, "decoder", None)
+    layers = list(getattr(decoder, "layers", None) or [])
+    if layers and all(isinstance(layer.self_attention.core_attention, SDPACoreAttention) for layer in layers):
+        return None
+    return causal_attention_mask(seq_len, device=device)
+
+
 def forward_logits(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None,
                    padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [B, S, V/TP] (vocab-parallel shard: this TP rank's vocab ids [r*V/TP, (r+1)*V/TP)) of a padded
@@ -136,7 +179,7 @@ def forward_logits(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Ten
                          "(sequence parallelism splits the sequence over TP ranks); right-pad the batch")
     if position_ids_BS is None:
         position_ids_BS = torch.arange(seq_len, device=input_ids_BS.device).expand(batch, seq_len)
-    mask = causal_attention_mask(seq_len, device=input_ids_BS.device)
+    mask = attention_mask_for(model, seq_len, device=input_ids_BS.device)
     if padding_mask_BS is not None:
         return model(input_ids=input_ids_BS, position_ids=position_ids_BS, attention_mask=mask,
                      padding_mask=padding_mask_BS.bool())

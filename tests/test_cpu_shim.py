@@ -68,8 +68,8 @@ def test_import_changes_nothing_and_apply_logs_each_change_once():
             pass
         assert not shim.is_applied()
         changes = shim.apply_cpu_shim()
-        # (1)-(8) of moe/cpu_shim.py, (2) being moe.megatron_compat's two lines (te_general_gemm, Adam's step)
-        assert len(changes) == 9 and len(set(changes)) == 9, changes
+        # (1)-(9) of moe/cpu_shim.py, (2) being moe.megatron_compat's two lines (te_general_gemm, Adam's step)
+        assert len(changes) == 10 and len(set(changes)) == 10, changes
         assert torch.cuda.current_device() == "cpu"
         assert torch.cuda.synchronize() is None  # (6) the dist_checkpointing save path calls it
         assert shim.apply_cpu_shim() == changes  # idempotent
@@ -88,7 +88,7 @@ def test_import_changes_nothing_and_apply_logs_each_change_once():
     # Each change logged exactly once: the shim's own, and the compat step's by moe.megatron_compat.
     prefixes = ("megagspo CPU shim: ", "megagspo Megatron compat: ")
     logged = [line.split(": ", 1)[1] for line in result.stderr.splitlines() if line.startswith(prefixes)]
-    assert len(logged) == 9 and sorted(logged) == sorted(changes), result.stderr[-3000:]
+    assert len(logged) == 10 and sorted(logged) == sorted(changes), result.stderr[-3000:]
 
 
 def test_cuda_host_is_left_alone(monkeypatch):

@@ -65,6 +65,23 @@ def test_fp32_plan_by_hand():
     assert got["log-prob: logits (fp32)"] == 4 * 100 * 10
 
 
+@pytest.mark.parametrize("recompute, expected", [
+    ("none", (2 * 88 + 2 * 152) * 10),
+    # selective: attention drops the lse, 88 - 4*2 = 80; an MoE layer keeps 2 B * 2h = 32; one MoE layer's other
+    # 152 - 32 = 120 B are live again while it is recomputed
+    ("selective", (2 * 80 + 2 * 32 + 120) * 10),
+    # full: each layer keeps its input, 2 B * h = 16; one whole layer (88 + 152) is live again in its recompute
+    ("full", (2 * 16 + 88 + 152) * 10),
+])
+def test_activation_recompute_by_hand(recompute, expected):
+    inputs = PlanInputs(world_size=2, layout=ParallelLayout(expert_parallel=2), micro_batch_tokens=10,
+                        gpu_memory_gib=1.0, reserve_gib=0.0, recompute=recompute)
+    got = {name: round(gib * GIB) for name, gib in plan_memory(TINY, inputs).terms_gib.items()}
+    assert got["activations"] == expected
+    with pytest.raises(ValueError, match="recompute must be one of none, selective, full"):
+        PlanInputs(world_size=2, layout=ParallelLayout(), micro_batch_tokens=10, recompute="partial")
+
+
 def test_naive_logprob_and_routing_replay_terms():
     inputs = PlanInputs(world_size=2, layout=ParallelLayout(tensor_parallel=2), micro_batch_tokens=10,
                         num_micro_batches=3, fused_logprob=False, routing_replay=True)

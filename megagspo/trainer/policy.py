@@ -107,7 +107,8 @@ def _linear_logprob_fn(impl: str, chunk_tokens: int, tp_group=None):
 
 class MegatronPolicy:
     def __init__(self, arch, layout, parallel_cfg, logprob_impl: str = "auto", *, frozen: bool = False,
-                 precision: str = "fp32", logprob_path: str = "hidden", logprob_chunk_tokens: int = 1024) -> None:
+                 precision: str = "fp32", logprob_path: str = "hidden", logprob_chunk_tokens: int = 1024,
+                 implementation=None) -> None:
         """frozen=True: the KL reference policy (rl.kl_coef > 0): the same layout and log-prob path, no
         gradients, eval mode, and no routing replay (it always routes with its own router; see rl_step).
 
@@ -118,7 +119,10 @@ class MegatronPolicy:
 
         logprob_path: "hidden" (log-probs from the final hidden states and the LM head weight, chunks of
         `logprob_chunk_tokens` tokens) or "logits" (Megatron's output layer, then the log-prob kernel); see
-        the module docstring. Checked before the model is built."""
+        the module docstring. Checked before the model is built.
+
+        implementation: moe.implementation.ModelImplementation (config model.experts / attention / recompute);
+        None = its defaults."""
         from megatron.core import parallel_state as ps
 
         from moe.model import build_model
@@ -133,7 +137,8 @@ class MegatronPolicy:
         self.frozen = frozen
         self.logprob_path = logprob_path
         self.model = build_model(arch, layout, token_dispatcher=parallel_cfg.token_dispatcher,
-                                 routing_replay=not frozen, params_dtype=params_dtype(precision))
+                                 routing_replay=not frozen, params_dtype=params_dtype(precision),
+                                 **({"implementation": implementation} if implementation is not None else {}))
         self.ddp = None
         self.loss_scale = 1.0
         if frozen:

@@ -175,7 +175,8 @@ class Trainer:
         self.arch = arch
         self.policy = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl,
                                      precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
-                                     logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
+                                     logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
+                                     implementation=cfg.model.implementation())
         load_init_weights(self.policy, init_source, arch)
         if self.resume:
             self.ckpt.load_model(self.policy, self.resume)  # the engine gets these weights just below
@@ -189,7 +190,8 @@ class Trainer:
         if cfg.rl.kl_coef > 0:
             self.reference = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl, frozen=True,
                                             precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
-                                            logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
+                                            logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
+                                            implementation=cfg.model.implementation())
             if self.resume and self.resume["state"]["step"] > 0:
                 self._resume_reference()
         engine_kwargs = {"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang" else {}

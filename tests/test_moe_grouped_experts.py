@@ -1,0 +1,208 @@
+"""Grouped-GEMM experts (moe.experts.GroupedGemmExperts, `model.experts=grouped`) compute what Megatron's
+SequentialMLP computes: forward and every gradient (tokens, router weights, each expert's fc1 / fc2), with
+uneven and empty experts, in one process, at EP=2 and at expert-TP=2; same parameter names, so the same
+checkpoints load.
+
+Tolerances. float32: both paths are float32 GEMMs over the same rows, differing only in summation order:
+rtol 1e-5, atol 2e-6 * max|reference| + 1e-7 (as tests/test_megatron_cpu.py). bfloat16: the error of each
+path against the float32 reference on the same (bf16-rounded) weights; the grouped path's error may be at most
+2x SequentialMLP's own bf16 error plus one bf16 ulp of the largest value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multiprocess import run_distributed
+
+ARCH = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2,
+            max_position_embeddings=64, router_aux_loss_coef=0.01)
+# an empty expert first, one in the middle, one token alone, uneven counts: T = 16
+TOKENS_PER_EXPERT = [0, 5, 3, 0, 1, 7]
+RTOL, ATOL_SCALE = 1e-5, 2e-6
+
+
+def _close(actual, expected, what):
+    atol = ATOL_SCALE * float(expected.abs().max()) + 1e-7
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _experts_call(experts, hidden_TH, probs_T, grad_TH):
+    """Output and gradients of one experts module on fixed permuted tokens."""
+    hidden_TH = hidden_TH.clone().requires_grad_(True)
+    probs_T = probs_T.clone().requires_grad_(True)
+    experts.zero_grad(set_to_none=True)
+    out_TH, bias = experts(hidden_TH, torch.tensor(TOKENS_PER_EXPERT), probs_T)
+    assert bias is None
+    (out_TH.float() * grad_TH).sum().backward()
+    grads = {"tokens": hidden_TH.grad, "probs": probs_T.grad}
+    grads.update({n: p.grad for n, p in experts.named_parameters()})
+    return out_TH.detach(), grads
+
+
+def _single_process_body(rank, world_size, seed):
+    from moe.architecture import Qwen3MoeArchitecture
+    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+    from moe.implementation import ImplementationError, ModelImplementation
+    from moe.model import build_model, forward_logits
+    from moe.parallel import ParallelLayout, initialize_model_parallel
+    from moe.sharding import load_full_state_dict
+
+    apply_cpu_shim()
+    initialize_model_parallel(ParallelLayout())
+    initialize_cpu_rng(seed)
+    arch = Qwen3MoeArchitecture(**ARCH)
+    gen = torch.Generator().manual_seed(seed)
+    sequential = ModelImplementation(experts="sequential")
+    models = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for impl in (sequential, ModelImplementation(experts="grouped")):
+            models[(impl.experts, dtype)] = build_model(arch, params_dtype=dtype, implementation=impl)
+    full = {n: p.detach().clone() for n, p in models[("sequential", torch.float32)].named_parameters()}
+    full_bf16 = {n: t.bfloat16() for n, t in full.items()}
+    for (_, dtype), model in models.items():
+        load_full_state_dict(model, full if dtype == torch.float32 else full_bf16)
+    # the fp32 reference of the bf16 runs holds the bf16-rounded weights
+    reference_bf16_weights = build_model(arch, implementation=sequential)
+    load_full_state_dict(reference_bf16_weights, {n: t.float() for n, t in full_bf16.items()})
+
+    out = {"types": {k: type(m.decoder.layers[0].mlp.experts).__name__ for k, m in models.items()},
+           "names": {k: sorted(n for n, _ in m.named_parameters()) for k, m in models.items()}}
+    num_tokens = sum(TOKENS_PER_EXPERT)
+    hidden_TH = torch.randn(num_tokens, arch.hidden_size, generator=gen)
+    probs_T = torch.rand(num_tokens, generator=gen)
+    grad_TH = torch.randn(num_tokens, arch.hidden_size, generator=gen)
+    experts_of = lambda model: model.decoder.layers[0].mlp.experts  # noqa: E731
+    for key, model in models.items():
+        dtype = key[1]
+        out[("module", *key)] = _experts_call(experts_of(model), hidden_TH.to(dtype), probs_T, grad_TH)
+    out["module_bf16_reference"] = _experts_call(experts_of(reference_bf16_weights), hidden_TH.bfloat16().float(),
+                                                 probs_T, grad_TH)
+
+    # the whole model: routing decides the (uneven, possibly empty) expert loads
+    tokens_BS = torch.randint(0, arch.vocab_size, (3, 10), generator=gen)
+    for key in (("sequential", torch.float32), ("grouped", torch.float32)):
+        model = models[key]
+        model.zero_grad(set_to_none=True)
+        logits = forward_logits(model, tokens_BS)
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed + 1))
+        (logits * weights).sum().backward()
+        out[("model", *key)] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+
+    # torch grouped_mm needs 16-byte rows: an expert width of 6 float32 (24 B) is refused at build time
+    odd = Qwen3MoeArchitecture(**{**ARCH, "moe_intermediate_size": 6})
+    try:
+        build_model(odd)
+        out["odd_error"] = None
+    except ImplementationError as exc:
+        out["odd_error"] = str(exc)
+    out["odd_sequential_builds"] = build_model(odd, implementation=sequential) is not None
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    return seed, run_distributed(_single_process_body, world_size=1, args=(seed,), timeout_s=240)[0]
+
+
+def test_grouped_is_the_default_and_keeps_sequential_parameter_names(single_process):
+    _, out = single_process
+    assert out["types"][("grouped", torch.float32)] == "GroupedGemmExperts"
+    assert out["types"][("sequential", torch.float32)] == "SequentialMLP"
+    names = out["names"][("grouped", torch.float32)]
+    assert names == out["names"][("sequential", torch.float32)]
+    assert "decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight" in names
+
+
+def test_grouped_experts_equal_sequential_in_float32_with_empty_experts(single_process):
+    seed, out = single_process
+    ref_out, ref_grads = out[("module", "sequential", torch.float32)]
+    got_out, got_grads = out[("module", "grouped", torch.float32)]
+    _close(got_out, ref_out, f"seed {seed} experts output")
+    assert set(got_grads) == set(ref_grads) and len(ref_grads) == 2 + 2 * len(TOKENS_PER_EXPERT)
+    for name, expected in ref_grads.items():
+        _close(got_grads[name], expected, f"seed {seed} grad {name}")
+    for e, count in enumerate(TOKENS_PER_EXPERT):  # an empty expert's gradient is exactly zero, not missing
+        fc1 = got_grads[f"local_experts.{e}.linear_fc1.weight"]
+        assert (fc1.abs().max() == 0) == (count == 0), (e, count)
+
+
+def test_grouped_experts_bf16_error_is_within_twice_sequential(single_process):
+    seed, out = single_process
+    ref_out, ref_grads = out["module_bf16_reference"]
+    seq_out, seq_grads = out[("module", "sequential", torch.bfloat16)]
+    got_out, got_grads = out[("module", "grouped", torch.bfloat16)]
+    pairs = [("output", got_out, seq_out, ref_out)] + [
+        (name, got_grads[name], seq_grads[name], ref_grads[name]) for name in ref_grads]
+    for name, got, seq, ref in pairs:
+        ulp = 2.0**-8 * float(ref.abs().max())
+        got_err = float((got.float() - ref.float()).abs().max())
+        seq_err = float((seq.float() - ref.float()).abs().max())
+        assert got_err <= 2 * seq_err + ulp, f"seed {seed} {name}: grouped {got_err:.3g} vs sequential {seq_err:.3g}"
+
+
+def test_whole_model_grouped_equals_sequential(single_process):
+    seed, out = single_process
+    ref_logits, ref_grads = out[("model", "sequential", torch.float32)]
+    logits, grads = out[("model", "grouped", torch.float32)]
+    _close(logits, ref_logits, f"seed {seed} logits")
+    for name, expected in ref_grads.items():
+        _close(grads[name], expected, f"seed {seed} grad {name}")
+
+
+def test_misaligned_expert_width_is_refused_naming_the_key(single_process):
+    _, out = single_process
+    assert out["odd_error"] is not None and "model.experts" in out["odd_error"]
+    assert "6 x 4 B" in out["odd_error"]
+    assert out["odd_sequential_builds"]
+
+
+def _parallel_body(rank, world_size, layout_kwargs, seed):
+    from test_megatron_cpu import _loss_and_grads, _setup
+
+    from moe.architecture import Qwen3MoeArchitecture
+    from moe.implementation import ModelImplementation
+    from moe.model import build_model
+    from moe.parallel import ParallelLayout, destroy_model_parallel
+    from moe.sharding import local_view_of_full, load_full_state_dict
+
+    # aux loss off: its load statistics are per data-parallel rank, so it differs from one process by design
+    arch = Qwen3MoeArchitecture(**{**ARCH, "num_experts": 8, "router_aux_loss_coef": 0.0})
+    tokens_BS = torch.randint(0, arch.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
+    num_tokens = 4 * 8
+    _setup({}, seed)
+    reference = build_model(arch, implementation=ModelImplementation(experts="sequential"))
+    full = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    ref_loss, ref_grads = _loss_and_grads(reference, tokens_BS, num_tokens, dp_group_reduce=False)
+    del reference
+    destroy_model_parallel()
+
+    layout = _setup(layout_kwargs, seed)
+    from megatron.core import parallel_state as ps
+
+    model = build_model(arch, layout, implementation=ModelImplementation(experts="grouped"))
+    load_full_state_dict(model, full)
+    experts_type = type(model.decoder.layers[0].mlp.experts).__name__
+    rows = 4 // ps.get_data_parallel_world_size()
+    start = ps.get_data_parallel_rank() * rows
+    loss, grads = _loss_and_grads(model, tokens_BS[start:start + rows], num_tokens, dp_group_reduce=True)
+    expected = local_view_of_full(model, ref_grads)
+    destroy_model_parallel()
+    return experts_type, (loss, ref_loss), {n: (g, expected[n]) for n, g in grads.items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [dict(expert_parallel=2), dict(tensor_parallel=2, expert_tensor_parallel=2)],
+                         ids=["ep2", "tp2_etp2"])
+def test_grouped_experts_in_parallel_layouts_equal_single_process_sequential(layout):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    for rank, (experts_type, (loss, ref_loss), grads) in enumerate(
+            run_distributed(_parallel_body, world_size=2, args=(layout, seed), timeout_s=240)):
+        assert experts_type == "GroupedGemmExperts"
+        _close(loss, ref_loss, f"seed {seed} rank {rank} loss")
+        assert any("local_experts" in n for n in grads)
+        for name, (grad, expected) in grads.items():
+            _close(grad, expected, f"seed {seed} rank {rank} grad {name}")
