@@ -37,7 +37,8 @@ class DryRunReport:
             f"micro-batch (rl.micro_batch_size = {cfg.rl.micro_batch_size or 'whole mini-batch'}): "
             f"{self.micro_batch_tokens} tokens x {self.num_micro_batches} per rollout batch per rank "
             f"(loss {cfg.rl.loss}, routing replay {cfg.rl.routing_replay}, KL coef {cfg.rl.kl_coef:g}, log-prob "
-            f"{'fused kernel' if cfg.rl.logprob_impl != 'torch' else 'naive torch'})",
+            f"{'fused kernel' if cfg.rl.logprob_impl != 'torch' else 'naive torch'} from the "
+            f"{'hidden states' if cfg.model.logprob_path == 'hidden' else 'logits'})",
             *([_pipeline_line(p.pipeline_parallel, self.num_micro_batches // cfg.rl.mini_batches)]
               if p.pipeline_parallel > 1 else []),
             f"per-GPU memory ({cfg.parallel.gpu_memory_gib:.0f} GiB GPUs):",
@@ -118,6 +119,7 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     num_micro_batches = rl.mini_batches * (mini_rows // micro_rows)
     inputs = PlanInputs(world_size=world, layout=layout, micro_batch_tokens=micro,
                         num_micro_batches=num_micro_batches, micro_batches_per_update=mini_rows // micro_rows, fused_logprob=rl.logprob_impl != "torch",
+                        logprob_path=cfg.model.logprob_path, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
                         routing_replay=rl.routing_replay != "none", reference_model=rl.kl_coef > 0,
                         precision=cfg.model.precision, recompute=cfg.model.recompute,
                         gpu_memory_gib=cfg.parallel.gpu_memory_gib)

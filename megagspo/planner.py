@@ -30,8 +30,15 @@ Activation recompute (`recompute`, config model.recompute; moe.implementation):
              layer's other activations (4 B * E + k * 2 B * (h + 3 I)) are live again while it is recomputed.
   full:      each layer keeps only its input, 2 B * h; one layer's full activations (attention + its MLP, as
              without recompute) are live again while it is recomputed.
-Log-prob path (last stage), per token: logits 2 V/TP (4 V/TP in fp32); naive adds an fp32 log-softmax 4 V/TP and its
-fp32 gradient 4 V/TP, fused adds 16 B (per-token lse, max, log-prob, entropy).
+Log-prob path (last stage; `logprob_path`, config model.logprob_path):
+  logits: per token logits 2 V/TP (4 V/TP in fp32); naive adds an fp32 log-softmax 4 V/TP and its fp32
+          gradient 4 V/TP, fused adds 16 B (per-token lse, max, log-prob, entropy).
+  hidden: no [tokens, V/TP] logits: the LM head's input kept for backward, 2 B * h per token of the full
+          sequence (4 B in fp32; all-gathered over TP under sequence parallelism, so not divided by TP); one
+          chunk's logits, 2 B * V/TP * min(chunk, tokens) (4 B in fp32), live in forward and again in backward;
+          the kernel's per-token statistics, 16 B (32 B at TP > 1: the vocab shard's partial max / sum-exp /
+          entropy sum / target logit before their all-reduce); in bf16, the fp32 accumulator of d weight
+          during backward, 4 B * V/TP * h (beyond the bf16 weight gradient the logits path also makes).
 Routing replay: tokens * (MoE layers on the stage) * top-k * (1 B if experts <= 256 else 2 B).
 KL reference policy (rl.kl_coef > 0): a frozen second copy of the weights in the run's precision, sharded over
 TP / EP / PP exactly like the policy's (no gradients, no optimizer state; its no-grad forward's activations
@@ -72,6 +79,10 @@ class PlanInputs:
     # stage holds the activations of min(PP, this many) of them at once
     micro_batches_per_update: int = 0
     fused_logprob: bool = True
+    # model.logprob_path: "logits" (Megatron's output layer materialises [tokens, V/TP]) or "hidden" (the
+    # chunked linear kernel); megagspo.dry_run passes the recipe's (the trainer's default is "hidden")
+    logprob_path: str = "logits"
+    logprob_chunk_tokens: int = 1024  # model.logprob_chunk_tokens (hidden path)
     routing_replay: bool = False
     reference_model: bool = False  # rl.kl_coef > 0: the frozen KL reference policy's weights
     precision: str = "bf16"  # model.precision: "bf16" or "fp32" parameters (moe.optimizer.PRECISIONS)
@@ -87,6 +98,12 @@ class PlanInputs:
             raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, got {self.precision!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
+        if self.logprob_path not in ("hidden", "logits"):
+            raise ValueError(f"logprob_path must be one of hidden, logits, got {self.logprob_path!r}")
+        if self.logprob_chunk_tokens < 1:
+            raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens!r}")
+        if self.logprob_path == "hidden" and not self.fused_logprob:
+            raise ValueError("logprob_path 'hidden' runs the chunked log-prob kernel: fused_logprob must be True")
 
 
 @dataclass(frozen=True)
@@ -205,7 +222,15 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
         _OPTIMIZER_LABEL[precision]: optimizer_bytes * dense_params / dp + optimizer_bytes * expert_params / expert_dp,
         "activations": activations,
     }
-    if last:
+    if last and inputs.logprob_path == "hidden":
+        vocab_local = arch.vocab_size / tp
+        terms[f"log-prob: LM-head input ({precision}, full sequence)"] = a * h * tokens
+        terms[f"log-prob: one chunk's logits ({precision})"] = a * vocab_local * min(inputs.logprob_chunk_tokens,
+                                                                                     tokens)
+        terms["log-prob: fused kernel stats"] = (16 if tp == 1 else 32) * tokens
+        if precision == "bf16":
+            terms["log-prob: fp32 d-weight accumulator (backward)"] = 4 * vocab_local * h
+    elif last:
         vocab_local = arch.vocab_size / tp
         terms[f"log-prob: logits ({precision})"] = a * vocab_local * tokens
         if inputs.fused_logprob:
