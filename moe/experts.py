@@ -8,7 +8,8 @@ F fc1 output width (2 I with SwiGLU: [gate; up]), I expert FFN width on this exp
 and expert-parallel attributes and `sharded_state_dict` are Megatron's own, so checkpoints, HF conversion,
 the weight sync and Megatron's DDP / distributed optimizer see exactly what they saw with SequentialMLP.
 The forward stacks the per-expert weights into [E, F, H] / [E, H, I] (one copy of the local expert weights
-per layer, kept for backward) and runs `torch.nn.functional.grouped_mm` on CPU and CUDA alike.
+per layer, kept for backward) and runs `torch.nn.functional.grouped_mm` on CPU and CUDA alike. On CUDA,
+torch runs its grouped GEMM kernel for bf16 on sm90+; other dtypes (fp32) take torch's per-group fallback.
 
 Expert-TP needs no communication here: Megatron's expert linears are "explicit expert comm" layers whose
 forward is a local matmul on this rank's weight shard (the token dispatcher gathers and reduce-scatters),
