@@ -6,7 +6,7 @@ counted in `RewardStats.errors`; values outside [0, 1] are clamped and counted i
 
 from __future__ import annotations
 
-import math
+import math as _math
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict
@@ -68,6 +68,14 @@ def last_number(response: str, answer: str) -> float:
     return float(abs(float(found[-1]) - float(answer.replace(",", ""))) < 1e-9)
 
 
+@register_reward("math")
+def math_verified(response: str, answer: str) -> float:
+    """1 when the response's final answer equals the answer mathematically (math-verify; GSM8K "####" too)."""
+    from .math_answers import math_reward
+
+    return math_reward(response, answer)
+
+
 @dataclass
 class RewardStats:
     errors: int = 0
@@ -86,7 +94,7 @@ def score_batch(fn: Callable[[str, str], float], responses, answers, stats: Rewa
             stats.first_error = stats.first_error or f"{type(exc).__name__}: {exc}"
             out.append(0.0)
             continue
-        if not math.isfinite(value):
+        if not _math.isfinite(value):
             stats.errors += 1
             stats.first_error = stats.first_error or f"non-finite reward {value!r}"
             out.append(0.0)
@@ -98,5 +106,5 @@ def score_batch(fn: Callable[[str, str], float], responses, answers, stats: Rewa
     return out
 
 
-__all__ = ["RewardStats", "available_rewards", "exact_match", "get_reward", "last_number", "register_reward",
-           "score_batch"]
+__all__ = ["RewardStats", "available_rewards", "exact_match", "get_reward", "last_number", "math_verified",
+           "register_reward", "score_batch"]
