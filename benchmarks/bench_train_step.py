@@ -18,7 +18,8 @@ A step is what the trainer runs: forward, next-token cross entropy, backward, Me
 and Megatron's distributed optimizer step (moe.optimizer: DDP with fp32 gradient buffers, fp32 master weights
 for bf16). The embedding and LM head are in the step; the vocabulary is small (--vocab) because the model
 step, not the head, is measured. Each path runs in a fresh subprocess, so its peak memory is its own: on CUDA
-torch.cuda.max_memory_allocated, on CPU the process's peak resident set (VmHWM).
+torch.cuda.max_memory_allocated, on CPU the process's peak resident set (VmHWM). "saved" is what autograd
+keeps from one forward for backward (parameters left out): the step's activation memory, exact on any device.
 
 Model FLOPs per step = 3 x forward FLOPs (backward = 2 x forward), recompute not counted; forward FLOPs per
 token, summed over layers:
@@ -124,6 +125,25 @@ def _peak_bytes(device) -> int:
     raise RuntimeError("VmHWM not in /proc/self/status")
 
 
+def saved_for_backward_bytes(model, forward) -> int:
+    """Bytes autograd keeps from one forward for its backward, parameters left out (each storage once): the
+    activation memory of the step, independent of the allocator (the CPU's peak RSS is not)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
+    return sum(storages.values())
+
+
 def run_one_path(args) -> dict:
     """Build, warm up and time one path in this process; the result as a dict (printed as JSON)."""
     if args.device == "cpu":
@@ -180,10 +200,12 @@ def run_one_path(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
+    peak = _peak_bytes(device)
+    saved = saved_for_backward_bytes(model, lambda: forward_logits(model, tokens_BS[:, :-1]))
     tokens = args.micro_batch * args.seq
     return {"path": args.one_path, "step_s": seconds, "tokens_per_s": tokens / seconds,
             "model_tflops": model_flops_per_step(arch, args.micro_batch, args.seq) / seconds / 1e12,
-            "peak_gib": _peak_bytes(device) / 2**30, "loss": float(loss),
+            "peak_gib": peak / 2**30, "saved_gib": saved / 2**30, "loss": float(loss),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"}
 
 
@@ -213,18 +235,19 @@ def main(argv=None) -> None:
           f"torch {torch.__version__}")
     print(f"model FLOPs per step (3 x forward, causal attention at half): "
           f"{model_flops_per_step(arch, args.micro_batch, args.seq) / 1e12:.4g} TFLOP")
-    print(f"{'path':18s} {'step s':>9s} {'tokens/s':>10s} {'TFLOP/s':>9s} {'peak GiB':>9s} {'loss':>8s}  device")
+    print(f"{'path':18s} {'step s':>9s} {'tokens/s':>10s} {'TFLOP/s':>9s} {'peak GiB':>9s} {'saved GiB':>9s} "
+          f"{'loss':>8s}  device")
     base = next((r for r in results if "step_s" in r), None)
     for r in results:
         if "step_s" not in r:
             print(f"{r['path']:18s} {'skipped: ' + r['skipped'] if 'skipped' in r else 'FAILED: ' + ' '.join(r['failed'])}")
             continue
         print(f"{r['path']:18s} {r['step_s']:9.4f} {r['tokens_per_s']:10.1f} {r['model_tflops']:9.3g} "
-              f"{r['peak_gib']:9.3f} {r['loss']:8.4f}  {r['device']}")
+              f"{r['peak_gib']:9.3f} {r['saved_gib']:9.3f} {r['loss']:8.4f}  {r['device']}")
     for r in results:
         if "step_s" in r and r is not base:
             print(f"{r['path']} vs {base['path']}: {base['step_s'] / r['step_s']:.2f}x faster, peak memory "
-                  f"{r['peak_gib'] / base['peak_gib']:.2f}x")
+                  f"{r['peak_gib'] / base['peak_gib']:.2f}x, saved for backward {r['saved_gib'] / base['saved_gib']:.2f}x")
     if any("failed" in r for r in results):
         sys.exit(1)
 

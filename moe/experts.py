@@ -7,8 +7,9 @@ F fc1 output width (2 I with SwiGLU: [gate; up]), I expert FFN width on this exp
 (`local_experts.{e}.linear_fc1.weight` [F, H], `local_experts.{e}.linear_fc2.weight` [H, I]), their tensor-
 and expert-parallel attributes and `sharded_state_dict` are Megatron's own, so checkpoints, HF conversion,
 the weight sync and Megatron's DDP / distributed optimizer see exactly what they saw with SequentialMLP.
-The forward stacks the per-expert weights into [E, F, H] / [E, H, I] (one copy of the local expert weights
-per layer, kept for backward) and runs `torch.nn.functional.grouped_mm` on CPU and CUDA alike. On CUDA,
+The forward stacks the per-expert weights into [E, F, H] / [E, H, I] (a transient copy of the local expert
+weights, made again in backward, never kept between the two: `GroupedLinear`) and runs
+`torch.nn.functional.grouped_mm` on CPU and CUDA alike. On CUDA,
 torch runs its grouped GEMM kernel for bf16 on sm90+; other dtypes (fp32) take torch's per-group fallback.
 
 Expert-TP needs no communication here: Megatron's expert linears are "explicit expert comm" layers whose
@@ -73,11 +74,35 @@ class GroupedGemmExperts(SequentialMLP):
         # offs[e] = end row of expert e; an expert with no token has an empty group (offs[e] == offs[e-1])
         offs_E = torch.cumsum(torch.as_tensor(tokens_per_expert_E), 0).to(device=hidden_TH.device,
                                                                           dtype=torch.int32)
-        w1_EFH = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])
-        w2_EHI = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])
-        fc1_TF = F.grouped_mm(hidden_TH, w1_EFH.transpose(1, 2), offs=offs_E)
+        fc1_TF = GroupedLinear.apply(hidden_TH, offs_E, *(e.linear_fc1.weight for e in self.local_experts))
         act_TI = self._activation(fc1_TF)
         # the router weight in the router's dtype (fp32), cast back, as Megatron's MLP does
         act_TI = (act_TI * probs_T.unsqueeze(-1)).to(fc1_TF.dtype)
-        out_TH = F.grouped_mm(act_TI, w2_EHI.transpose(1, 2), offs=offs_E)
+        out_TH = GroupedLinear.apply(act_TI, offs_E, *(e.linear_fc2.weight for e in self.local_experts))
         return out_TH, None
+
+
+class GroupedLinear(torch.autograd.Function):
+    """y[rows of expert e] = x[rows of expert e] @ W_e^T for per-expert weights W_e [N, K] (legend: N output,
+    K input features), on one grouped GEMM. The weights are stacked into [E, N, K] for the GEMM and stacked
+    again in backward rather than saved: autograd through `torch.stack` would keep that copy of every local
+    expert weight alive from each MoE layer's forward to its backward."""
+
+    @staticmethod
+    def forward(ctx, x_TK, offs_E, *weights_NK):
+        ctx.save_for_backward(x_TK, offs_E, *weights_NK)
+        return F.grouped_mm(x_TK, torch.stack(weights_NK).transpose(1, 2), offs=offs_E)
+
+    @staticmethod
+    def backward(ctx, dy_TN):
+        x_TK, offs_E, *weights_NK = ctx.saved_tensors
+        dy_TN = dy_TN.contiguous()
+        dx_TK = None
+        if ctx.needs_input_grad[0]:
+            dx_TK = F.grouped_mm(dy_TN, torch.stack(weights_NK), offs=offs_E)
+        dweights = [None] * len(weights_NK)
+        if any(ctx.needs_input_grad[2:]):
+            # dW_e = dy_e^T x_e: both operands split along the token dimension; an empty expert gets zeros
+            dw_ENK = F.grouped_mm(dy_TN.t(), x_TK, offs=offs_E)
+            dweights = list(dw_ENK.unbind(0))
+        return (dx_TK, None, *dweights)
