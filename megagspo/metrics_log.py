@@ -50,7 +50,7 @@ class MetricsLogger:
             step = int(clean.get("step", len(self.rows)))
             for key, value in clean.items():
                 if not isinstance(value, str) and key != "step":
-                    self.tb.add_scalar(key.replace("/", "_", 0), value, step)
+                    self.tb.add_scalar(key, value, step)
 
     def close(self) -> None:
         if self.tb is not None:

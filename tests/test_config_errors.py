@@ -80,10 +80,14 @@ def test_every_recipe_in_configs_loads():
     recipes = [p for p in glob.glob("configs/*.yaml")]
     assert "configs/tiny_cpu.yaml" in recipes
     for path in recipes:
-        # Cluster recipes name data / checkpoint paths of the cluster (absolute); everything else must exist.
+        # Cluster recipes name data / checkpoint paths of the cluster (absolute); tiny_hf_cpu names the folder
+        # `python -m megagspo.tools.tiny_hf_model --out runs/tiny_hf_model` writes; everything else must exist.
         with deferred_path_checks() as missing:
             load_config(path)
-        assert all(os.path.isabs(p) for _, p in missing), (path, missing)
+        generated = "runs/tiny_hf_model" if path.endswith("tiny_hf_cpu.yaml") else None
+        assert all(os.path.isabs(p) or (generated and p.startswith(generated)) for _, p in missing), (path, missing)
+        if generated:
+            continue
         if "tiny" in path:
             assert not missing and load_config(path)
 

@@ -69,3 +69,33 @@ def test_bad_json_names_line(tmp_path):
     cfg = load_config("configs/tiny_cpu.yaml", ["data.task=file", f"data.train_path={path}", "data.eval_size=1"])
     with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON"):
         build_datasets(cfg.data)
+
+
+def test_chat_message_prompts_and_nested_answers_from_parquet_and_jsonl(tmp_path):
+    """Hugging Face math datasets: parquet rows whose prompt is a chat message list and whose answer sits in a
+    nested field (`reward_model.ground_truth`), and the same rows as JSONL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megagspo.data import load_examples
+
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1="}],
+             "reward_model": {"ground_truth": str(i + 1), "style": "rule"}, "extra": i} for i in range(12)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    _write(tmp_path / "d.jsonl", rows)
+    for name in ("d.parquet", "d.jsonl"):
+        pairs = load_examples(str(tmp_path / name), "prompt", "reward_model.ground_truth")
+        assert len(pairs) == 12
+        prompt, answer = pairs[3]
+        assert answer == "4" and prompt == ({"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "3+1="})
+    with pytest.raises(DataError, match=r"row 0 has no field 'reward_model.answer' \(data.answer_key\)"):
+        load_examples(str(tmp_path / "d.parquet"), "prompt", "reward_model.answer")
+
+
+def test_broken_parquet_is_a_data_error(tmp_path):
+    from megagspo.data import load_examples
+
+    (tmp_path / "d.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        load_examples(str(tmp_path / "d.parquet"))
