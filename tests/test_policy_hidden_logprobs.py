@@ -97,7 +97,9 @@ def _peak_bytes(fn) -> int:
     return peak
 
 
-def _memory_body(rank, world_size, seed):
+def _update_peaks(seed, peak_bytes):
+    """The logits-path and hidden-path policies (same weights), one RL micro-batch update each under
+    `peak_bytes(fn)`. -> {path: (peak bytes, {parameter: main_grad})}."""
     from megagspo.algorithm import PackedBatch, get_loss
     from megagspo.config import ParallelConfig
     from megagspo.trainer.policy import MegatronPolicy, setup_parallel
@@ -111,11 +113,12 @@ def _memory_body(rank, world_size, seed):
     policies = {path: MegatronPolicy(arch, layout, ParallelConfig(), "auto", logprob_path=path,
                                      logprob_chunk_tokens=MEM_CHUNK) for path in ("logits", "hidden")}
     policies["hidden"].load_full_state_dict(policies["logits"].full_state_dict())
+    dev = policies["logits"].device
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=gen)
-    inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    mask = torch.rand(ROWS, SEQ, generator=gen) < 0.7
-    adv = torch.randn(ROWS, generator=gen)
+    inp, tgt = tokens[:, :-1].to(dev), tokens[:, 1:].to(dev)
+    mask = (torch.rand(ROWS, SEQ, generator=gen) < 0.7).to(dev)
+    adv = torch.randn(ROWS, generator=gen).to(dev)
     loss_fn = get_loss("gspo")
     cfg = loss_fn.Config(clip_low=0.2, clip_high=0.2)
 
@@ -127,19 +130,26 @@ def _memory_body(rank, world_size, seed):
     out = {}
     for path, policy in policies.items():
         policy.zero_grad()
-        peak = _peak_bytes(lambda: policy.run_micro_batches([(inp, tgt)], loss_fn=gspo))
-        grads = {n: p.main_grad.clone() for n, p in policy.model.named_parameters()}
+        peak = peak_bytes(lambda: policy.run_micro_batches([(inp, tgt)], loss_fn=gspo))
+        grads = {n: p.main_grad.detach().cpu().clone() for n, p in policy.model.named_parameters()}
         out[path] = (peak, grads)
     return out
 
 
-@pytest.mark.multiprocess
-def test_hidden_path_update_peak_memory_drops_by_the_logits():
-    """One RL micro-batch update (no optimizer step) on the logits path and on the hidden path, same weights and
-    batch: the same gradients, and a peak lower by at least the float32 [T, V] logits (8 MiB here; the logits
-    path also holds their gradient)."""
-    seed = _fresh_seed()
-    out = run_distributed(_memory_body, world_size=1, args=(seed,), timeout_s=240)[0]
+def _memory_body(rank, world_size, seed):
+    return _update_peaks(seed, _peak_bytes)
+
+
+def _cuda_peak_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+def _check_peaks(out):
     (peak_logits, g_logits), (peak_hidden, g_hidden) = out["logits"], out["hidden"]
     for name, ref in g_logits.items():
         atol = 2e-6 * float(ref.abs().max()) + 1e-7
@@ -148,3 +158,35 @@ def test_hidden_path_update_peak_memory_drops_by_the_logits():
     logits_bytes = ROWS * SEQ * VOCAB * 4
     print(f"peak bytes: logits path {peak_logits}, hidden path {peak_hidden}, logits {logits_bytes}")
     assert peak_logits - peak_hidden >= logits_bytes, (peak_logits, peak_hidden, logits_bytes)
+
+
+@pytest.mark.multiprocess
+def test_hidden_path_update_peak_memory_drops_by_the_logits():
+    """One RL micro-batch update (no optimizer step) on the logits path and on the hidden path, same weights and
+    batch: the same gradients, and a peak lower by at least the float32 [T, V] logits (8 MiB here; the logits
+    path also holds their gradient)."""
+    seed = _fresh_seed()
+    _check_peaks(run_distributed(_memory_body, world_size=1, args=(seed,), timeout_s=240)[0])
+
+
+def _cuda_main(seed: int) -> None:
+    """The update-peak comparison on CUDA, float32 (run in a subprocess by the gpu test below)."""
+    _check_peaks(_update_peaks(seed, _cuda_peak_bytes))
+
+
+@pytest.mark.gpu
+def test_hidden_path_update_on_cuda():
+    """The CPU test above on one GPU (torch.cuda.max_memory_allocated; a fresh process, MEGAGSPO_DEVICE=cuda).
+    Never run in the session that wrote it (no GPU)."""
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA; this host has none (torch.cuda.is_available() is False)")
+    seed = _fresh_seed()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, MEGAGSPO_DEVICE="cuda",
+               PYTHONPATH=os.pathsep.join([REPO, tests, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", f"import test_policy_hidden_logprobs as t; t._cuda_main({seed})"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
