@@ -11,10 +11,14 @@ path against the float32 reference on the same (bf16-rounded) weights; the group
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from multiprocess import run_distributed
+
+CUDA_ENV = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
 
 ARCH = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2,
@@ -29,10 +33,26 @@ def _close(actual, expected, what):
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
+def _seed(seed):
+    """Megatron's RNG tracker: the CUDA one on a GPU (weights initialise on the device), else the CPU form."""
+    from moe.cpu_shim import initialize_cpu_rng
+    from moe.device import use_cuda
+
+    if use_cuda():
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        initialize_cpu_rng(seed)
+
+
 def _experts_call(experts, hidden_TH, probs_T, grad_TH):
     """Output and gradients of one experts module on fixed permuted tokens."""
-    hidden_TH = hidden_TH.clone().requires_grad_(True)
-    probs_T = probs_T.clone().requires_grad_(True)
+    device = next(experts.parameters()).device
+    hidden_TH = hidden_TH.to(device).clone().requires_grad_(True)
+    probs_T = probs_T.to(device).clone().requires_grad_(True)
+    grad_TH = grad_TH.to(device)
     experts.zero_grad(set_to_none=True)
     out_TH, bias = experts(hidden_TH, torch.tensor(TOKENS_PER_EXPERT), probs_T)
     assert bias is None
@@ -44,15 +64,19 @@ def _experts_call(experts, hidden_TH, probs_T, grad_TH):
 
 def _single_process_body(rank, world_size, seed):
     from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+    from moe.cpu_shim import apply_cpu_shim
     from moe.implementation import ImplementationError, ModelImplementation
-    from moe.model import build_model, forward_logits
+    from moe.model import build_model as build_any_model
+    from moe.model import forward_logits
     from moe.parallel import ParallelLayout, initialize_model_parallel
     from moe.sharding import load_full_state_dict
 
-    apply_cpu_shim()
+    def build_model(*args, **kwargs):  # our paths also where Transformer Engine is installed
+        return build_any_model(*args, use_transformer_engine=False, **kwargs)
+
+    apply_cpu_shim()  # does nothing on a GPU host
     initialize_model_parallel(ParallelLayout())
-    initialize_cpu_rng(seed)
+    _seed(seed)
     arch = Qwen3MoeArchitecture(**ARCH)
     gen = torch.Generator().manual_seed(seed)
     sequential = ModelImplementation(experts="sequential")
@@ -86,8 +110,8 @@ def _single_process_body(rank, world_size, seed):
     for key in (("sequential", torch.float32), ("grouped", torch.float32)):
         model = models[key]
         model.zero_grad(set_to_none=True)
-        logits = forward_logits(model, tokens_BS)
-        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed + 1))
+        logits = forward_logits(model, tokens_BS.to(next(model.parameters()).device))
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed + 1)).to(logits.device)
         (logits * weights).sum().backward()
         out[("model", *key)] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
 
@@ -206,3 +230,15 @@ def test_grouped_experts_in_parallel_layouts_equal_single_process_sequential(lay
         assert any("local_experts" in n for n in grads)
         for name, (grad, expected) in grads.items():
             _close(grad, expected, f"seed {seed} rank {rank} grad {name}")
+
+
+@pytest.mark.gpu
+def test_grouped_experts_equal_sequential_on_cuda():
+    """The same checks on a GPU: bf16 runs torch's grouped GEMM kernel (sm90+), fp32 its per-group fallback."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    result = (seed, run_distributed(_single_process_body, world_size=1, args=(seed,), timeout_s=300, env=CUDA_ENV)[0])
+    test_grouped_is_the_default_and_keeps_sequential_parameter_names(result)
+    test_grouped_experts_equal_sequential_in_float32_with_empty_experts(result)
+    test_grouped_experts_bf16_error_is_within_twice_sequential(result)
+    test_whole_model_grouped_equals_sequential(result)
+    test_misaligned_expert_width_is_refused_naming_the_key(result)

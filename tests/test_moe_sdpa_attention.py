@@ -9,10 +9,14 @@ may be at most 2x DotProductAttention's own bf16 error plus one bf16 ulp of the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from multiprocess import run_distributed
+
+CUDA_ENV = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
 
 SEQ, BATCH, HEADS, DIM = 7, 3, 4, 8
 LENGTHS = [7, 4, 1]  # right padding: row b holds LENGTHS[b] real tokens
@@ -32,9 +36,12 @@ def _masks():
 
 
 def _call(module, q, k, v, mask, grad):
-    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
-    out = module(q, k, v, mask)
-    (out.float() * grad).sum().backward()
+    from moe.device import use_cuda
+
+    device = "cuda" if use_cuda() else "cpu"
+    q, k, v = (t.to(device).clone().requires_grad_(True) for t in (q, k, v))
+    out = module(q, k, v, None if mask is None else mask.to(device))
+    (out.float() * grad.to(device)).sum().backward()
     return out.detach(), {"q": q.grad, "k": k.grad, "v": v.grad}
 
 
@@ -44,15 +51,17 @@ def _body(rank, world_size, seed):
 
     from moe.architecture import Qwen3MoeArchitecture, transformer_config
     from moe.attention import SDPACoreAttention
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+    from test_moe_grouped_experts import _seed
+
+    from moe.cpu_shim import apply_cpu_shim
     from moe.implementation import ModelImplementation
     from moe.model import build_model, forward_logits
     from moe.parallel import ParallelLayout, initialize_model_parallel
     from moe.sharding import load_full_state_dict
 
-    apply_cpu_shim()
+    apply_cpu_shim()  # does nothing on a GPU host
     initialize_model_parallel(ParallelLayout())
-    initialize_cpu_rng(seed)
+    _seed(seed)
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for groups in (HEADS, 2, 1):  # MHA, GQA, MQA
@@ -91,12 +100,13 @@ def _body(rank, world_size, seed):
     tokens_BS = torch.randint(0, arch.vocab_size, (2, 9), generator=gen)
     full = None
     for attention in ("local", "sdpa"):
-        model = build_model(arch, implementation=ModelImplementation(attention=attention))
+        model = build_model(arch, implementation=ModelImplementation(attention=attention), use_transformer_engine=False)
         if full is None:
             full = {n: p.detach().clone() for n, p in model.named_parameters()}
         load_full_state_dict(model, full)
-        logits = forward_logits(model, tokens_BS)
-        (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))).sum().backward()
+        logits = forward_logits(model, tokens_BS.to(next(model.parameters()).device))
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)).to(logits.device)
+        (logits * weights).sum().backward()
         out[("model", attention)] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
                                      type(model.decoder.layers[0].self_attention.core_attention).__name__)
     return out
@@ -153,3 +163,16 @@ def test_whole_model_sdpa_equals_local_attention(results):
     _close(logits, ref_logits, f"seed {seed} logits")
     for name, expected in ref_grads.items():
         _close(grads[name], expected, f"seed {seed} grad {name}")
+
+
+@pytest.mark.gpu
+def test_sdpa_equals_local_attention_on_cuda():
+    """The same checks on a GPU, where SDPA runs flash attention for the unmasked causal bf16 case."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    result = (seed, run_distributed(_body, world_size=1, args=(seed,), timeout_s=300, env=CUDA_ENV)[0])
+    for groups in (HEADS, 2, 1):
+        for mask in ("causal", "causal_padding"):
+            test_sdpa_equals_local_attention_in_float32(result, groups, mask)
+            test_sdpa_bf16_error_is_within_twice_local(result, groups, mask)
+    test_packed_sequences_are_refused_clearly(result)
+    test_whole_model_sdpa_equals_local_attention(result)
