@@ -30,25 +30,34 @@ def _quiet_third_party() -> None:
 
 def _train(args, rl: bool) -> int:
     from megagspo.checkpoint import CheckpointError, Preempted
+    from megagspo.checkpoint.run_lock import RunFolderBusy
     from megagspo.config import ConfigError, load_config
+    from megagspo.errors import os_error_message
     from megagspo.trainer.trainer import TrainError
 
-    overrides = list(args.overrides) + (["checkpoint.resume=auto"] if getattr(args, "resume", False) else [])
+    overrides = list(args.overrides) + (["checkpoint.resume=latest"] if getattr(args, "resume", False) else [])
     try:
         cfg = load_config(args.config, overrides)
         from megagspo.trainer import Trainer
 
         trainer = Trainer(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, CheckpointError, TrainError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointError, TrainError, RunFolderBusy) as exc:
         print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the filesystem refused a read or a write: say which path and why, in one line
+        print(f"megagspo {args.command}: error: {os_error_message(exc)}", file=sys.stderr)
         return 2
     try:
         trainer.train(rl=rl)
     except Preempted as exc:
         print(f"megagspo {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
-    except CheckpointError as exc:
+    except (CheckpointError, TrainError) as exc:
         print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"megagspo {args.command}: error: {os_error_message(exc)}; the checkpoints written so far are "
+              "intact (--resume continues from the newest)", file=sys.stderr)
         return 1
     return 0
 
@@ -84,23 +93,41 @@ def _export(args) -> int:
     from megagspo.trainer.trainer import TrainError, load_checkpoint
     from moe.architecture import Qwen3MoeArchitecture
 
-    try:
-        ckpt = load_checkpoint(args.checkpoint)
-    except TrainError as exc:
-        print(f"megagspo export: error: {exc}", file=sys.stderr)
-        return 2
-    arch = Qwen3MoeArchitecture(**ckpt["arch"])
-    tokenizer = load_tokenizer(ckpt["tokenizer"])
-    engine = HFRolloutEngine(arch, tokenizer, record_routes=False)
-    engine.update_weights(ckpt["state"])
+    from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
+    from megagspo.errors import os_error_message
+
     src = args.checkpoint if os.path.isdir(args.checkpoint) else os.path.dirname(args.checkpoint)
     out = args.out or os.path.join(src, "hf")
-    engine.model.save_pretrained(out)
-    if ckpt["tokenizer"] != "builtin":
-        tokenizer.tok.save_pretrained(out)
-    torch.save({"vocab": tokenizer.itos} if ckpt["tokenizer"] == "builtin" else {}, os.path.join(out, "megagspo_vocab.pt"))
+    # The default output lies inside the run folder: it is written only while no trainer owns that folder.
+    lock = RunFolderLock(src, "megagspo export") if not args.out and _is_run_folder(src) else None
+    try:
+        if lock is not None:
+            lock.acquire()
+        ckpt = load_checkpoint(args.checkpoint)
+        arch = Qwen3MoeArchitecture(**ckpt["arch"])
+        tokenizer = load_tokenizer(ckpt["tokenizer"])
+        engine = HFRolloutEngine(arch, tokenizer, record_routes=False)
+        engine.update_weights(ckpt["state"])
+        engine.model.save_pretrained(out)
+        if ckpt["tokenizer"] != "builtin":
+            tokenizer.tok.save_pretrained(out)
+        torch.save({"vocab": tokenizer.itos} if ckpt["tokenizer"] == "builtin" else {},
+                   os.path.join(out, "megagspo_vocab.pt"))
+    except (TrainError, RunFolderBusy, ValueError) as exc:
+        print(f"megagspo export: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"megagspo export: error: {os_error_message(exc)}", file=sys.stderr)
+        return 2
+    finally:
+        if lock is not None:
+            lock.release()
     print(f"exported Hugging Face Qwen3MoeForCausalLM to {out}")
     return 0
+
+
+def _is_run_folder(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(os.path.join(path, "metrics.jsonl"))
 
 
 def _ablate(args) -> int:
@@ -163,7 +190,8 @@ def main(argv=None) -> int:
         p.add_argument("--config", default="configs/tiny_cpu.yaml", help="YAML recipe")
         p.add_argument("overrides", nargs="*", help="section.key=value, e.g. rl.steps=20 seed=1")
         p.add_argument("--resume", action="store_true",
-                       help="continue from the run's latest intact checkpoint (= checkpoint.resume=auto)")
+                       help="continue from the run's latest intact checkpoint; an error when there is none "
+                            "(= checkpoint.resume=latest; checkpoint.resume=auto starts fresh instead)")
         if name == "train":
             p.add_argument("--dry-run", action="store_true",
                            help="validate the recipe (config, layout, checkpoint shapes, memory plan) and exit")
@@ -185,7 +213,14 @@ def main(argv=None) -> int:
                    help="print one command per run (cold starts first) to submit as separate cluster jobs")
     p.add_argument("--launcher", default="", help="with --print-commands: wrap each run, e.g. "
                    "'sbatch --nodes=1 launch/slurm.sbatch' (gets RECIPE key=value ...)")
-    args = parser.parse_args(argv)
+    # Overrides may stand on both sides of a flag (`train --resume rl.steps=9` and `train rl.steps=9 --resume`):
+    # argparse stops its positional list at the flag, so the words it leaves over that look like overrides
+    # are added to them; anything else is still an error.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or not all("=" in word and not word.startswith("-") for word in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     _quiet_third_party()
     if args.command == "ablate":
         return _ablate(args)

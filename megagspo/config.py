@@ -14,6 +14,7 @@ import contextvars
 import dataclasses
 import math
 import os
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -24,6 +25,18 @@ from megagspo.data.tokenizer import PROMPT_FORMATS
 
 class ConfigError(ValueError):
     """A configuration key is unknown, missing or out of range; the message names it."""
+
+
+# A value printed in an error message is cut to a readable size: a YAML alias bomb's value is a few KB on disk
+# but billions of elements when written out in full.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 120
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
+_SHOWN.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    return _SHOWN.repr(value)
 
 
 # A dry run validates a cluster recipe on a box that lacks the cluster's files: there, a missing data,
@@ -53,7 +66,7 @@ def deferred_path_checks():
 
 def _require(owner: str, name: str, ok: bool, value: Any, what: str) -> None:
     if not ok:
-        raise ConfigError(f"{owner}.{name} must be {what}, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be {what}, got {_show(value)}")
 
 
 def _pos_int(owner: str, name: str, value: Any) -> None:
@@ -76,7 +89,7 @@ def _num(owner: str, name: str, value: Any, lo: float = -math.inf, hi: float = m
 
 def _choice(owner: str, name: str, value: Any, choices) -> None:
     if value not in choices:
-        raise ConfigError(f"{owner}.{name} = {value!r} is not valid; valid values: {', '.join(map(str, choices))}")
+        raise ConfigError(f"{owner}.{name} = {_show(value)} is not valid; valid values: {', '.join(map(str, choices))}")
 
 
 # ------------------------------------------------------------------------------------------- sections
@@ -140,16 +153,16 @@ class ModelConfig:
         _choice("model", "logprob_path", self.logprob_path, LOGPROB_PATHS)
         _pos_int("model", "logprob_chunk_tokens", self.logprob_chunk_tokens)
         if self.init_from and not _path_present("model.init_from", self.init_from):
-            raise ConfigError(f"model.init_from = {self.init_from!r}: no such file or folder")
+            raise ConfigError(f"model.init_from = {_show(self.init_from)}: no such file or folder")
         if self.arch_file:
             if not _path_present("model.arch_file", self.arch_file):
-                raise ConfigError(f"model.arch_file = {self.arch_file!r}: no such file or folder")
+                raise ConfigError(f"model.arch_file = {_show(self.arch_file)}: no such file or folder")
             defaults = ModelConfig()
             clash = [f.name for f in dataclasses.fields(self) if f.name not in _NOT_ARCHITECTURE
                      and getattr(self, f.name) != getattr(defaults, f.name)]
             if clash:
                 raise ConfigError(f"model.arch_file is set, so model.{clash[0]} must not be (the architecture "
-                                  f"comes from {self.arch_file!r}); set fields in one place only")
+                                  f"comes from {_show(self.arch_file)}); set fields in one place only")
 
     def implementation(self):
         """moe.model.build_model's `implementation`: experts, attention, recompute."""
@@ -198,17 +211,17 @@ class ModelConfig:
         try:
             arch = architecture_from_hf_config(self.init_from)
         except ValueError as exc:
-            raise ConfigError(f"model.init_from = {self.init_from!r}: its config.json: {exc}") from None
+            raise ConfigError(f"model.init_from = {_show(self.init_from)}: its config.json: {exc}") from None
         defaults = ModelConfig()
         differ = [f"model.{f.name} = {getattr(self, f.name)!r} but config.json has {getattr(arch, f.name)!r}"
                   for f in dataclasses.fields(self) if f.name not in _NOT_ARCHITECTURE
                   and getattr(self, f.name) != getattr(defaults, f.name)
                   and getattr(self, f.name) != getattr(arch, f.name)]
         if differ:
-            raise ConfigError(f"model.init_from = {self.init_from!r} defines the architecture, and the recipe "
+            raise ConfigError(f"model.init_from = {_show(self.init_from)} defines the architecture, and the recipe "
                               "disagrees with it: " + "; ".join(differ) + " (drop these keys from the recipe)")
         if arch.vocab_size < vocab_size:
-            raise ConfigError(f"model.init_from = {self.init_from!r}: config.json vocab_size {arch.vocab_size} is "
+            raise ConfigError(f"model.init_from = {_show(self.init_from)}: config.json vocab_size {arch.vocab_size} is "
                               f"smaller than the tokenizer's {vocab_size}")
         return arch
 
@@ -255,12 +268,12 @@ class DataConfig:
             for name in ("train_path", "eval_path"):
                 path = getattr(self, name)
                 if path and not _path_present(f"data.{name}", path, "file"):
-                    raise ConfigError(f"data.{name} = {path!r}: no such file")
+                    raise ConfigError(f"data.{name} = {_show(path)}: no such file")
                 if path and not path.endswith((".jsonl", ".json", ".parquet")):
-                    raise ConfigError(f"data.{name} = {path!r}: expected a .jsonl or .parquet file")
+                    raise ConfigError(f"data.{name} = {_show(path)}: expected a .jsonl or .parquet file")
         _choice("data", "prompt_format", self.prompt_format, PROMPT_FORMATS)
         if self.tokenizer not in ("auto", "builtin") and not _path_present("data.tokenizer", self.tokenizer, "dir"):
-            raise ConfigError(f"data.tokenizer = {self.tokenizer!r}: expected 'auto', 'builtin' or a local "
+            raise ConfigError(f"data.tokenizer = {_show(self.tokenizer)}: expected 'auto', 'builtin' or a local "
                               "tokenizer folder")
 
 
@@ -294,7 +307,7 @@ class RolloutConfig:
 
         _choice("rollout", "engine", self.engine, available_engines())
         if not isinstance(self.sglang, dict):
-            raise ConfigError(f"rollout.sglang must be a mapping, got {self.sglang!r}")
+            raise ConfigError(f"rollout.sglang must be a mapping, got {_show(self.sglang)}")
         if self.engine == "sglang":
             from megagspo.rollout.sglang_engine import SGLangEngineConfig
 
@@ -401,7 +414,7 @@ class RLConfig:
         _choice("rl", "logprob_impl", self.logprob_impl, ("auto", "kernels", "torch"))
         _choice("rl", "loss_impl", self.loss_impl, LOSS_IMPLS)
         if self.loss_impl == "kernels" and self.loss not in FUSED_LOSSES:
-            raise ConfigError(f"rl.loss_impl = 'kernels' has no fused kernel for rl.loss = {self.loss!r} (fused: "
+            raise ConfigError(f"rl.loss_impl = 'kernels' has no fused kernel for rl.loss = {_show(self.loss)} (fused: "
                               f"{', '.join(FUSED_LOSSES)}); set rl.loss_impl=torch")
         _num("rl", "clip_low", self.clip_low, 0.0, 1.0, lo_open=True)
         _num("rl", "clip_high", self.clip_high, 0.0, lo_open=True)
@@ -454,22 +467,31 @@ class LogConfig:
         pass
 
 
+RESUME_MODES = ("", "never", "latest", "auto")
+
+
 @dataclass
 class CheckpointConfig:
     """Resumable checkpoints in <run>/checkpoints/step_XXXXXX (megagspo.checkpoint; docs/robustness.md)."""
 
     every_steps: int = 25           # also at the end of RL, after cold-start SFT, and on SIGTERM/SIGINT (0 = only those)
     keep_last: int = 3              # finished checkpoints kept (older ones deleted after each new one)
-    resume: str = ""                # "" = fresh run (old checkpoints moved aside) | auto | a checkpoint/run folder
+    # "" = a fresh run (earlier checkpoints are moved aside once everything has been validated) | latest (what
+    # --resume sets): the newest intact checkpoint, an error when there is none | auto: latest when there is
+    # one, else a fresh run (ablation cells, requeued jobs) | a checkpoint / checkpoints / run folder
+    resume: str = ""
     metrics_tail: int = 10000       # metrics rows stored in each checkpoint (restores metrics.jsonl if it is lost)
+    # A resume refuses a change to what defines the run (seed, model, data, reward, the loss and its clip /
+    # KL / old-policy / replay settings), naming each difference; true lets it continue with the new values.
+    allow_config_change: bool = False
 
     def __post_init__(self) -> None:
         _nonneg_int("checkpoint", "every_steps", self.every_steps)
         _pos_int("checkpoint", "keep_last", self.keep_last)
         _nonneg_int("checkpoint", "metrics_tail", self.metrics_tail)
-        if self.resume not in ("", "never", "auto") and not _path_present("checkpoint.resume", self.resume):
-            raise ConfigError(f"checkpoint.resume = {self.resume!r}: expected auto, never, or an existing checkpoint "
-                              "or run folder")
+        if self.resume not in RESUME_MODES and not _path_present("checkpoint.resume", self.resume):
+            raise ConfigError(f"checkpoint.resume = {_show(self.resume)}: expected latest, auto, never, or an "
+                              "existing checkpoint or run folder")
 
 
 @dataclass
@@ -501,7 +523,7 @@ class Config:
 
             ok, why = replay_available()
             if not ok:
-                raise ConfigError(f"rl.routing_replay = {self.rl.routing_replay!r} is not available yet: {why}")
+                raise ConfigError(f"rl.routing_replay = {_show(self.rl.routing_replay)} is not available yet: {why}")
 
     def _auto_tokenizer(self) -> str:
         """data.tokenizer = auto: model.init_from's own tokenizer when it has one (also when the folder is
@@ -535,7 +557,7 @@ def _coerce_value(path: str, value: Any, default: Any) -> Any:
     """YAML gives ints for floats like `1` and strings for `1e-3`; accept those, reject real mismatches."""
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ConfigError(f"{path} must be true or false, got {value!r}")
+            raise ConfigError(f"{path} must be true or false, got {_show(value)}")
         return value
     if isinstance(default, float) and not isinstance(value, bool):
         if isinstance(value, int):
@@ -544,26 +566,26 @@ def _coerce_value(path: str, value: Any, default: Any) -> Any:
             try:
                 return float(value)
             except ValueError:
-                raise ConfigError(f"{path} must be a number, got {value!r}") from None
+                raise ConfigError(f"{path} must be a number, got {_show(value)}") from None
     if isinstance(default, int) and isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(default, str) and value is None:
         return ""
     if isinstance(default, str) and not isinstance(value, str):
-        raise ConfigError(f"{path} must be a string, got {value!r}")
+        raise ConfigError(f"{path} must be a string, got {_show(value)}")
     return value
 
 
 def _build(cls, raw: dict, prefix: str):
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {raw!r}")
+        raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {_show(raw)}")
     names = [f.name for f in dataclasses.fields(cls)]
     defaults = cls()
     kwargs = {}
     for key, value in raw.items():
         path = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key {path!r}; valid keys{' in ' + prefix[:-1] if prefix else ''}: "
+            raise ConfigError(f"unknown config key {_show(path)}; valid keys{' in ' + prefix[:-1] if prefix else ''}: "
                               f"{', '.join(names)}")
         if prefix == "" and key in _section_classes():
             kwargs[key] = _build(_section_classes()[key], value or {}, f"{key}.")
@@ -582,20 +604,20 @@ def parse_overrides(overrides) -> dict:
     out: dict = {}
     for item in overrides or ():
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. rl.steps=10)")
+            raise ConfigError(f"override {_show(item)} must look like section.key=value (e.g. rl.steps=10)")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
         if not all(parts):
-            raise ConfigError(f"override {item!r}: empty key component")
+            raise ConfigError(f"override {_show(item)}: empty key component")
         node = out
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r} conflicts with an earlier override of {part!r}")
+                raise ConfigError(f"override {_show(item)} conflicts with an earlier override of {_show(part)}")
         try:
             node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({exc})") from None
+            raise ConfigError(f"override {_show(item)}: the value is not valid YAML ({exc})") from None
     return out
 
 
@@ -613,17 +635,59 @@ def config_from_dict(raw: dict, overrides=None) -> Config:
     return _build(Config, _merge(raw or {}, parse_overrides(overrides)), "")
 
 
+MAX_YAML_BYTES = 1 << 20  # a recipe is a few KB; a larger file is refused before it is parsed
+
+
+def _yaml_loader():
+    """PyYAML's C-accelerated safe loader where libyaml is present (the pure-Python one takes minutes on a
+    large file), refusing a key that appears twice in one mapping: YAML would silently keep the last one,
+    so a second `rl:` section would reset every key of the first to its default."""
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class UniqueKeySafeLoader(base):
+        def construct_mapping(self, node, deep=False):
+            first_line = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, (str, int, float, bool)):
+                    continue  # an unhashable key is refused by PyYAML itself
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise ConfigError(f"duplicate key {_show(key)} at line {line} (first at line "
+                                      f"{first_line[key]}): YAML would silently keep only the last one")
+                first_line[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeySafeLoader
+
+
+def parse_yaml(text: str, where: str):
+    """The YAML document in `text` (safe, duplicate keys refused); every failure is a ConfigError naming `where`."""
+    try:
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where} is not valid YAML: {_SHOWN.repr(str(exc))[1:-1]}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} is nested too deeply to be a recipe") from None
+
+
 def read_yaml_mapping(path: str, what: str = "config file") -> dict:
     """A YAML file holding a mapping at the top level; every way it can be wrong is a ConfigError naming it."""
     if not os.path.isfile(path):
         raise ConfigError(f"{what} {path!r} does not exist")
     try:
+        size = os.path.getsize(path)
+        if size > MAX_YAML_BYTES:
+            raise ConfigError(f"{what} {path!r} is {size} bytes; a recipe is at most {MAX_YAML_BYTES} bytes")
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} {path!r} is not valid YAML: {exc}") from None
+            text = f.read()
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{what} {path!r} is not UTF-8 text ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {path!r} cannot be read: {exc.strerror or exc}") from None
+    raw = parse_yaml(text, f"{what} {path!r}") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{what} {path!r} must hold a mapping at the top level")
     return raw

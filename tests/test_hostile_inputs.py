@@ -27,9 +27,14 @@ TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=1", "rl.prompts_per_step=2"
 
 
 def _snapshot(root):
+    """sha256 of every file under root, except the owner lock file (who holds the folder, not run data)."""
+    from megagspo.checkpoint.run_lock import LOCK_FILE
+
     out = {}
     for dirpath, _, files in os.walk(root):
         for name in files:
+            if name == LOCK_FILE:
+                continue
             path = os.path.join(dirpath, name)
             out[os.path.relpath(path, root)] = sha256_file(path)
     return out

@@ -116,6 +116,33 @@ def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
     return out
 
 
+# What defines a run: a resume that changes any of these continues another experiment than the one its
+# checkpoint, metrics and config.yaml describe. Section names cover every key of the section.
+DEFINING_KEYS = ("seed", "model", "data", "reward", "rl.loss", "rl.clip_low", "rl.clip_high", "rl.kl_coef",
+                 "rl.old_logp", "rl.routing_replay", "rl.group_size")
+# How the same model is computed (kernels, attention and expert implementations, recompute) may change.
+IMPLEMENTATION_KEYS = ("model.experts", "model.attention", "model.recompute", "model.logprob_path",
+                       "model.logprob_chunk_tokens", "reward.timeout_s")
+
+
+def defining_differences(saved: dict, now: dict) -> list:
+    """['rl.loss: gspo in the checkpoint, grpo now', ...] over DEFINING_KEYS (dotted, flattened)."""
+    def flat(tree, prefix=""):
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    before, after = flat(saved), flat(now)
+    keys = sorted(k for k in set(before) | set(after)
+                  if any(k == d or k.startswith(d + ".") for d in DEFINING_KEYS) and k not in IMPLEMENTATION_KEYS)
+    return [f"{k}: {before.get(k, '(unset)')!r} in the checkpoint, {after.get(k, '(unset)')!r} now"
+            for k in keys if before.get(k) != after.get(k) and k in before]
+
+
 # ------------------------------------------------------------------------------------------- manager
 class CheckpointManager:
     """Saving, pruning and resume for one run. `save` and `find_resume` are collective (every rank calls)."""
@@ -128,19 +155,25 @@ class CheckpointManager:
         self._say = say or (lambda msg: print(msg, flush=True))
         self.root = os.path.join(cfg.run_dir(), "checkpoints")
         self.run_id = uuid.uuid4().hex[:12]
+        self._retire_pending = False  # a fresh run found earlier checkpoints (rank 0)
 
     # ---- resume ------------------------------------------------------------------------------------
     def _resolve(self) -> Optional[str]:
         mode = self.ck.resume
         if mode in ("", "never"):
-            if store.list_checkpoints(self.root):
-                aside = f"{self.root}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-                os.rename(self.root, aside)
-                self.say(f"a fresh run (checkpoint.resume unset): earlier checkpoints of {self.cfg.run_dir()} "
-                         f"moved to {aside}; pass --resume to continue them instead")
+            # moved aside by retire_previous(), once the whole run has been validated: a run that fails its
+            # checks leaves the folder resumable
+            self._retire_pending = bool(store.list_checkpoints(self.root))
             return None
         if mode == "auto":
             return store.latest_good(self.root, REQUIRED, self.say)
+        if mode == "latest":
+            found = store.latest_good(self.root, REQUIRED, self.say)
+            if found is None:
+                raise CheckpointError(f"--resume: no checkpoint under {self.root} to continue; run without --resume "
+                                      "to start a fresh run, or pass checkpoint.resume=auto to resume when there is "
+                                      "one and start fresh otherwise")
+            return found
         path = mode
         if os.path.isfile(os.path.join(path, store.MANIFEST)):
             reason = store.verify(path, REQUIRED)
@@ -174,6 +207,21 @@ class CheckpointManager:
             self.say(f"resuming from {answer['path']} (step {answer['state']['step']})")
         return answer
 
+    def retire_previous(self) -> None:
+        """Collective: a fresh run over earlier checkpoints moves them to checkpoints.replaced-<time> (never
+        deletes them). Called once everything the run needs has been checked, before its first write."""
+        def move():
+            if not self._retire_pending:
+                return None
+            aside = f"{self.root}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.rename(self.root, aside)
+            self._retire_pending = False
+            self.say(f"a fresh run (no --resume): earlier checkpoints of {self.cfg.run_dir()} moved to {aside}; "
+                     "pass --resume to continue them instead")
+            return None
+
+        run_on_rank0("moving the earlier checkpoints aside", move)
+
     def _check_compatible(self, path: str, state: dict, arch, dataset_size: int) -> None:
         saved, now = state.get("arch", {}), arch_dict(arch)
         diff = [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
@@ -187,6 +235,14 @@ class CheckpointManager:
         if state.get("dataset_size") != dataset_size:
             raise CheckpointError(f"{path} was trained on {state.get('dataset_size')} training prompts, this run "
                                   f"has {dataset_size}: the data-loader position would not carry over")
+        changed = defining_differences(state.get("config") or {}, _jsonable(self.cfg.to_dict()))
+        if changed and not self.ck.allow_config_change:
+            raise CheckpointError(f"{path} belongs to a run with other settings than these: " + "; ".join(changed)
+                                  + ". Resume with the run's own settings, start a fresh run (another name= or no "
+                                  "--resume), or pass checkpoint.allow_config_change=true to continue with the new "
+                                  "values")
+        if changed:
+            self.say("continuing with changed settings (checkpoint.allow_config_change): " + "; ".join(changed))
 
     # ---- restore ----------------------------------------------------------------------------------
     def load_model(self, policy, point: dict) -> None:
@@ -352,8 +408,12 @@ class CheckpointManager:
         return path
 
     def _failed(self, steps_done: int, exc: Exception) -> str:
-        return (f"writing checkpoint {store.step_dir_name(steps_done)} under {self.root} failed "
-                f"({type(exc).__name__}: {exc}); the earlier checkpoints are intact")
+        """One line naming the cause (disk full, read-only, ...); called before the partial files are removed,
+        so that a full disk still shows as one."""
+        from megagspo.errors import write_failure_message
+
+        return (f"writing checkpoint {store.step_dir_name(steps_done)} under {self.root} failed: "
+                f"{write_failure_message(exc, self.root)}; the earlier checkpoints are intact")
 
     def say(self, msg: str) -> None:
         if self.rank == 0:

@@ -26,6 +26,7 @@ L response length, T = rows*S tokens in storage order (b*S + s).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -165,6 +166,12 @@ class Trainer:
         from megagspo.trainer.policy import MegatronPolicy, setup_parallel
 
         self.layout, self.rank, self.world = setup_parallel(cfg.parallel, cfg.seed)
+        # ---- one owner per run folder, before anything in it is read for writing or moved ----
+        from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
+        from megagspo.collective import run_on_rank0
+
+        self.run_lock = RunFolderLock(cfg.run_dir(), f"megagspo {'train' if cfg.rl.steps else 'sft'}")
+        run_on_rank0("taking the run folder", lambda: self.run_lock.acquire() and None, peer_error=RunFolderBusy)
         # ---- checkpoints: the resume point is chosen, verified and checked against this model before
         # anything in the run folder is written (megagspo.checkpoint; docs/robustness.md) ----
         from megagspo.checkpoint import CheckpointManager, StopRequest
@@ -204,6 +211,9 @@ class Trainer:
         self.quiet = quiet or not self.is_main
         from megagspo.metrics_log import MetricsLogger
 
+        # Everything is checked: from here on the run folder is written (a fresh run first moves earlier
+        # checkpoints aside; metrics.jsonl is rewritten).
+        self.ckpt.retire_previous()
         prior = self.ckpt.prior_metrics(self.resume, os.path.join(cfg.run_dir(), "metrics.jsonl")) \
             if self.resume and self.is_main else []
         self.logger = MetricsLogger(cfg.run_dir(), enabled=self.is_main, tensorboard=cfg.log.tensorboard)
@@ -242,7 +252,9 @@ class Trainer:
             try:
                 save_reference(run_dir, full, self.ckpt.run_id)
             except OSError as exc:
-                raise CheckpointError(f"{what} {run_dir} failed ({type(exc).__name__}: {exc})") from None
+                from megagspo.errors import os_error_message
+
+                raise CheckpointError(f"{what} {run_dir} failed: {os_error_message(exc)}") from None
 
         self._from_rank0("the KL reference write", write)
 
@@ -683,13 +695,24 @@ class Trainer:
 
     def save_checkpoint(self, name: str = "checkpoint.pt") -> Optional[str]:
         state = self.policy.full_state_dict()  # collective under EP: every rank calls it
-        if not self.is_main:
-            return None
         path = os.path.join(self.cfg.run_dir(), name)
-        torch.save({"state": state, "arch": self.arch.__dict__, "tokenizer": self.cfg.data.tokenizer,
-                    "config": self.cfg.to_dict()}, path + ".tmp")
-        os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint.pt
-        return path
+
+        def write():
+            try:
+                torch.save({"state": state, "arch": self.arch.__dict__, "tokenizer": self.cfg.data.tokenizer,
+                            "config": self.cfg.to_dict()}, path + ".tmp")
+                os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint.pt
+            except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
+                from megagspo.errors import write_failure_message
+
+                reason = write_failure_message(exc, path)
+                with contextlib.suppress(OSError):
+                    os.remove(path + ".tmp")
+                raise TrainError(f"writing {path} failed: {reason}; the step checkpoints under "
+                                 f"{self.ckpt.root} are intact") from None
+
+        self._from_rank0(f"writing {name}", write)  # a failure stops every rank together
+        return path if self.is_main else None
 
     def train(self, rl: bool = True) -> dict:
         self.stop.install()
@@ -697,6 +720,7 @@ class Trainer:
             return self._train(rl)
         finally:
             self.stop.uninstall()
+            self.run_lock.release()
 
     def _train(self, rl: bool) -> dict:
         t0 = time.perf_counter()

@@ -1,0 +1,100 @@
+"""One owner per run folder: an exclusive `fcntl.flock` on `<run>/.megagspo.lock`, taken before anything in
+the folder is written or moved, and held for the life of the process.
+
+The kernel drops a flock when its owner's file descriptor closes — at exit, and also when the owner is
+SIGKILLed or its host loses the process — so a crashed owner never leaves the folder stuck. The file itself
+only tells a refused second process who holds the folder (host, pid, command, start time); it is left in
+place and overwritten by the next owner. flock is advisory and per host on some network filesystems (NFS
+before v4, some Lustre mounts): the guarantee holds for processes that share the filesystem's lock manager.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+
+LOCK_FILE = ".megagspo.lock"
+
+
+class RunFolderBusy(RuntimeError):
+    """Another live process owns the run folder; the message names it."""
+
+
+class RunFolderLock:
+    """`with RunFolderLock(run_dir, "megagspo train"):` or `acquire()` / `release()`.
+
+    Re-entrant within one process (a Trainer built in a notebook or a test next to another on the same
+    folder): the process keeps one descriptor per folder, counted, because a second flock from the same
+    process on a new descriptor would refuse the process itself. Other processes are refused."""
+
+    _held: dict = {}  # realpath -> [fd, holders] of the folders this process owns
+
+    def __init__(self, run_dir: str, purpose: str) -> None:
+        self.run_dir = run_dir
+        self.purpose = purpose
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        self._key = None
+
+    def acquire(self) -> "RunFolderLock":
+        if self._key is not None:
+            return self
+        os.makedirs(self.run_dir, exist_ok=True)
+        key = os.path.realpath(self.path)
+        if key in self._held:
+            self._held[key][1] += 1
+            self._key = key
+            return self
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunFolderBusy(f"run folder {self.run_dir} is in use by {describe_owner(self.path)}; wait "
+                                    "for it to finish or stop it, or choose another name= / log.out_dir=") from None
+            raise
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": self.purpose,
+                 "command": " ".join(sys.argv)[:500], "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps(owner) + "\n").encode())
+        self._held[key] = [fd, 1]
+        self._key = key
+        return self
+
+    def release(self) -> None:
+        if self._key is None:
+            return
+        entry = self._held[self._key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            os.close(entry[0])  # closing the descriptor drops the flock
+            del self._held[self._key]
+        self._key = None
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the process exit drops the flock anyway
+            pass
+
+    def __enter__(self) -> "RunFolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def describe_owner(lock_path: str) -> str:
+    """'megagspo train (pid 123 on host-a, since ...)' from the lock file; what is known when it is unreadable."""
+    try:
+        with open(lock_path, encoding="utf-8") as f:
+            owner = json.loads(f.read(4096) or "{}")
+        return (f"{owner.get('purpose', 'another process')} (pid {owner.get('pid', '?')} on "
+                f"{owner.get('host', '?')}, since {owner.get('since', '?')})")
+    except (OSError, ValueError, AttributeError):
+        return f"another process (its lock file {lock_path} is unreadable)"

@@ -1,0 +1,77 @@
+"""What a filesystem failure means, in one line: `os_error_message` names the path and the cause (disk full,
+read-only, permission denied, not a directory, ...), and `write_failure_message` finds that cause behind
+the wrappers a library puts around it (Megatron's checkpoint writer reports a full disk as
+"unexpected pos 704 vs 598" with no errno: the free space left on the target tells it apart)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+_CAUSES = {
+    errno.ENOSPC: "disk full (no space left on device)",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only filesystem",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "a path component is not a directory",
+    errno.EISDIR: "is a directory, a file was expected",
+    errno.EEXIST: "already exists",
+    errno.ENAMETOOLONG: "file name too long",
+    errno.EMFILE: "too many open files in this process",
+    errno.ENFILE: "too many open files on this system",
+    errno.EIO: "input/output error (failing disk or network filesystem)",
+    errno.EFBIG: "file too large for this filesystem or the process's file size limit",
+    errno.ELOOP: "too many levels of symbolic links",
+    errno.EXDEV: "cannot move across filesystems",
+    errno.ENOTEMPTY: "directory not empty",
+    errno.EBUSY: "device or resource busy",
+    errno.ESTALE: "stale network file handle",
+}
+# Below this much free space after a failed write, the write failed because the disk is full.
+LOW_SPACE_BYTES = 64 << 20
+
+
+def os_error_message(exc: OSError) -> str:
+    """'<path>: <cause>' (both paths for a rename), e.g. 'runs/x/metrics.jsonl: disk full (no space left on device)'."""
+    cause = _CAUSES.get(exc.errno) or (exc.strerror or str(exc) or type(exc).__name__).lower()
+    where = exc.filename if exc.filename is not None else ""
+    if exc.filename2 is not None:
+        where = f"{where} -> {exc.filename2}"
+    return f"{where}: {cause}" if where else cause
+
+
+def _os_error_in_chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def free_bytes(path: str):
+    """Free bytes on the filesystem holding `path` (its nearest existing ancestor); None when unknown."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def write_failure_message(exc: BaseException, target: str) -> str:
+    """One line saying why writing under `target` failed; call it before cleaning up the partial files."""
+    os_exc = _os_error_in_chain(exc)
+    if os_exc is not None:
+        return os_error_message(os_exc)
+    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    free = free_bytes(target)
+    if free is not None and free < LOW_SPACE_BYTES:
+        return (f"{target}: disk full ({free} bytes left on its filesystem; the writer said: "
+                f"{type(exc).__name__}: {first_line})")
+    return f"{type(exc).__name__}: {first_line}"
