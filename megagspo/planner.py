@@ -37,8 +37,10 @@ Log-prob path (last stage; `logprob_path`, config model.logprob_path):
           sequence (4 B in fp32; all-gathered over TP under sequence parallelism, so not divided by TP); one
           chunk's logits, 2 B * V/TP * min(chunk, tokens) (4 B in fp32), live in forward and again in backward;
           the kernel's per-token statistics, 16 B (32 B at TP > 1: the vocab shard's partial max / sum-exp /
-          entropy sum / target logit before their all-reduce); in bf16, the fp32 accumulator of d weight
-          during backward, 4 B * V/TP * h (beyond the bf16 weight gradient the logits path also makes).
+          entropy sum / target logit before their all-reduce). d weight is added straight into the fp32
+          main-grad buffer (counted under gradients): no [V/TP, h] accumulator; autograd's transient
+          gradient of the weight (2 B * V/TP * h, zeros) stands where the logits path's output layer makes
+          its weight gradient, so neither path counts it.
 Routing replay: tokens * (MoE layers on the stage) * top-k * (1 B if experts <= 256 else 2 B).
 KL reference policy (rl.kl_coef > 0): a frozen second copy of the weights in the run's precision, sharded over
 TP / EP / PP exactly like the policy's (no gradients, no optimizer state; its no-grad forward's activations
@@ -228,8 +230,6 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
         terms[f"log-prob: one chunk's logits ({precision})"] = a * vocab_local * min(inputs.logprob_chunk_tokens,
                                                                                      tokens)
         terms["log-prob: fused kernel stats"] = (16 if tp == 1 else 32) * tokens
-        if precision == "bf16":
-            terms["log-prob: fp32 d-weight accumulator (backward)"] = 4 * vocab_local * h
     elif last:
         vocab_local = arch.vocab_size / tp
         terms[f"log-prob: logits ({precision})"] = a * vocab_local * tokens

@@ -5,6 +5,7 @@ of the LM head, never the [tokens, vocab] logits it would produce:
 
     hidden_BSH = forward_hidden(model, input_ids_BS)    # last stage: what the output layer would multiply
     weight_VH = output_weight(model)                     # this TP rank's vocab rows [V/TP, H]
+    main_grad_VH = output_weight_grad_buffer(model)      # Megatron DDP's fp32 gradient buffer of it, or None
 
 `forward_hidden` runs GPTModel.forward unchanged (embedding, decoder, final norm) and stops where the output
 layer would start: it clears `model.post_process` for the duration of the call, which in Megatron-Core 0.16.1
@@ -41,6 +42,18 @@ def output_weight(model) -> torch.Tensor:
     if model.share_embeddings_and_output_weights:
         return model.shared_embedding_or_output_weight()
     return model.output_layer.weight
+
+
+def output_weight_grad_buffer(model):
+    """Megatron DDP's float32 gradient buffer of the LM head weight (`main_grad`, the buffer its grad-ready hook
+    would add the weight's gradient into), or None where there is none (no DDP wrapper, a frozen model). A
+    kernel that adds d weight straight into it spares the [V/TP, H] gradient tensor; the hook then adds the
+    zero gradient the kernel hands to autograd. With tied embeddings at PP = 1 the embedding's own gradient
+    still goes through the hook: the two contributions sum as on the logits path."""
+    weight = output_weight(model)
+    if not weight.requires_grad:
+        return None
+    return getattr(weight, "main_grad", None)
 
 
 @contextlib.contextmanager
@@ -110,4 +123,4 @@ def _check_supported(model) -> None:
                          "compute the logits (moe.model.forward_logits) instead")
 
 
-__all__ = ["forward_hidden", "output_layer_input", "output_weight"]
+__all__ = ["forward_hidden", "output_layer_input", "output_weight", "output_weight_grad_buffer"]

@@ -98,3 +98,41 @@ def test_argument_errors():
         K.linear_token_logprobs(h, w.bfloat16(), t)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         K.linear_token_logprobs(h, w, t, chunk_size=2.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_weight_grad_buffer_receives_d_weight(dtype, monkeypatch):
+    """d weight added into a float32 buffer (as into Megatron DDP's main_grad) equals the returned gradient of
+    the plain call, on top of what the buffer held; autograd gets zeros, and a second use of the weight (a tied
+    embedding) still gets its own gradient through autograd. bf16: the V-blocked products (blocks of 7 rows
+    here) are the plain call's, summed in float32; the plain call then rounds the sum to bf16."""
+    monkeypatch.setattr(K, "_WEIGHT_GRAD_BLOCK_ELEMENTS", 7 * 16)
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    torch.manual_seed(seed)
+    T, H, V = 11, 16, 101
+    hidden = torch.randn(T, H).to(dtype)
+    weight = (torch.randn(V, H) / 4).to(dtype)
+    target = torch.randint(0, V, (T,))
+    g_lp, g_h = torch.randn(T), torch.randn(T)
+    plain = _run(hidden, weight, target, g_lp, g_h, chunk_size=4, impl="fused")
+
+    held = torch.randn(V, H)
+    buffer = held.clone()
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    lp, ent = K.linear_token_logprobs(h, w, target, chunk_size=4, with_entropy=True, weight_grad_buffer=buffer,
+                                      impl="fused")
+    lookup = w[target].float().sum()  # the weight's other use, e.g. the tied embedding
+    ((lp * g_lp + ent * g_h).sum() + lookup).backward()
+    torch.testing.assert_close(lp.detach(), plain[0], atol=0, rtol=0)
+    torch.testing.assert_close(h.grad, plain[2], atol=0, rtol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(buffer - held, plain[3], atol=1e-6, rtol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+    else:  # the plain call rounds its float32 accumulator to bf16 at the end, the buffer keeps float32: one
+        # bf16 rounding (2^-8 relative) apart
+        torch.testing.assert_close(buffer - held, plain[3].float(), atol=1e-6, rtol=2.0**-8,
+                                   msg=lambda m: f"seed {seed}: {m}")
+    expected_lookup = torch.zeros(V, H).index_add_(0, target, torch.ones(T, H)).to(dtype)
+    torch.testing.assert_close(w.grad, expected_lookup, atol=0, rtol=0)  # autograd saw zeros from the kernel
+    with pytest.raises(ValueError, match="weight_grad_buffer must be a float32"):
+        K.linear_token_logprobs(hidden, weight, target, weight_grad_buffer=torch.zeros(V, H + 1))

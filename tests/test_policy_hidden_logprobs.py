@@ -97,9 +97,10 @@ def _peak_bytes(fn) -> int:
     return peak
 
 
-def _update_peaks(seed, peak_bytes):
+def _update_peaks(seed, peak_bytes, tied=False):
     """The logits-path and hidden-path policies (same weights), one RL micro-batch update each under
-    `peak_bytes(fn)`. -> {path: (peak bytes, {parameter: main_grad})}."""
+    `peak_bytes(fn)`. -> {path: (peak bytes, {parameter: main_grad})}. tied: the LM head is the embedding
+    (its gradient sums the head's, added by the kernel into DDP's buffer, and the embedding lookup's)."""
     from megagspo.algorithm import PackedBatch, get_loss
     from megagspo.config import ParallelConfig
     from megagspo.trainer.policy import MegatronPolicy, setup_parallel
@@ -109,7 +110,7 @@ def _update_peaks(seed, peak_bytes):
     layout, _, _ = setup_parallel(ParallelConfig(), seed)
     arch = Qwen3MoeArchitecture(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                 num_key_value_heads=1, head_dim=16, moe_intermediate_size=32, num_experts=2,
-                                num_experts_per_tok=2, max_position_embeddings=64)
+                                num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=tied)
     policies = {path: MegatronPolicy(arch, layout, ParallelConfig(), "auto", logprob_path=path,
                                      logprob_chunk_tokens=MEM_CHUNK) for path in ("logits", "hidden")}
     policies["hidden"].load_full_state_dict(policies["logits"].full_state_dict())
@@ -137,7 +138,7 @@ def _update_peaks(seed, peak_bytes):
 
 
 def _memory_body(rank, world_size, seed):
-    return _update_peaks(seed, _peak_bytes)
+    return [_update_peaks(seed, _peak_bytes, tied) for tied in (False, True)]
 
 
 def _cuda_peak_bytes(fn) -> int:
@@ -164,9 +165,10 @@ def _check_peaks(out):
 def test_hidden_path_update_peak_memory_drops_by_the_logits():
     """One RL micro-batch update (no optimizer step) on the logits path and on the hidden path, same weights and
     batch: the same gradients, and a peak lower by at least the float32 [T, V] logits (8 MiB here; the logits
-    path also holds their gradient)."""
+    path also holds their gradient). Untied, and with the LM head tied to the embedding."""
     seed = _fresh_seed()
-    _check_peaks(run_distributed(_memory_body, world_size=1, args=(seed,), timeout_s=240)[0])
+    for out in run_distributed(_memory_body, world_size=1, args=(seed,), timeout_s=240)[0]:  # untied, tied
+        _check_peaks(out)
 
 
 def _cuda_main(seed: int) -> None:

@@ -262,7 +262,8 @@ class _VocabParallelLogProb(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------
 class _LinearLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend, tp_group=None, vocab_start=0):
+    def forward(ctx, hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend, tp_group=None, vocab_start=0,
+                weight_grad_buffer=None):
         T = hidden_TH.shape[0]
         acc = acc_dtype(hidden_TH.dtype)
         if tp_group is None:
@@ -282,6 +283,7 @@ class _LinearLogProb(torch.autograd.Function):
             stats = all_reduce_logprob_stats(*stats, group=tp_group, with_entropy=with_entropy)
             logp_T, entropy_T, lse_T = finish_logprob_stats(*stats, with_entropy)
         ctx.chunk_size, ctx.with_entropy, ctx.backend, ctx.vocab_start = chunk_size, with_entropy, backend, vocab_start
+        ctx.weight_grad_buffer = weight_grad_buffer  # written in backward, not an autograd input
         ctx.save_for_backward(hidden_TH, weight_VH, target_T, lse_T, entropy_T if with_entropy else None)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy_T)
@@ -296,9 +298,10 @@ class _LinearLogProb(torch.autograd.Function):
         use_h = ctx.with_entropy and grad_entropy_T is not None
         g_h = grad_entropy_T.to(lse_T.dtype).contiguous() if use_h else None
         d_hidden_TH = torch.empty_like(hidden_TH) if need_h else None
-        # d weight accumulates over chunks in float32 for low-precision weights.
-        d_weight_VH = torch.zeros(weight_VH.shape, dtype=acc_dtype(weight_VH.dtype), device=weight_VH.device) \
-            if need_w else None
+        into = ctx.weight_grad_buffer if need_w else None
+        # d weight accumulates over chunks: into the caller's buffer, or a fresh one (float32 for low precision)
+        d_weight_VH = into if into is not None else (
+            torch.zeros(weight_VH.shape, dtype=acc_dtype(weight_VH.dtype), device=weight_VH.device) if need_w else None)
         for c0 in range(0, T, ctx.chunk_size):
             c1 = min(c0 + ctx.chunk_size, T)
             h_CH = hidden_TH[c0:c1]
@@ -308,16 +311,35 @@ class _LinearLogProb(torch.autograd.Function):
             if need_h:
                 torch.mm(logits_CV, weight_VH, out=d_hidden_TH[c0:c1])
             if need_w:
-                if d_weight_VH.dtype == weight_VH.dtype:
-                    d_weight_VH.addmm_(logits_CV.t(), h_CH)
-                else:  # bf16/fp16 product, accumulated into float32 (cast on the fly, no fp32 temporary)
-                    d_weight_VH.add_(logits_CV.t() @ h_CH)
+                _add_weight_grad(d_weight_VH, logits_CV, h_CH)
             del logits_CV
-        if need_w:
+        if into is not None:
+            # d weight is in the buffer; autograd gets a zero gradient of the weight's shape (a stride-0 view, no
+            # storage), so hooks on the weight's gradient still fire (Megatron DDP's grad-ready hook adds it, 0)
+            d_weight_VH = torch.zeros((), dtype=weight_VH.dtype, device=weight_VH.device).expand(weight_VH.shape)
+        elif need_w:
             d_weight_VH = d_weight_VH.to(weight_VH.dtype)
         # d hidden is this vocab shard's share: the caller's communication (Megatron's sequence-parallel
         # gather, whose backward reduce-scatters) sums the shards, as it does behind the output layer
-        return d_hidden_TH, d_weight_VH, None, None, None, None, None, None
+        return d_hidden_TH, d_weight_VH, None, None, None, None, None, None, None
+
+
+# rows of d weight per low-precision product: bounds its temporary to ~16 M elements (32 MiB in bf16)
+_WEIGHT_GRAD_BLOCK_ELEMENTS = 1 << 24
+
+
+def _add_weight_grad(d_weight_VH: Tensor, g_CV: Tensor, h_CH: Tensor) -> None:
+    """d_weight_VH += g_CV^T h_CH. Same dtype: one in-place addmm. A float32 accumulator of bf16 / fp16
+    operands: the product in the operands' dtype, block by block over V, added into float32 (no [V, H]
+    temporary; the rounding is the same as one product)."""
+    if d_weight_VH.dtype == g_CV.dtype:
+        d_weight_VH.addmm_(g_CV.t(), h_CH)
+        return
+    V, H = d_weight_VH.shape
+    block = max(1, _WEIGHT_GRAD_BLOCK_ELEMENTS // max(H, 1))
+    for v0 in range(0, V, block):
+        v1 = min(v0 + block, V)
+        d_weight_VH[v0:v1].add_(g_CV[:, v0:v1].t() @ h_CH)
 
 
 def _linear_forward_local(hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend, acc):
@@ -346,6 +368,7 @@ def linear_token_logprobs(
     with_entropy: bool = False,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_start: Optional[int] = None,
+    weight_grad_buffer: Optional[Tensor] = None,
     impl: str = "auto",
 ):
     """Token log-probs of logits = hidden_TH @ weight_VH^T, computed `chunk_size` tokens at a time.
@@ -361,6 +384,10 @@ def linear_token_logprobs(
         on the rank until one all_reduce(MAX) and one all_reduce(SUM) over all T tokens. The gradient w.r.t.
         hidden_TH is this shard's PARTIAL d hidden: sum it over the group (Megatron's sequence-parallel
         all-gather does, in its backward reduce-scatter; see moe.output_hidden). Backward communicates nothing.
+    weight_grad_buffer: a [V, H] tensor (float32, or the weight's dtype) that backward ADDS d weight into,
+        e.g. Megatron DDP's float32 `main_grad` of the LM head: no [V, H] gradient is allocated (for bf16
+        weights not even a float32 accumulator), and autograd receives a zero gradient for `weight_VH` (a
+        stride-0 view), so gradient hooks still run. The buffer must not be read before backward finishes.
     """
     if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
         raise ValueError(f"megagspo.kernels.linear_token_logprobs: expected hidden [T, H] and weight [V, H]; got "
@@ -379,6 +406,16 @@ def linear_token_logprobs(
         raise ValueError(f"megagspo.kernels.linear_token_logprobs: vocab_start={vocab_start} needs a tp_group")
     if tp_group is not None and vocab_start is None:
         vocab_start = dist.get_rank(tp_group) * weight_VH.shape[0]
+    if weight_grad_buffer is not None:
+        if weight_grad_buffer.shape != weight_VH.shape or weight_grad_buffer.dtype not in (
+                torch.float32, weight_VH.dtype) or weight_grad_buffer.device != weight_VH.device:
+            raise ValueError(f"megagspo.kernels.linear_token_logprobs: weight_grad_buffer must be a float32 (or "
+                             f"{weight_VH.dtype}) tensor of the weight's shape {tuple(weight_VH.shape)} on "
+                             f"{weight_VH.device}; got {tuple(weight_grad_buffer.shape)} {weight_grad_buffer.dtype} "
+                             f"on {weight_grad_buffer.device}")
+        if impl == "reference":
+            raise ValueError("megagspo.kernels.linear_token_logprobs: weight_grad_buffer needs the chunked kernel; "
+                             "impl='reference' is the naive autograd path")
     if impl == "reference":
         if tp_group is None:
             return linear_token_logprobs_ref(hidden_TH, weight_VH, target_T, with_entropy)
@@ -386,7 +423,7 @@ def linear_token_logprobs(
                               vocab_start=vocab_start, impl="reference")
     backend = _fused_backend() if _use_fused(impl, hidden_TH.device) else _REFERENCE_BACKEND
     logp_T, entropy_T = _LinearLogProb.apply(hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend,
-                                             tp_group, 0 if tp_group is None else int(vocab_start))
+                                             tp_group, 0 if tp_group is None else int(vocab_start), weight_grad_buffer)
     return (logp_T, entropy_T) if with_entropy else logp_T
 
 

@@ -7,7 +7,7 @@ Log-prob paths (`logprob_path`, config model.logprob_path):
   the chunked linear log-prob kernel (megagspo.kernels.linear_token_logprobs): the [T, V/TP] logits exist
   one chunk of `logprob_chunk_tokens` tokens at a time, in forward and in backward, never whole. Gradients
   reach the LM head weight (the tied embedding or its last-stage copy) and the hidden states as on the
-  logits path.
+  logits path; d weight is added straight into Megatron DDP's fp32 gradient buffer of the weight.
 - "logits": Megatron's output layer materialises [B, S, V/TP] logits, then the log-prob kernel
   (megagspo.kernels.token_logprobs) or, with logprob_impl "torch", a naive log_softmax.
 Tensor parallelism: both paths stay vocab-parallel (each rank multiplies by its V/TP rows; partial max /
@@ -100,9 +100,9 @@ def _linear_logprob_fn(impl: str, chunk_tokens: int, tp_group=None):
                          f"logprob_path = 'logits'")
     from megagspo.kernels import linear_token_logprobs
 
-    return lambda hidden, weight, target: linear_token_logprobs(
+    return lambda hidden, weight, target, weight_grad_buffer: linear_token_logprobs(
         hidden, weight, target, chunk_size=chunk_tokens, with_entropy=True, tp_group=tp_group,
-        impl=_KERNEL_IMPL[impl])
+        weight_grad_buffer=weight_grad_buffer, impl=_KERNEL_IMPL[impl])
 
 
 class MegatronPolicy:
@@ -221,10 +221,12 @@ class MegatronPolicy:
         """hidden_BSH (with the LM head weight) or logits_BSV -> logp_BS, entropy_BS."""
         b, s, x = head_input_BSX.shape
         if self.logprob_path == "hidden":
-            from moe.output_hidden import output_weight
+            from moe.output_hidden import output_weight, output_weight_grad_buffer
 
+            # d weight goes straight into DDP's fp32 gradient buffer (no [V/TP, H] gradient tensor)
+            grad_buffer = output_weight_grad_buffer(self.model) if torch.is_grad_enabled() else None
             logp_T, ent_T = self.linear_logprobs_fn(head_input_BSX.reshape(b * s, x), output_weight(self.model),
-                                                    targets_BS.reshape(-1))
+                                                    targets_BS.reshape(-1), grad_buffer)
         else:
             logp_T, ent_T = self.logprobs_fn(head_input_BSX.reshape(b * s, x), targets_BS.reshape(-1))
         return logp_T.reshape(b, s), ent_T.reshape(b, s)
