@@ -92,8 +92,9 @@ def _logprob_fn(impl: str, tp_group=None):
 
 
 def _linear_logprob_fn(impl: str, chunk_tokens: int, tp_group=None):
-    """(hidden_TH, weight_VH, target_T) -> (logp_T, entropy_T) by the chunked linear kernel, vocab-parallel
-    over tp_group (TP > 1). impl "torch" is refused: it needs the whole logits."""
+    """(hidden_TH, weight_VH, target_T, weight_grad_buffer) -> (logp_T, entropy_T) by the chunked linear kernel,
+    vocab-parallel over tp_group (TP > 1); d weight is added into weight_grad_buffer when it is not None.
+    impl "torch" is refused: it needs the whole logits."""
     if impl not in _KERNEL_IMPL:
         raise ValueError(f"logprob_path = 'hidden' computes log-probs chunk by chunk with megagspo.kernels; "
                          f"logprob_impl = {impl!r} needs the whole logits: use logprob_impl auto or kernels, or "
