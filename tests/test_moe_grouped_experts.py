@@ -93,7 +93,11 @@ def _single_process_body(rank, world_size, seed):
     load_full_state_dict(reference_bf16_weights, {n: t.float() for n, t in full_bf16.items()})
 
     out = {"types": {k: type(m.decoder.layers[0].mlp.experts).__name__ for k, m in models.items()},
-           "names": {k: sorted(n for n, _ in m.named_parameters()) for k, m in models.items()}}
+           "names": {k: sorted(n for n, _ in m.named_parameters()) for k, m in models.items()},
+           # what Megatron's dist_checkpointing writes: key -> (global shape, global offset, replica id)
+           "sharded": {k: {key: (tuple(t.global_shape), tuple(t.global_offset), tuple(t.replica_id))
+                           for key, t in m.sharded_state_dict().items() if hasattr(t, "global_shape")}
+                       for k, m in models.items()}}
     num_tokens = sum(TOKENS_PER_EXPERT)
     hidden_TH = torch.randn(num_tokens, arch.hidden_size, generator=gen)
     probs_T = torch.rand(num_tokens, generator=gen)
@@ -139,6 +143,10 @@ def test_grouped_is_the_default_and_keeps_sequential_parameter_names(single_proc
     names = out["names"][("grouped", torch.float32)]
     assert names == out["names"][("sequential", torch.float32)]
     assert "decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight" in names
+    # the same distributed-checkpoint tensors (keys, global shapes, offsets, replicas): checkpoints interchange
+    sharded = out["sharded"][("grouped", torch.float32)]
+    assert sharded == out["sharded"][("sequential", torch.float32)]
+    assert any("experts" in key for key in sharded)
 
 
 def test_grouped_experts_equal_sequential_in_float32_with_empty_experts(single_process):
