@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 
 import torch
 
@@ -37,6 +38,9 @@ def layer_spec(config, use_transformer_engine: bool | None = None,
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
                                       normalization="RMSNorm")
     if use_transformer_engine:
+        logging.getLogger(__name__).info(
+            "layer spec: Transformer Engine's (model.experts=%s / model.attention=%s apply to the local spec only)",
+            implementation.experts, implementation.attention)
         return spec
     # Megatron builds these specs from module-level objects: edit a copy, never the shared ones.
     spec = copy.deepcopy(spec)
