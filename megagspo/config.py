@@ -35,8 +35,9 @@ _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
 _SHOWN.maxlevel = 3
 
 
-def _show(value: Any) -> str:
-    return _SHOWN.repr(value)
+def _show(value: Any, limit: int = 200) -> str:
+    text = _SHOWN.repr(value)  # reprlib never writes the whole nested value out
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # A dry run validates a cluster recipe on a box that lacks the cluster's files: there, a missing data,
@@ -661,8 +662,25 @@ def _yaml_loader():
     return UniqueKeySafeLoader
 
 
+MAX_FLOW_DEPTH = 256  # libyaml's parser recurses per open [ or {: ~50,000 unclosed ones crash the process
+
+
+def _flow_depth(text: str) -> int:
+    """The deepest nesting of YAML flow collections ([ and {) in `text`, quotes not considered (an upper bound)."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}" and depth:
+            depth -= 1
+    return deepest
+
+
 def parse_yaml(text: str, where: str):
     """The YAML document in `text` (safe, duplicate keys refused); every failure is a ConfigError naming `where`."""
+    if _flow_depth(text) > MAX_FLOW_DEPTH:
+        raise ConfigError(f"{where} nests [ ] / {{ }} more than {MAX_FLOW_DEPTH} deep: not a recipe")
     try:
         return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
     except ConfigError as exc:

@@ -59,14 +59,9 @@ def init_distributed(backend: str | None = None) -> None:
     if cuda:  # one GPU per process (torchrun's LOCAL_RANK), before NCCL binds a device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:
-        from socket import socket
-
-        with socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+        # An in-memory store: no port is taken and no MASTER_ADDR / MASTER_PORT is left in os.environ, where
+        # a child process (a torchrun or CLI run started from this one) would inherit it and collide.
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     else:
         torch.distributed.init_process_group(backend)
 

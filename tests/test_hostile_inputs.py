@@ -49,8 +49,8 @@ def _fake_state(**arch_changes):
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), TINY)
     arch = arch_dict(cfg.model.architecture(BuiltinTokenizer().vocab_size))
     arch.update(arch_changes)
-    return {"step": 2, "phase": "rl", "world": 1, "arch": arch, "tokenizer": "builtin", "dataset_size": 45,
-            "metrics": {"count": 1, "rows": [{"phase": "rl", "step": 0.0}]}}
+    return {"step": 2, "phase": "rl", "world": 1, "arch": arch, "tokenizer": "builtin", "dataset_size": 50,
+            "config": cfg.to_dict(), "metrics": {"count": 1, "rows": [{"phase": "rl", "step": 0.0}]}}
 
 
 def _put(data):
@@ -127,7 +127,49 @@ CONFIG_AND_DATA_CASES = [
      "the built-in tokenizer takes string prompts"),
     ("answer_not_a_string", lambda t: _data(t, [{"prompt": "1+1=", "answer": [2]}] * 60),
      "'answer' a string or number"),
+    ("duplicate_section", lambda t: _recipe(t, "rl:\n  lr: 5.0e-5\n  steps: 3\nseed: 1\nrl:\n  steps: 4\n"),
+     "duplicate key 'rl' at line 5 (first at line 1)"),
+    ("duplicate_key_in_section", lambda t: _recipe(t, "rl:\n  lr: 5.0e-5\n  lr: 1.0e-3\n"),
+     "duplicate key 'lr' at line 3 (first at line 2)"),
+    ("huge_recipe", lambda t: _recipe(t, "# " + "x" * (1 << 20) + "\nseed: 1\n"), "a recipe is at most 1048576 bytes"),
+    ("alias_bomb", lambda t: _recipe(t, ALIAS_BOMB), "rl.lr must be a finite number"),
+    ("deep_flow_yaml", lambda t: _recipe(t, "seed: " + "[" * 100_000 + "\n"), "more than 256 deep"),
+    ("tabs_and_garbage_yaml", lambda t: _recipe(t, "rl:\n\t- lr: [1\n"), "is not valid YAML"),
+    ("deep_json_row", lambda t: _data(t, b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b', "answer": "2"}\n'),
+     "nested too deeply to be a data row"),
+    ("json_row_with_nul", lambda t: _data(t, b'{"prompt": "1+1=\x00", "answer": "2"}\n' * 60),
+     "not valid JSON"),
+    ("empty_tokenizer_folder", lambda t: [f"data.tokenizer={_mkdir(t / 'tok_empty')}"], "holds no tokenizer"),
+    ("tokenizer_without_vocabulary", lambda t: [f"data.tokenizer={_tokenizer_config_only(t)}"],
+     "could not be loaded (ValueError"),
+    ("overrides_on_both_sides_of_resume", lambda t: ["rl.steps=3", "--resume", "rl.clip_low=-1"],
+     "rl.clip_low must be a finite number"),
+
 ]
+
+
+# Nine levels of nine-fold aliases: a few hundred bytes that are 9^9 strings when written out in full.
+ALIAS_BOMB = "rl:\n  lr: [" + ", ".join(
+    [f"&a0 [{', '.join(['lol'] * 9)}]"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]) + "]\n"
+
+
+def _recipe(t, text: str) -> list:
+    """CLI args using a recipe file holding `text` (which replaces configs/tiny_cpu.yaml)."""
+    path = t / "recipe.yaml"
+    path.write_text(text)
+    return ["--config", str(path)]
+
+
+def _mkdir(path):
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _tokenizer_config_only(t):
+    """A tokenizer folder whose tokenizer_config.json names a class but whose vocabulary files are missing."""
+    folder = _mkdir(t / "tok_no_vocab")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
 
 
 def _write(path, data: bytes):
@@ -159,6 +201,7 @@ def test_bad_config_and_data_get_a_clear_error(run, capsys, case, build, needle)
     assert rc == 2, err
     assert err.startswith("megagspo train: error:") and needle in err, err
     assert "Traceback" not in err
+    assert len(err) < 2500, f"an error message of {len(err)} characters"  # values printed are cut short
 
 
 def test_huge_and_empty_prompts_counted_exclusion_or_accepted(tmp_path):
@@ -313,3 +356,129 @@ def test_bad_checkpoints_on_resume_fail_cleanly_and_are_left_alone(run, case):
     assert rc == 2 and needle in err, err[-3000:]
     assert "Traceback" not in err
     assert _snapshot(target) == other_before
+
+
+# ---------------------------------------------------------------------------------- the run folder's owner
+def test_resume_with_nothing_to_resume_is_refused(tmp_path, capsys):
+    rc, err = _cli_inprocess(capsys, "--config", os.path.join(REPO, "configs/tiny_cpu.yaml"), *TINY, "--resume",
+                             f"log.out_dir={tmp_path}", "name=never_ran")
+    assert rc == 2 and "--resume: no checkpoint under" in err and "checkpoint.resume=auto" in err, err
+    assert not os.path.exists(tmp_path / "never_ran" / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_resume_refuses_changed_settings_naming_each(run):
+    tmp, _ = run
+    rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
+                              "--resume", "rl.loss=grpo", "seed=3", "rl.lr=0.0002")  # lr is not run-defining
+    assert rc == 2, err[-3000:]
+    assert "rl.loss: 'gspo' in the checkpoint, 'grpo' now" in err and "seed: 0 in the checkpoint, 3 now" in err
+    assert "rl.lr" not in err and "checkpoint.allow_config_change=true" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_second_owner_is_refused_and_the_folder_is_left_alone(run):
+    """While another process owns the run folder, neither a fresh run nor a resume touches it."""
+    from megagspo.checkpoint.run_lock import RunFolderLock
+
+    tmp, run_dir = run
+    with RunFolderLock(str(run_dir), "the first trainer"):
+        for extra in ([], ["--resume"]):
+            rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
+                                      *extra)
+            assert rc == 2 and f"is in use by the first trainer (pid {os.getpid()} on" in err, err[-3000:]
+            assert "Traceback" not in err
+    # the fixture checks that every file of the run is byte-identical
+
+
+@pytest.mark.slow
+def test_a_trainer_owns_its_run_folder_until_it_ends(tmp_path):
+    from megagspo.config import load_config
+    from megagspo.trainer.trainer import Trainer
+
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
+                      [*TINY, "sft.steps=0", "rl.steps=0", f"log.out_dir={tmp_path}", "name=owned"])
+    trainer = Trainer(cfg, quiet=True)
+    rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp_path}", "name=owned")
+    assert rc == 2 and f"is in use by megagspo sft (pid {os.getpid()} on" in err, err[-3000:]
+    trainer.train(rl=False)  # ends the run: the folder is free again
+    with open(tmp_path / "owned" / ".megagspo.lock") as f:
+        assert json.load(f)["pid"] == os.getpid()
+    from megagspo.checkpoint.run_lock import RunFolderLock
+
+    RunFolderLock(str(tmp_path / "owned"), "next").acquire().release()
+
+
+def test_a_fresh_start_that_fails_its_checks_leaves_the_run_resumable(run, capsys):
+    """A bad model.init_from is found before the earlier checkpoints are moved aside or anything is written."""
+    tmp, run_dir = run
+    bad = tmp / "not_weights.safetensors"
+    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    rc, err = _cli_inprocess(capsys, "--config", os.path.join(REPO, "configs/tiny_cpu.yaml"), *TINY,
+                             f"model.init_from={bad}", f"log.out_dir={tmp}", "name=r")
+    assert rc == 2 and "model.init_from" in err, err
+    assert os.path.isdir(run_dir / "checkpoints" / "step_000002")  # not moved aside: --resume still finds it
+
+
+@pytest.mark.slow
+def test_an_output_folder_that_is_a_file_is_one_clear_line(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp_path / 'file'}")
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("megagspo train: error:"), err[-3000:]
+    assert "not a directory" in err and str(tmp_path / "file") in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------- a full disk
+def test_write_failures_are_named_by_their_cause(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    from megagspo.errors import os_error_message, write_failure_message
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
+    assert os_error_message(full) == f"{tmp_path / 'metrics.jsonl'}: disk full (no space left on device)"
+    assert os_error_message(OSError(errno.EROFS, "x", "/r")) == "/r: read-only filesystem"
+    assert os_error_message(OSError(errno.ENOTDIR, "x", "/a/b")) == "/a/b: a path component is not a directory"
+    try:  # an OSError behind a library's own exception is found
+        try:
+            raise full
+        except OSError as inner:
+            raise RuntimeError("Worker failure") from inner
+    except RuntimeError as wrapped:
+        assert "disk full" in write_failure_message(wrapped, str(tmp_path))
+    # Megatron's writer: "unexpected pos" with no errno; the free space left tells a full disk apart
+    opaque = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598\n"
+                          "Traceback (most recent call last): ...")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    message = write_failure_message(opaque, str(tmp_path))
+    assert message.startswith(f"{tmp_path}: disk full (4096 bytes left") and "\n" not in message
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1 << 40))
+    assert write_failure_message(opaque, str(tmp_path)).startswith("RuntimeError: Worker failure")
+
+
+def _mount_tmpfs(path, mib: int) -> bool:
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)], capture_output=True)
+    return proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_says_so_and_keeps_the_previous(tmp_path):
+    """On a real 11 MiB filesystem: cold_start.pt (~2 MB) and step_000000 (~2 MB, no optimizer yet) fit,
+    step_000001 (~8 MB with the optimizer's masters and moments) does not."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, 11):
+        pytest.skip("mounting a tmpfs needs privileges this host does not give; test_write_failures_are_named_by_"
+                    "their_cause covers the message")
+    try:
+        rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, "rl.steps=3",
+                                  "checkpoint.every_steps=1", f"log.out_dir={disk}", "name=full")
+        assert rc == 1, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("megagspo train: error: writing checkpoint step_000001") and "disk full" in last, last
+        assert "the earlier checkpoints are intact" in last
+        assert verify(str(disk / "full" / "checkpoints" / "step_000000"), REQUIRED) is None
+        assert not [p for p in os.listdir(disk / "full" / "checkpoints") if ".tmp" in p]  # partial files removed
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -20,10 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-import yaml
 
 from megagspo.ablation.spec import AblationSpec
-from megagspo.config import ConfigError
+from megagspo.config import ConfigError, read_yaml_mapping
 
 
 @dataclass
@@ -65,8 +64,7 @@ def run_state(spec: AblationSpec, run: Run, extra: List[str]) -> str:
     cfg_path = os.path.join(run.run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         return "new"
-    with open(cfg_path, encoding="utf-8") as f:
-        saved = yaml.safe_load(f) or {}
+    saved = read_yaml_mapping(cfg_path, "run config")  # duplicate keys, size, depth: as for a recipe
     want = expected_config(spec, run, extra)
     for d in (saved, want):  # a progress bar does not make a different run
         d.get("log", {}).pop("progress", None)
