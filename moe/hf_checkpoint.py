@@ -295,7 +295,12 @@ class SafetensorsSource(_Source):
             file = self.path / name
             if not file.is_file():
                 raise CheckpointError(f"{index}: names shard {name!r}, which does not exist")
-            handle = safe_open(str(file), framework="pt", device="cpu")
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for a bad header
+                first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise CheckpointError(f"{file}: not a readable safetensors file ({type(exc).__name__}: "
+                                      f"{first_line})") from None
             self._handles[name] = handle
             for key in handle.keys():
                 if key in self._file_of:

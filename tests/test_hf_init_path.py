@@ -187,6 +187,15 @@ def test_folder_that_does_not_fit_fails_before_compute(kit, tmp_path):
         assert key in proc.stderr and "does not fit this model" in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()  # nothing was written: the check came before any compute
+    # a header that is not safetensors, and a config.json that is not JSON: the same one-line refusal
+    garbled = tmp_path / "garbled"
+    shutil.copytree(kit["model"], garbled)
+    (garbled / "model.safetensors").write_bytes(b"\xff" * 64)
+    proc = _cli("train", "--dry-run", *args[:2], f"model.init_from={garbled}", *args[3:], ok=False)
+    assert proc.returncode == 2 and "not a readable safetensors file" in proc.stderr, proc.stderr[-2000:]
+    (garbled / "config.json").write_text("{not json")
+    proc = _cli("train", "--dry-run", *args[:2], f"model.init_from={garbled}", *args[3:], ok=False)
+    assert proc.returncode == 2 and "config.json" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     # a recipe that describes another model than the folder is refused, naming the field
     proc = _cli("train", "--dry-run", *_recipe(kit, tmp_path, "model.hidden_size=128"), ok=False)
     assert "model.hidden_size = 128 but config.json has 64" in proc.stderr, proc.stderr[-2000:]
