@@ -221,3 +221,23 @@ def test_megagspo_export_starts_rl_from_exactly_its_weights(tmp_path):
         assert torch.equal(tensor, second["state"][name]), name
     assert json.load(open(tmp_path / "second" / "summary.json"))["init/accuracy"] == \
         json.load(open(tmp_path / "first" / "summary.json"))["final/accuracy"]
+
+
+def test_init_from_casts_to_the_runs_precision(kit, tmp_path):
+    """model.precision=bf16: each weight is the folder's float32 tensor rounded to bf16 (embedding, one expert)."""
+    from safetensors.torch import load_file
+
+    from megagspo.config import load_config
+    from megagspo.trainer.trainer import Trainer
+
+    cfg = load_config(os.path.join(REPO, "configs/tiny_hf_cpu.yaml"),
+                      _recipe(kit, tmp_path)[2:] + ["model.precision=bf16", "log.save_checkpoint=false"])
+    model = Trainer(cfg, quiet=True).policy.model
+    hf = load_file(os.path.join(kit["model"], "model.safetensors"))
+    embedding = model.embedding.word_embeddings.weight
+    assert embedding.dtype == torch.bfloat16
+    assert torch.equal(embedding.cpu(), hf["model.embed_tokens.weight"].to(torch.bfloat16))
+    params = dict(model.named_parameters())
+    down = params["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"]
+    assert down.dtype == torch.bfloat16
+    assert torch.equal(down.cpu(), hf["model.layers.1.mlp.experts.2.down_proj.weight"].to(torch.bfloat16))
