@@ -142,6 +142,8 @@ CONFIG_AND_DATA_CASES = [
     ("empty_tokenizer_folder", lambda t: [f"data.tokenizer={_mkdir(t / 'tok_empty')}"], "holds no tokenizer"),
     ("tokenizer_without_vocabulary", lambda t: [f"data.tokenizer={_tokenizer_config_only(t)}"],
      "could not be loaded (ValueError"),
+    ("tokenizer_with_an_empty_vocabulary", lambda t: [f"data.tokenizer={_tokenizer_only_unk(t)}"],
+     "has no vocabulary besides its 1 special token(s)"),
     ("overrides_on_both_sides_of_resume", lambda t: ["rl.steps=3", "--resume", "rl.clip_low=-1"],
      "rl.clip_low must be a finite number"),
 
@@ -169,6 +171,17 @@ def _tokenizer_config_only(t):
     """A tokenizer folder whose tokenizer_config.json names a class but whose vocabulary files are missing."""
     folder = _mkdir(t / "tok_no_vocab")
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+def _tokenizer_only_unk(t):
+    """A loadable tokenizer whose vocabulary is just <unk> (its vocab file emptied): size 1."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    folder = _mkdir(t / "tok_unk_only")
+    backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>").save_pretrained(folder)
     return folder
 
 
