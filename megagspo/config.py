@@ -248,6 +248,8 @@ class DataConfig:
     # auto: the tokenizer's chat template (generation prompt added) when it has one, else plain text |
     # chat | plain
     prompt_format: str = "auto"
+    # Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3's non-thinking mode.
+    chat_template_kwargs: dict = field(default_factory=dict)
     max_prompt_tokens: int = 16
     max_response_tokens: int = 6
     drop_long_prompts: bool = False  # False: prompts over max_prompt_tokens are an error (counted, listed)
@@ -273,6 +275,9 @@ class DataConfig:
                 if path and not path.endswith((".jsonl", ".json", ".parquet")):
                     raise ConfigError(f"data.{name} = {_show(path)}: expected a .jsonl or .parquet file")
         _choice("data", "prompt_format", self.prompt_format, PROMPT_FORMATS)
+        _require("data", "chat_template_kwargs", isinstance(self.chat_template_kwargs, dict) and all(
+            isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in self.chat_template_kwargs.items()),
+            self.chat_template_kwargs, "a mapping of names to plain values (e.g. {enable_thinking: false})")
         if self.tokenizer not in ("auto", "builtin") and not _path_present("data.tokenizer", self.tokenizer, "dir"):
             raise ConfigError(f"data.tokenizer = {_show(self.tokenizer)}: expected 'auto', 'builtin' or a local "
                               "tokenizer folder")
@@ -532,17 +537,35 @@ class Config:
         from megagspo.data.tokenizer import has_tokenizer_files
 
         init_from = self.model.init_from
-        if not init_from or os.path.isfile(init_from):
-            return "builtin"
+        if not init_from or os.path.isfile(init_from) or init_from.endswith((".pt", ".safetensors")):
+            return "builtin"  # a checkpoint file holds no tokenizer files
         if not os.path.exists(init_from) or has_tokenizer_files(init_from):
             return init_from
-        return "builtin"
+        return _recorded_tokenizer(init_from) or "builtin"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def run_dir(self) -> str:
         return os.path.join(self.log.out_dir, self.name)
+
+
+def _recorded_tokenizer(folder: str) -> str:
+    """The tokenizer a megagspo run folder or step checkpoint was trained with ("" when none is recorded)."""
+    import json
+
+    for path, read in ((os.path.join(folder, "config.yaml"), lambda d: (d.get("data") or {}).get("tokenizer")),
+                       (os.path.join(folder, "trainer_state.json"), lambda d: d.get("tokenizer"))):
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+                value = read(data) if isinstance(data, dict) else None
+            except (OSError, ValueError, yaml.YAMLError):
+                value = None
+            if isinstance(value, str) and value:
+                return value
+    return ""
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -649,6 +672,8 @@ def _yaml_loader():
         def construct_mapping(self, node, deep=False):
             first_line = {}
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` merges a mapping in; its keys may be overridden here
                 key = self.construct_object(key_node, deep=deep)
                 if not isinstance(key, (str, int, float, bool)):
                     continue  # an unhashable key is refused by PyYAML itself
@@ -662,33 +687,45 @@ def _yaml_loader():
     return UniqueKeySafeLoader
 
 
-MAX_FLOW_DEPTH = 256  # libyaml's parser recurses per open [ or {: ~50,000 unclosed ones crash the process
+MAX_YAML_DEPTH = 256  # libyaml's composer recurses per nested collection: ~50,000 levels crash the process
 
 
-def _flow_depth(text: str) -> int:
-    """The deepest nesting of YAML flow collections ([ and {) in `text`, quotes not considered (an upper bound)."""
+def _yaml_depth(text: str) -> int:
+    """The deepest nesting of YAML collections in `text`, from libyaml's event stream (its parser does not
+    recurse; building the document does), so a hostile depth is found before it can crash the loader."""
     depth = deepest = 0
-    for ch in text:
-        if ch in "[{":
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             depth += 1
             deepest = max(deepest, depth)
-        elif ch in "]}" and depth:
+            if deepest > MAX_YAML_DEPTH:
+                break
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             depth -= 1
     return deepest
 
 
 def parse_yaml(text: str, where: str):
     """The YAML document in `text` (safe, duplicate keys refused); every failure is a ConfigError naming `where`."""
-    if _flow_depth(text) > MAX_FLOW_DEPTH:
-        raise ConfigError(f"{where} nests [ ] / {{ }} more than {MAX_FLOW_DEPTH} deep: not a recipe")
     try:
+        if _yaml_depth(text) > MAX_YAML_DEPTH:
+            raise ConfigError(f"{where} nests collections more than {MAX_YAML_DEPTH} deep: not a recipe")
         return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
     except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError(exc.args[0] if str(exc).startswith(where) else f"{where}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{where} is not valid YAML: {_SHOWN.repr(str(exc))[1:-1]}") from None
+        raise ConfigError(f"{where} is not valid YAML: {_yaml_problem(exc)}") from None
     except RecursionError:
         raise ConfigError(f"{where} is nested too deeply to be a recipe") from None
+
+
+def _yaml_problem(exc) -> str:
+    """'did not find expected key (line 3, column 2)': the parser's own words and place, cut to one line."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{problem[:200]}{where}"
 
 
 def read_yaml_mapping(path: str, what: str = "config file") -> dict:

@@ -85,7 +85,7 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
                               "must come from model.arch_file")
         vocab_size = 0
     else:
-        vocab_size = load_tokenizer(cfg.data.tokenizer, cfg.data.prompt_format).vocab_size
+        vocab_size = load_tokenizer(cfg.data.tokenizer, cfg.data.prompt_format, cfg.data.chat_template_kwargs).vocab_size
     if cfg.model.init_from in absent and not cfg.model.arch_file:
         raise ConfigError(f"model.init_from = {cfg.model.init_from!r} is not on this machine, so the architecture "
                           "must come from model.arch_file to be checked here")

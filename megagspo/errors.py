@@ -26,17 +26,21 @@ _CAUSES = {
     errno.EFBIG: "file too large for this filesystem or the process's file size limit",
     errno.ELOOP: "too many levels of symbolic links",
     errno.EXDEV: "cannot move across filesystems",
+    errno.ENOLCK: "no locks available on this filesystem",
+    errno.ENOSYS: "not supported by this filesystem",
+    errno.EOPNOTSUPP: "not supported by this filesystem",
     errno.ENOTEMPTY: "directory not empty",
     errno.EBUSY: "device or resource busy",
     errno.ESTALE: "stale network file handle",
 }
-# Below this much free space after a failed write, the write failed because the disk is full.
-LOW_SPACE_BYTES = 64 << 20
+# Below this much free space right after a failed write (before its partial files are removed), the write
+# failed because the disk is full: a writer that meets ENOSPC has used up the space to the last block.
+LOW_SPACE_BYTES = 1 << 20
 
 
 def os_error_message(exc: OSError) -> str:
     """'<path>: <cause>' (both paths for a rename), e.g. 'runs/x/metrics.jsonl: disk full (no space left on device)'."""
-    cause = _CAUSES.get(exc.errno) or (exc.strerror or str(exc) or type(exc).__name__).lower()
+    cause = _CAUSES.get(exc.errno) or (exc.strerror.lower() if exc.strerror else str(exc) or type(exc).__name__)
     where = exc.filename if exc.filename is not None else ""
     if exc.filename2 is not None:
         where = f"{where} -> {exc.filename2}"

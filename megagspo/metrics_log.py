@@ -20,6 +20,7 @@ class MetricsLogger:
         self.rows: list = []
         self.tb = None
         self.tb_note = ""
+        self.write_error: Optional[OSError] = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             open(self.path, "w").close()
@@ -42,15 +43,24 @@ class MetricsLogger:
                 raise ValueError(f"metric {key!r} is {value} at step {row.get('step')}")
             clean[key] = value
         self.rows.append(clean)
-        if not self.enabled:
+        if not self.enabled or self.write_error is not None:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(clean) + "\n")
+        except OSError as exc:  # kept, and raised at the next step boundary on every rank (raise_write_error)
+            self.write_error = exc
+            return
         if self.tb is not None:
             step = int(clean.get("step", len(self.rows)))
             for key, value in clean.items():
                 if not isinstance(value, str) and key != "step":
                     self.tb.add_scalar(key, value, step)
+
+    def raise_write_error(self) -> None:
+        """Raise the OSError that stopped metrics.jsonl from being appended to, if one did."""
+        if self.write_error is not None:
+            raise self.write_error
 
     def close(self) -> None:
         if self.tb is not None:

@@ -281,9 +281,13 @@ class SafetensorsSource(_Source):
         self.path = Path(path)
         index = self.path / SAFE_INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: no 'weight_map' mapping")
+            try:
+                parsed = json.loads(index.read_text())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{index}: not valid JSON ({exc})") from None
+            weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: no 'weight_map' mapping of tensor names to shard files")
             files = sorted(set(weight_map.values()))
         elif (self.path / SAFE_WEIGHTS).is_file():
             weight_map, files = None, [SAFE_WEIGHTS]

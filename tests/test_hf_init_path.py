@@ -71,6 +71,17 @@ def test_hf_tokenizer_renders_chat_prompts_and_reads_stop_tokens(kit):
     assert tok.decode(body + [im_end] + tok.encode("junk")) == "#### 5"
 
 
+def test_chat_template_kwargs_reach_the_template(kit):
+    """data.chat_template_kwargs: Qwen3's enable_thinking=false pre-fills an empty thinking block."""
+    from megagspo.data import load_tokenizer
+
+    thinking, plain_turn = load_tokenizer(kit["model"]), load_tokenizer(kit["model"], "auto", {"enable_thinking": False})
+    base = thinking.prompt_ids("What is 2 + 3?")
+    assert plain_turn.prompt_ids("What is 2 + 3?") == base + thinking.encode("<think>\n\n</think>\n\n")
+    with pytest.raises(ValueError, match="built-in tokenizer has no chat template"):
+        load_tokenizer("builtin", "auto", {"enable_thinking": False})
+
+
 def test_broken_tokenizer_folders_get_clear_errors(kit, tmp_path):
     from megagspo.data import load_tokenizer
 

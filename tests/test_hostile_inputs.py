@@ -134,6 +134,7 @@ CONFIG_AND_DATA_CASES = [
     ("huge_recipe", lambda t: _recipe(t, "# " + "x" * (1 << 20) + "\nseed: 1\n"), "a recipe is at most 1048576 bytes"),
     ("alias_bomb", lambda t: _recipe(t, ALIAS_BOMB), "rl.lr must be a finite number"),
     ("deep_flow_yaml", lambda t: _recipe(t, "seed: " + "[" * 100_000 + "\n"), "more than 256 deep"),
+    ("deep_block_yaml", lambda t: _recipe(t, "seed:\n  " + "- " * 50_000 + "x\n"), "more than 256 deep"),
     ("tabs_and_garbage_yaml", lambda t: _recipe(t, "rl:\n\t- lr: [1\n"), "is not valid YAML"),
     ("deep_json_row", lambda t: _data(t, b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b', "answer": "2"}\n'),
      "nested too deeply to be a data row"),
@@ -422,15 +423,25 @@ def test_a_trainer_owns_its_run_folder_until_it_ends(tmp_path):
     RunFolderLock(str(tmp_path / "owned"), "next").acquire().release()
 
 
-def test_a_fresh_start_that_fails_its_checks_leaves_the_run_resumable(run, capsys):
-    """A bad model.init_from is found before the earlier checkpoints are moved aside or anything is written."""
+def test_a_fresh_start_that_fails_its_checks_leaves_the_run_resumable(run, capsys, monkeypatch):
+    """A fresh run over earlier checkpoints that fails after choosing its resume point (here: building the
+    model) has not moved them aside, nor written anything: --resume still finds them."""
+    from megagspo.config import ConfigError
+    from megagspo.trainer import policy
+
+    def fail(*args, **kwargs):
+        raise ConfigError("injected: the model cannot be built")
+
+    monkeypatch.setattr(policy.MegatronPolicy, "__init__", fail)
     tmp, run_dir = run
-    bad = tmp / "not_weights.safetensors"
-    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
     rc, err = _cli_inprocess(capsys, "--config", os.path.join(REPO, "configs/tiny_cpu.yaml"), *TINY,
-                             f"model.init_from={bad}", f"log.out_dir={tmp}", "name=r")
-    assert rc == 2 and "model.init_from" in err, err
-    assert os.path.isdir(run_dir / "checkpoints" / "step_000002")  # not moved aside: --resume still finds it
+                             f"log.out_dir={tmp}", "name=r")
+    assert rc == 2 and "injected: the model cannot be built" in err, err
+    assert os.path.isdir(run_dir / "checkpoints" / "step_000002")  # not moved aside
+    assert not [p for p in os.listdir(tmp) if "replaced" in p] and not (run_dir / "config.yaml").exists()
+    from megagspo.checkpoint.run_lock import RunFolderLock
+
+    RunFolderLock(str(run_dir), "next").acquire().release()  # the failed start let go of the folder
 
 
 @pytest.mark.slow
@@ -495,3 +506,13 @@ def test_a_full_disk_during_a_checkpoint_says_so_and_keeps_the_previous(tmp_path
         assert not [p for p in os.listdir(disk / "full" / "checkpoints") if ".tmp" in p]  # partial files removed
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_yaml_merge_keys_are_still_a_recipe_feature(tmp_path):
+    """The duplicate-key check leaves YAML's merge key alone: merged keys may be overridden."""
+    from megagspo.config import load_config
+
+    path = tmp_path / "merge.yaml"
+    path.write_text("sft: &schedule\n  lr: 0.002\n  warmup_steps: 5\nrl:\n  <<: *schedule\n  lr: 0.0002\n")
+    cfg = load_config(str(path))
+    assert (cfg.sft.lr, cfg.rl.warmup_steps, cfg.rl.lr) == (0.002, 5, 0.0002)

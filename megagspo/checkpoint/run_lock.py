@@ -21,6 +21,9 @@ import time
 LOCK_FILE = ".megagspo.lock"
 
 
+_NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
 class RunFolderBusy(RuntimeError):
     """Another live process owns the run folder; the message names it."""
 
@@ -53,11 +56,17 @@ class RunFolderLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
                 raise RunFolderBusy(f"run folder {self.run_dir} is in use by {describe_owner(self.path)}; wait "
                                     "for it to finish or stop it, or choose another name= / log.out_dir=") from None
-            raise
+            if exc.errno not in _NO_FLOCK:
+                os.close(fd)
+                raise OSError(exc.errno, exc.strerror, self.path) from None
+            # Lustre without -o flock, NFSv3 with nolock, some FUSE mounts: no lock manager. Refusing would
+            # stop every run there; running unguarded is what the user had before, said once and plainly.
+            print(f"megagspo: warning: {self.path}: this filesystem offers no file locks ({os.strerror(exc.errno)}); "
+                  "the run folder is NOT guarded against a second trainer", file=sys.stderr, flush=True)
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": self.purpose,
                  "command": " ".join(sys.argv)[:500], "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         os.ftruncate(fd, 0)

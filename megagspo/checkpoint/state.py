@@ -136,11 +136,18 @@ def defining_differences(saved: dict, now: dict) -> list:
                 out[f"{prefix}{key}"] = value
         return out
 
+    from megagspo.config import Config
+
     before, after = flat(saved), flat(now)
+    # A key the checkpoint predates ran at its default then: a value other than the default now is a change.
+    defaults = flat(_jsonable(Config().to_dict()))
     keys = sorted(k for k in set(before) | set(after)
                   if any(k == d or k.startswith(d + ".") for d in DEFINING_KEYS) and k not in IMPLEMENTATION_KEYS)
-    return [f"{k}: {before.get(k, '(unset)')!r} in the checkpoint, {after.get(k, '(unset)')!r} now"
-            for k in keys if before.get(k) != after.get(k) and k in before]
+    def shown(values: dict, k: str) -> str:
+        return repr(values[k]) if k in values else f"unset (default {defaults.get(k)!r})"
+
+    return [f"{k}: {shown(before, k)} in the checkpoint, {shown(after, k)} now"
+            for k in keys if before.get(k, defaults.get(k)) != after.get(k, defaults.get(k))]
 
 
 # ------------------------------------------------------------------------------------------- manager

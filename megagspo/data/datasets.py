@@ -171,7 +171,7 @@ class PromptDataset:
 
 def build_datasets(data_cfg, tokenizer=None):
     """-> (tokenizer, train examples, held-out examples, stats). Everything is validated here."""
-    tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer, data_cfg.prompt_format)
+    tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer, data_cfg.prompt_format, data_cfg.chat_template_kwargs)
     if data_cfg.task == "addition":
         train_pairs, eval_pairs = addition_examples(data_cfg.num_digits, data_cfg.train_size,
                                                     data_cfg.eval_size, data_cfg.seed)

@@ -97,7 +97,7 @@ def _token_ids(value, where: str) -> list[int]:
 class HFTokenizer:
     """A local Hugging Face tokenizer folder (no downloads), with its chat template and generation config."""
 
-    def __init__(self, path: str, prompt_format: str = "auto") -> None:
+    def __init__(self, path: str, prompt_format: str = "auto", chat_template_kwargs: dict | None = None) -> None:
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"data.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
         if not os.path.isdir(path):
@@ -140,6 +140,7 @@ class HFTokenizer:
         self.prompt_format = "chat" if prompt_format == "chat" or (prompt_format == "auto" and has_template) \
             else "plain"
         self.path = path
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
     @property
     def vocab_size(self) -> int:
@@ -158,7 +159,8 @@ class HFTokenizer:
             return self.tok.encode(prompt, add_special_tokens=True)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                **self.chat_template_kwargs)
         except Exception as exc:  # noqa: BLE001 - a template error (jinja) names the problem; keep it
             raise ValueError(f"the chat template failed on this prompt: {type(exc).__name__}: {exc}") from None
         return self.tok.encode(text, add_special_tokens=False)
@@ -171,5 +173,9 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(spec: str, prompt_format: str = "auto"):
-    return BuiltinTokenizer(prompt_format) if spec == "builtin" else HFTokenizer(spec, prompt_format)
+def load_tokenizer(spec: str, prompt_format: str = "auto", chat_template_kwargs: dict | None = None):
+    if spec == "builtin":
+        if chat_template_kwargs:
+            raise ValueError("data.chat_template_kwargs is set, but the built-in tokenizer has no chat template")
+        return BuiltinTokenizer(prompt_format)
+    return HFTokenizer(spec, prompt_format, chat_template_kwargs)

@@ -19,12 +19,15 @@ import random
 from dataclasses import dataclass
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# The Qwen chat layout: each message framed by <|im_start|>role ... <|im_end|>, then the assistant's turn opened.
+# The Qwen3 chat layout: each message framed by <|im_start|>role ... <|im_end|>, then the assistant's turn
+# opened; enable_thinking=false pre-fills an empty thinking block, as Qwen3's own template does.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 INSTRUCTION = "Put the final answer after ####."
 

@@ -15,6 +15,10 @@ from typing import Optional
 from megagspo.config import ConfigError
 
 
+# Training-time fields a checkpoint may carry with other values than the run (as in the HF config check).
+_NOT_COMPARED = ("initializer_range", "router_aux_loss_coef", "max_position_embeddings")
+
+
 @dataclass
 class InitSource:
     kind: str  # "random" | "hf" | "megagspo"
@@ -49,7 +53,7 @@ def preflight_init_from(model_cfg, arch) -> InitSource:
     saved_arch = ckpt.get("arch")
     if saved_arch:
         differ = [f"{k}: checkpoint {v!r}, model {getattr(arch, k)!r}" for k, v in saved_arch.items()
-                  if hasattr(arch, k) and k not in ("initializer_range", "router_aux_loss_coef")
+                  if hasattr(arch, k) and k not in _NOT_COMPARED
                   and _as_tuple(v) != _as_tuple(getattr(arch, k))]
         if differ:
             raise ConfigError(f"model.init_from = {path!r} holds another architecture: " + "; ".join(differ))
@@ -62,7 +66,19 @@ def _as_tuple(value):
 
 
 def load_init_weights(policy, source: InitSource, arch) -> None:
-    """Copy the checked starting weights into this rank's part of `policy`'s model."""
+    """Collective: copy the checked starting weights into this rank's part of `policy`'s model. A read that
+    fails on any rank (an I/O error, a file changed since the preflight) fails on every rank together."""
+    failure = ""
+    try:
+        _load(policy, source, arch)
+    except (ConfigError, OSError, RuntimeError) as exc:
+        failure = str(exc) if isinstance(exc, ConfigError) else \
+            f"model.init_from = {source.path!r} could not be read: {_one_line(exc)}"
+    if _failed_anywhere(bool(failure)):
+        raise ConfigError(failure or f"model.init_from = {source.path!r} could not be read on another rank")
+
+
+def _load(policy, source: InitSource, arch) -> None:
     if source.kind == "random":
         return
     if source.kind == "hf":
@@ -78,3 +94,24 @@ def load_init_weights(policy, source: InitSource, arch) -> None:
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"model.init_from = {source.path!r} does not fit this model: {exc}") from None
     source.full_state = None  # the policy holds the weights now
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        from megagspo.errors import os_error_message
+
+        return os_error_message(exc)
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+def _failed_anywhere(failed: bool) -> bool:
+    import torch
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return failed
+    from megagspo.collective import collective_device
+
+    flag = torch.tensor([int(failed)], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

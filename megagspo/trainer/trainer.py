@@ -114,7 +114,7 @@ def lr_at(step: int, total: int, base: float, warmup: int, schedule: str, min_ra
 class Trainer:
     def __init__(self, cfg: Config, *, quiet: bool = False) -> None:
         from megagspo.algorithm import get_loss
-        from megagspo.data import PromptDataset, build_datasets
+        from megagspo.data import build_datasets
         from megagspo.rewards import get_reward
         from megagspo.rollout import get_engine_class
 
@@ -142,7 +142,7 @@ class Trainer:
         except LayoutError as exc:
             raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel / parallel.pipeline_parallel do "
                               f"not fit the model: {exc}") from None
-        from megagspo.trainer.init_weights import load_init_weights, preflight_init_from
+        from megagspo.trainer.init_weights import preflight_init_from
 
         init_source = preflight_init_from(cfg.model, arch)
         from megagspo.checkpoint import with_time_limit
@@ -163,7 +163,7 @@ class Trainer:
             raise ConfigError("rl.routing_replay = 'r3' replays the engine's routes: set rollout.record_routes=true")
 
         # ---- model, engine, optimizer ----
-        from megagspo.trainer.policy import MegatronPolicy, setup_parallel
+        from megagspo.trainer.policy import setup_parallel
 
         self.layout, self.rank, self.world = setup_parallel(cfg.parallel, cfg.seed)
         # ---- one owner per run folder, before anything in it is read for writing or moved ----
@@ -172,6 +172,18 @@ class Trainer:
 
         self.run_lock = RunFolderLock(cfg.run_dir(), f"megagspo {'train' if cfg.rl.steps else 'sft'}")
         run_on_rank0("taking the run folder", lambda: self.run_lock.acquire() and None, peer_error=RunFolderBusy)
+        try:
+            self._build_run(cfg, arch, train, held_out, init_source, engine_cls, quiet)
+        except BaseException:
+            self.run_lock.release()  # a start that failed leaves the folder free for the next attempt
+            raise
+
+    def _build_run(self, cfg: Config, arch, train, held_out, init_source, engine_cls, quiet: bool) -> None:
+        """Everything after the run folder is owned: resume point, models, engine, run files."""
+        from megagspo.data import PromptDataset
+        from megagspo.trainer.init_weights import load_init_weights
+        from megagspo.trainer.policy import MegatronPolicy
+
         # ---- checkpoints: the resume point is chosen, verified and checked against this model before
         # anything in the run folder is written (megagspo.checkpoint; docs/robustness.md) ----
         from megagspo.checkpoint import CheckpointManager, StopRequest
@@ -184,9 +196,10 @@ class Trainer:
                                      precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
                                      logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
                                      implementation=cfg.model.implementation())
-        load_init_weights(self.policy, init_source, arch)
         if self.resume:
             self.ckpt.load_model(self.policy, self.resume)  # the engine gets these weights just below
+        else:  # a resume's weights come from its checkpoint: model.init_from is not read again
+            load_init_weights(self.policy, init_source, arch)
         # KL reference policy (rl.kl_coef > 0 only): a second, frozen Megatron model of the same layout. Built
         # here, before the RNG is reseeded below, so building it changes no random draw of the run. Its weights
         # are the policy's at the start of RL: copied by _start_reference (a fresh run, or a resume from the
@@ -212,13 +225,24 @@ class Trainer:
         from megagspo.metrics_log import MetricsLogger
 
         # Everything is checked: from here on the run folder is written (a fresh run first moves earlier
-        # checkpoints aside; metrics.jsonl is rewritten).
+        # checkpoints aside; metrics.jsonl and config.yaml are rewritten). Rank 0 writes; a failure (disk
+        # full, read-only) reaches every rank.
         self.ckpt.retire_previous()
-        prior = self.ckpt.prior_metrics(self.resume, os.path.join(cfg.run_dir(), "metrics.jsonl")) \
-            if self.resume and self.is_main else []
-        self.logger = MetricsLogger(cfg.run_dir(), enabled=self.is_main, tensorboard=cfg.log.tensorboard)
-        for row in prior:  # metrics.jsonl = the rows up to the checkpoint, then the resumed steps
-            self.logger.log(row)
+        self.logger = MetricsLogger(cfg.run_dir(), enabled=False)
+
+        def open_run_files():
+            prior = self.ckpt.prior_metrics(self.resume, os.path.join(cfg.run_dir(), "metrics.jsonl")) \
+                if self.resume else []
+            self.logger = MetricsLogger(cfg.run_dir(), enabled=True, tensorboard=cfg.log.tensorboard)
+            for row in prior:  # metrics.jsonl = the rows up to the checkpoint, then the resumed steps
+                self.logger.log(row)
+            self.logger.raise_write_error()
+            import yaml
+
+            with open(os.path.join(cfg.run_dir(), "config.yaml"), "w") as f:
+                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+
+        self._from_rank0("writing metrics.jsonl and config.yaml", open_run_files)
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dp_rank)
         # Sampling randomness differs per data-parallel rank; the TP ranks of one DP rank draw the same
         # (rank == dp_rank without TP). Training rollouts are also broadcast from TP rank 0 (_generate).
@@ -227,13 +251,8 @@ class Trainer:
             self.ckpt.restore_rng_and_data(self, self.resume)
         self.summary: dict = {"data": self.data_stats, "device": str(self.policy.device),
                               "precision": cfg.model.precision}
-        if self.is_main:
-            import yaml
-
-            with open(os.path.join(cfg.run_dir(), "config.yaml"), "w") as f:
-                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-            if self.logger.tb_note and not self.quiet:
-                print(self.logger.tb_note)
+        if self.is_main and self.logger.tb_note and not self.quiet:
+            print(self.logger.tb_note)
 
     # ------------------------------------------------------------------------------------- KL reference
     def _start_reference(self) -> None:
@@ -677,6 +696,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- drivers
     def _checkpoint_and_maybe_stop(self, steps_done: int, last_eval: dict) -> None:
         """After each RL step: a checkpoint when due or when SIGTERM/SIGINT arrived; then stop on the signal."""
+        self._stop_if_metrics_unwritable()
         signum = self.stop.requested()
         if signum or self.ckpt.due(steps_done, self.cfg.rl.steps):
             path = self.ckpt.save(self, steps_done, last_eval)
@@ -686,6 +706,11 @@ class Trainer:
             name = _signal.Signals(signum).name
             raise self._preempted(f"stopped by {name} after RL step {steps_done}; checkpoint {path} written; "
                                   "continue with --resume (or checkpoint.resume=auto)", signum)
+
+    def _stop_if_metrics_unwritable(self) -> None:
+        """Collective: when rank 0 could not append to metrics.jsonl (disk full, ...), every rank stops here
+        together, at a step boundary, instead of rank 0 exiting while its peers wait in a collective."""
+        self._from_rank0("appending to metrics.jsonl", self.logger.raise_write_error)
 
     def _preempted(self, msg: str, signum: int):
         from megagspo.checkpoint import Preempted
@@ -729,6 +754,7 @@ class Trainer:
         base = self.evaluate()
         self.summary["init/accuracy"] = base["eval/accuracy"]
         self.summary.update(self.run_sft())
+        self._stop_if_metrics_unwritable()
         if self.cfg.sft.steps and self.cfg.log.save_checkpoint and rl and self.cfg.rl.steps:
             self.save_checkpoint("cold_start.pt")  # megagspo train model.init_from=<run>/cold_start.pt sft.steps=0
         cold = self.evaluate()
