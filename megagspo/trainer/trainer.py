@@ -27,7 +27,6 @@ L response length, T = rows*S tokens in storage order (b*S + s).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from typing import Optional
@@ -35,80 +34,12 @@ from typing import Optional
 import torch
 
 from megagspo.config import Config, ConfigError
+from megagspo.trainer.layout import check_layout, micro_slices, world_from_env
+from megagspo.trainer.schedule import lr_at
 
 
 class TrainError(RuntimeError):
     pass
-
-
-def _world_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def check_layout(cfg: Config, world: int) -> int:
-    """Batch sizes against ranks and mini-batches, before any compute. -> data-parallel size."""
-    tp = cfg.parallel.tensor_parallel
-    ep = cfg.parallel.expert_parallel
-    pp = cfg.parallel.pipeline_parallel
-    if cfg.parallel.world_size and world != cfg.parallel.world_size:
-        raise ConfigError(f"parallel.world_size = {cfg.parallel.world_size} but {world} processes were started")
-    if world % (tp * pp) or world % (ep * pp):
-        raise ConfigError(f"{world} processes do not divide into parallel.tensor_parallel={tp} x "
-                          f"parallel.pipeline_parallel={pp} (and parallel.expert_parallel={ep} x "
-                          f"parallel.pipeline_parallel={pp})")
-    num_experts = cfg.model.num_experts
-    if cfg.model.arch_file:
-        from moe.hf_config import architecture_from_hf_config
-
-        num_experts = architecture_from_hf_config(cfg.model.arch_file).num_experts
-    if num_experts % ep:
-        raise ConfigError(f"model.num_experts={num_experts} is not divisible by parallel.expert_parallel={ep}")
-    dp = world // (tp * pp)  # the TP x PP ranks of one data-parallel rank share its prompts, rollouts and batches
-    rl = cfg.rl
-    if rl.prompts_per_step % dp:
-        raise ConfigError(f"rl.prompts_per_step = {rl.prompts_per_step} does not divide over {dp} data-parallel ranks")
-    local = rl.prompts_per_step // dp * rl.group_size
-    if local % rl.mini_batches:
-        raise ConfigError(
-            f"each of the {dp} data-parallel ranks gets {rl.prompts_per_step // dp} prompts x {rl.group_size} = "
-            f"{local} samples, which do not divide into rl.mini_batches = {rl.mini_batches}")
-    mini = local // rl.mini_batches
-    if rl.micro_batch_size and mini % rl.micro_batch_size:
-        raise ConfigError(
-            f"rl.micro_batch_size = {rl.micro_batch_size} does not divide the {mini} sequences of each mini-batch "
-            f"on each data-parallel rank (rl.prompts_per_step {rl.prompts_per_step} / {dp} ranks x rl.group_size "
-            f"{rl.group_size} / rl.mini_batches {rl.mini_batches}); valid values: 0 (whole mini-batch) or "
-            f"{', '.join(str(d) for d in _divisors(mini))}")
-    if cfg.sft.steps and cfg.sft.batch_size % dp:
-        raise ConfigError(f"sft.batch_size = {cfg.sft.batch_size} does not divide over {dp} data-parallel ranks")
-    sft_local = cfg.sft.batch_size // dp
-    if cfg.sft.steps and cfg.sft.micro_batch_size and sft_local % cfg.sft.micro_batch_size:
-        raise ConfigError(
-            f"sft.micro_batch_size = {cfg.sft.micro_batch_size} does not divide the {sft_local} sequences of each "
-            f"SFT batch on each data-parallel rank (sft.batch_size {cfg.sft.batch_size} / {dp} ranks); valid "
-            f"values: 0 (whole batch) or {', '.join(str(d) for d in _divisors(sft_local))}")
-    return dp
-
-
-def _divisors(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _micro_slices(rows: int, micro_batch_size: int) -> list:
-    """Row slices of the micro-batches of `rows` sequences on a rank (micro_batch_size 0 = all in one)."""
-    size = micro_batch_size or rows
-    return [slice(i, i + size) for i in range(0, rows, size)]
-
-
-def lr_at(step: int, total: int, base: float, warmup: int, schedule: str, min_ratio: float) -> float:
-    if warmup and step < warmup:
-        return base * (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return base
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "linear":
-        return base * (1.0 - (1.0 - min_ratio) * frac)
-    return base * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
 class Trainer:
@@ -121,7 +52,7 @@ class Trainer:
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
         # ---- everything that can be wrong with the input is checked before any compute ----
-        self.dp = check_layout(cfg, _world_from_env())
+        self.dp = check_layout(cfg, world_from_env())
         try:
             self.tokenizer, train, held_out, self.data_stats = build_datasets(cfg.data)
         except UnicodeDecodeError as exc:
@@ -412,7 +343,7 @@ class Trainer:
         tok = self.tokenizer
         sft_ds = self.train_ds
         per_rank = cfg.batch_size // self.dp
-        micro_rows = _micro_slices(per_rank, cfg.micro_batch_size)
+        micro_rows = micro_slices(per_rank, cfg.micro_batch_size)
         self.policy.set_micro_batches(len(micro_rows))
         t_start = time.perf_counter()
         for step in range(cfg.steps):
@@ -464,192 +395,11 @@ class Trainer:
         return {"sft/time_s": time.perf_counter() - t_start}
 
     # ------------------------------------------------------------------------------------------------ RL
-    def _recording_into(self, store: list, i: int):
-        """A context recording this stage's routes of one forward into store[i] ([T, L, K])."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def record():
-            with self.policy.replay.recording() as rec:
-                yield
-            store[i] = rec.routes
-
-        return record()
-
-    def _engine_routes_TLK(self, routes_RPLyK, rows, seq_len):
-        """Engine routes of the given rows as [rows*S, L, K] in storage order, L = this pipeline stage's MoE
-        layers; unfed positions get a fixed valid route (their outputs are never scored)."""
-        r = routes_RPLyK[rows].long()
-        k = r.shape[-1]
-        if r.shape[1] < seq_len:
-            pad = torch.full((r.shape[0], seq_len - r.shape[1], r.shape[2], k), -1, dtype=torch.long)
-            r = torch.cat([r, pad], dim=1)
-        r = r[:, :seq_len]
-        filler = torch.arange(k).expand_as(r)
-        r = torch.where(r < 0, filler, r)
-        spec = self.policy.replay.spec
-        return spec.stage_slice(r.reshape(-1, r.shape[2], k)).to(self.policy.device, spec.dtype)
-
     def rl_step(self, step: int) -> dict:
-        from megagspo.algorithm import PackedBatch, group_advantages, merge_metrics
-        from megagspo.rewards import RewardStats, score_batch
-        from megagspo.rollout import SamplingParams
-        from megagspo.trainer.policy import build_sequences
-        from moe.volatility import volatility_counts
+        """One rollout batch through the stages of megagspo.trainer.rl_step; its metrics row."""
+        from megagspo.trainer.rl_step import rl_step
 
-        cfg = self.cfg.rl
-        tok = self.tokenizer
-        times = {}
-        t0 = time.perf_counter()
-        prompts = self._local_slice(self.train_ds.sample(cfg.prompts_per_step))
-        sampling = SamplingParams(self.cfg.data.max_response_tokens, temperature=self.cfg.rollout.temperature,
-                                  top_p=self.cfg.rollout.top_p)
-        out = self._generate([ex.prompt_ids for ex in prompts], cfg.group_size, sampling)
-        times["time/rollout_s"] = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
-        texts = [tok.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
-        answers = [ex.answer for ex in prompts for _ in range(cfg.group_size)]
-        rstats = RewardStats()
-        if self.policy.mp_size == 1:
-            scores = score_batch(self.reward_fn, texts, answers, rstats)
-        else:  # the verifier (time-limited, maybe non-deterministic) runs once per TP x PP group: peers agree
-            scores, rstats = self._from_mp_rank0(
-                "reward scoring", lambda: (score_batch(self.reward_fn, texts, answers, rstats), rstats))
-        rewards_R = torch.tensor(scores, dtype=torch.float32)
-        adv_R = group_advantages(rewards_R, group_size=cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
-        times["time/reward_s"] = time.perf_counter() - t1
-
-        natural = max(map(len, out.prompt_ids)) + out.response_ids_RL.shape[1] - 1  # before TP alignment
-        inp_RS, tgt_RS, mask_RS, pos_RL = build_sequences(out.prompt_ids, out.response_ids_RL, out.response_mask_RL,
-                                                          tok.pad_id, length=self._seq_length(natural))
-        num_rows, seq_len = inp_RS.shape
-        rollout_logp_RS = torch.zeros(num_rows, seq_len)
-        rollout_logp_RS.scatter_(1, pos_RL, torch.where(out.response_mask_RL, out.logp_RL, 0.0))
-        # the batch on the model's device (the engine's outputs and the rewards come back on the CPU)
-        dev = self.policy.device
-        inp_RS, tgt_RS, mask_RS, rollout_logp_RS = (t.to(dev) for t in (inp_RS, tgt_RS, mask_RS, rollout_logp_RS))
-        adv_dev_R = adv_R.to(dev)
-        perm = torch.randperm(num_rows, generator=self.sample_gen)
-        mbs = list(perm.chunk(cfg.mini_batches))
-        # micro[k][j]: rows of micro-batch j of mini-batch k (one forward/backward each; the gradients of a
-        # mini-batch's micro-batches accumulate before its one reduction / clip / optimizer step)
-        micro = [[mb[sl] for sl in _micro_slices(len(mb), cfg.micro_batch_size)] for mb in mbs]
-        self.policy.set_micro_batches(len(micro[0]))
-        num_global_seqs = cfg.prompts_per_step * cfg.group_size // cfg.mini_batches
-        tok_counts = self._all_sum([float(mask_RS[mb].sum()) for mb in mbs])
-
-        replay = cfg.routing_replay
-        policy = self.policy
-        # micro-batches in (k, j) order, flattened for the forward-only passes
-        flat = [(k, j, rows) for k, rows_k in enumerate(micro) for j, rows in enumerate(rows_k)]
-        flat_inputs = [(inp_RS[rows], tgt_RS[rows]) for _, _, rows in flat]
-        # ---- pi_old (per micro-batch: its log-probs on the LM-head stage, and routes of this stage's layers,
-        # [rows*S, L, K] in storage order) ----
-        t2 = time.perf_counter()
-        old_logp = [[None] * len(m) for m in micro]
-        old_routes = [[None] * len(m) for m in micro]
-        ref_logp = [[None] * len(m) for m in micro]  # stays None (no KL term, no extra forward) at kl_coef = 0
-        if cfg.old_logp == "recompute":
-            if replay == "r3":
-                engine_routes = [self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len) for _, _, rows in flat]
-                context = lambda i: policy.replay.replaying(engine_routes[i])  # noqa: E731
-            else:
-                recorded = [None] * len(flat)
-                context = lambda i: self._recording_into(recorded, i)  # noqa: E731
-            results = policy.run_micro_batches(flat_inputs, natural, context=context)
-            for i, (k, j, _) in enumerate(flat):
-                old_logp[k][j] = results[i][0] if results[i] is not None else None
-                old_routes[k][j] = engine_routes[i] if replay == "r3" else recorded[i]
-        else:
-            for k, j, rows in flat:
-                old_logp[k][j] = rollout_logp_RS[rows]
-                old_routes[k][j] = (self._engine_routes_TLK(out.routes_RPLyK, rows, seq_len)
-                                    if out.routes_RPLyK is not None else None)
-        if self.reference is not None:
-            # log pi_ref: the frozen reference always routes with its own router, never replaying (its model
-            # has no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the
-            # reference must stay the fixed start-of-RL policy, not follow them.
-            results = self.reference.run_micro_batches(flat_inputs, natural)
-            for i, (k, j, _) in enumerate(flat):
-                ref_logp[k][j] = results[i][0] if results[i] is not None else None
-        times["time/old_logp_s"] = time.perf_counter() - t2
-
-        # ---- updates ----
-        t3 = time.perf_counter()
-        lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio)
-        from moe.optimizer import set_lr
-
-        set_lr(self.optimizer, lr)
-        parts, gnorms = [], []
-        vol_changed = vol_total = 0.0
-        for k, rows_k in enumerate(micro):
-            policy.zero_grad()
-            new_routes = [None] * len(rows_k)
-            if replay in ("r2", "r3"):
-                context = lambda j, k=k: policy.replay.replaying(old_routes[k][j])  # noqa: E731
-            else:
-                context = lambda j: self._recording_into(new_routes, j)  # noqa: E731
-
-            def policy_loss(j, logp, ent, k=k, rows_k=rows_k):
-                rows = rows_k[j]
-                # GLOBAL normalisers (the whole mini-batch over all DP ranks): micro-batch losses add up to
-                # the mini-batch loss, and their accumulated gradients to its gradient
-                batch = PackedBatch.from_padded(
-                    logp_BL=logp, loss_mask_BL=mask_RS[rows], num_global_sequences=num_global_seqs,
-                    old_logp_BL=old_logp[k][j] if cfg.old_logp == "recompute" else None,
-                    rollout_logp_BL=rollout_logp_RS[rows], advantages_B=adv_dev_R[rows],
-                    num_global_tokens=max(tok_counts[k], 1.0), entropy_BL=ent, ref_logp_BL=ref_logp[k][j])
-                return self.loss_fn(batch, self.loss_cfg)
-
-            inputs_k = [(inp_RS[rows], tgt_RS[rows]) for rows in rows_k]
-            results = policy.run_micro_batches(inputs_k, natural, context=context, loss_fn=policy_loss)
-            parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
-            gnorms.append(policy.step(self.optimizer))
-            # expert volatility: top-k choices of this forward (under replay: a free forward of the updated
-            # policy) vs pi_old's on the same tokens, micro-batch by micro-batch, over this stage's layers
-            if old_routes[k][0] is None:
-                continue
-            if replay in ("r2", "r3"):
-                policy.run_micro_batches(inputs_k, natural, context=lambda j: self._recording_into(new_routes, j))
-            for j, rows in enumerate(rows_k):
-                changed_L, total_L = volatility_counts(old_routes[k][j].long(), new_routes[j].long(),
-                                                       mask_RS[rows].reshape(-1))
-                vol_changed += float(changed_L.sum())
-                vol_total += float(total_L.sum())
-        vol_changed, vol_total = policy.pp_sum([vol_changed, vol_total])
-        times["time/train_s"] = time.perf_counter() - t3
-        times["time/sync_s"] = self.sync_weights()
-
-        m = policy.from_last_stage({k: float(v) for k, v in merge_metrics(parts).items()} if parts else None)
-        resp_len = out.response_mask_RL.sum(1).float()
-        correct = float((rewards_R >= 1.0).sum())
-        sums = self._all_sum([
-            float(rewards_R.sum()), correct, float(resp_len.sum()), float(num_rows), float(rstats.errors),
-            vol_changed, vol_total, m["seq/clip_frac"], m["tok/clip_frac"], m["seq/clip_low_frac"],
-            m["seq/clip_high_frac"], m["kl/approx_old"], m.get("entropy/mean", 0.0), m["ratio/mean"], m["loss"],
-            float((adv_R != 0).sum()), float(rstats.clamped),
-        ])
-        d = self.dp
-        row = {
-            "reward/mean": sums[0] / sums[3], "reward/accuracy": sums[1] / sums[3],
-            "reward/errors": sums[4], "reward/clamped": sums[16],
-            "reward/nonzero_adv_frac": sums[15] / sums[3],
-            "response/length_mean": sums[2] / sums[3],
-            "moe/expert_volatility": sums[5] / max(sums[6], 1.0),
-            "clip/seq_frac": sums[7] / d, "clip/tok_frac": sums[8] / d,
-            "clip/seq_low_frac": sums[9] / d, "clip/seq_high_frac": sums[10] / d,
-            "kl/approx_old": sums[11] / d, "entropy/mean": sums[12] / d, "ratio/mean": sums[13] / d,
-            "loss": sums[14], "grad_norm": sum(gnorms) / len(gnorms), "grad_norm/max": max(gnorms), "lr": lr,
-        }
-        if self.reference is not None:  # k3 KL to the reference per response token; the KL share of the loss
-            kl_ref, loss_kl = self._all_sum([m["kl/ref"], m["loss/kl"]])
-            row["kl/ref"], row["loss/kl"] = kl_ref / d, loss_kl
-        row.update(times)
-        step_time = time.perf_counter() - t0
-        row["time/step_s"] = step_time
-        row["throughput/tokens_per_s"] = (float(mask_RS.sum()) * d) / step_time
-        return row
+        return rl_step(self, step)
 
     def make_rl_optimizer(self):
         """Megatron's distributed optimizer (AdamW) for the RL updates (rl.lr, betas, weight decay, clip);

@@ -1,0 +1,315 @@
+"""One RL step as named stages, each a function of what the previous one produced:
+
+    collect  -> Rollouts     B prompts (this DP rank's share) -> G samples each from the rollout engine
+    score    -> Scores       verifier rewards (errors score 0, counted) and group advantages (eq. 7)
+    prepare  -> UpdateBatch  padded sequences on the model's device, split into mini-batches of MicroBatches
+    old_policy               pi_old per micro-batch: a Megatron no-grad recompute (routes recorded for R2 and
+                             volatility; R3 replays the engine's) or the engine's log-probs (GSPO §5.4); and
+                             the frozen KL reference's log-probs when rl.kl_coef > 0
+    update   -> Updates      per mini-batch: forward (routes replayed under R2/R3), the registered loss (GSPO
+                             eq. 6 / GSPO-token eq. 14 / GRPO eq. 2) normalised by GLOBAL counts, backward over
+                             its micro-batches, one optimizer step; expert volatility against pi_old's routes
+    summarize -> metrics     sums over the data-parallel group, by name
+
+Legend (as in docs/architecture.md): B prompts, G samples per prompt, R = B*G responses, S model input length,
+L response length, Ly MoE layers of this pipeline stage, K top-k, T = rows*S tokens in storage order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from megagspo.trainer.layout import micro_slices
+from megagspo.trainer.schedule import lr_at
+
+
+@dataclass
+class Rollouts:
+    prompts: list          # this rank's Example prompts
+    out: object            # megagspo.rollout.RolloutOutput: response_ids_RL, response_mask_RL, logp_RL, routes
+
+
+@dataclass
+class Scores:
+    rewards_R: torch.Tensor
+    advantages_R: torch.Tensor
+    stats: object          # megagspo.rewards.RewardStats
+
+
+@dataclass
+class MicroBatch:
+    """Rows of one forward/backward (micro-batch j of mini-batch k) and what the old-policy pass adds."""
+
+    k: int
+    j: int
+    rows: torch.Tensor
+    old_logp: Optional[torch.Tensor] = None     # [rows, S] pi_old log-probs (LM-head stage; recompute only)
+    old_routes: Optional[torch.Tensor] = None   # [rows*S, Ly, K] pi_old's (or the engine's) routes
+    ref_logp: Optional[torch.Tensor] = None     # [rows, S] KL reference log-probs (kl_coef > 0)
+
+
+@dataclass
+class UpdateBatch:
+    input_RS: torch.Tensor
+    target_RS: torch.Tensor
+    mask_RS: torch.Tensor
+    rollout_logp_RS: torch.Tensor
+    advantages_R: torch.Tensor                  # on the model's device
+    natural_len: int                            # longest prompt + response - 1, before TP alignment
+    minis: List[List[MicroBatch]]               # minis[k][j]
+    tokens_per_mini: List[float]                # response tokens of each mini-batch over all DP ranks
+    sequences_per_mini: int                     # sequences of each mini-batch over all DP ranks
+
+    @property
+    def micro_batches(self) -> List[MicroBatch]:
+        return [mb for mini in self.minis for mb in mini]
+
+    def inputs(self, micro: List[MicroBatch]) -> list:
+        return [(self.input_RS[mb.rows], self.target_RS[mb.rows]) for mb in micro]
+
+
+@dataclass
+class Updates:
+    metric_parts: list = field(default_factory=list)   # the loss functions' metrics (LM-head stage)
+    grad_norms: list = field(default_factory=list)
+    volatility_changed: float = 0.0
+    volatility_total: float = 0.0
+    lr: float = 0.0
+
+
+def rl_step(trainer, step: int) -> dict:
+    """One rollout batch: every stage in order; returns the step's metrics row (timings included)."""
+    times = {}
+    t0 = time.perf_counter()
+    rollouts = collect(trainer)
+    times["time/rollout_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    scores = score(trainer, rollouts)
+    times["time/reward_s"] = time.perf_counter() - t1
+    batch = prepare(trainer, rollouts, scores)
+    t2 = time.perf_counter()
+    old_policy(trainer, batch, rollouts)
+    times["time/old_logp_s"] = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    updates = update(trainer, batch, step)
+    times["time/train_s"] = time.perf_counter() - t3
+    times["time/sync_s"] = trainer.sync_weights()
+    row = summarize(trainer, rollouts, scores, batch, updates)
+    row.update(times)
+    step_time = time.perf_counter() - t0
+    row["time/step_s"] = step_time
+    row["throughput/tokens_per_s"] = (float(batch.mask_RS.sum()) * trainer.dp) / step_time
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def collect(trainer) -> Rollouts:
+    from megagspo.rollout import SamplingParams
+
+    cfg = trainer.cfg
+    prompts = trainer._local_slice(trainer.train_ds.sample(cfg.rl.prompts_per_step))
+    sampling = SamplingParams(cfg.data.max_response_tokens, temperature=cfg.rollout.temperature,
+                              top_p=cfg.rollout.top_p)
+    return Rollouts(prompts, trainer._generate([ex.prompt_ids for ex in prompts], cfg.rl.group_size, sampling))
+
+
+def score(trainer, rollouts: Rollouts) -> Scores:
+    from megagspo.algorithm import group_advantages
+    from megagspo.rewards import RewardStats, score_batch
+
+    cfg = trainer.cfg.rl
+    out = rollouts.out
+    texts = [trainer.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
+    answers = [ex.answer for ex in rollouts.prompts for _ in range(cfg.group_size)]
+    stats = RewardStats()
+    if trainer.policy.mp_size == 1:
+        scores = score_batch(trainer.reward_fn, texts, answers, stats)
+    else:  # the verifier (time-limited, maybe non-deterministic) runs once per TP x PP group: peers agree
+        scores, stats = trainer._from_mp_rank0(
+            "reward scoring", lambda: (score_batch(trainer.reward_fn, texts, answers, stats), stats))
+    rewards_R = torch.tensor(scores, dtype=torch.float32)
+    advantages_R = group_advantages(rewards_R, group_size=cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+    return Scores(rewards_R, advantages_R, stats)
+
+
+def prepare(trainer, rollouts: Rollouts, scores: Scores) -> UpdateBatch:
+    from megagspo.trainer.policy import build_sequences
+
+    cfg = trainer.cfg.rl
+    out = rollouts.out
+    natural = max(map(len, out.prompt_ids)) + out.response_ids_RL.shape[1] - 1
+    input_RS, target_RS, mask_RS, pos_RL = build_sequences(out.prompt_ids, out.response_ids_RL, out.response_mask_RL,
+                                                           trainer.tokenizer.pad_id,
+                                                           length=trainer._seq_length(natural))
+    num_rows, seq_len = input_RS.shape
+    rollout_logp_RS = torch.zeros(num_rows, seq_len)
+    rollout_logp_RS.scatter_(1, pos_RL, torch.where(out.response_mask_RL, out.logp_RL, 0.0))
+    # the batch on the model's device (the engine's outputs and the rewards come back on the CPU)
+    dev = trainer.policy.device
+    input_RS, target_RS, mask_RS, rollout_logp_RS = (t.to(dev) for t in (input_RS, target_RS, mask_RS, rollout_logp_RS))
+    perm = torch.randperm(num_rows, generator=trainer.sample_gen)
+    mini_rows = list(perm.chunk(cfg.mini_batches))
+    # the gradients of a mini-batch's micro-batches accumulate before its one reduction / clip / optimizer step
+    minis = [[MicroBatch(k, j, rows[sl]) for j, sl in enumerate(micro_slices(len(rows), cfg.micro_batch_size))]
+             for k, rows in enumerate(mini_rows)]
+    trainer.policy.set_micro_batches(len(minis[0]))
+    return UpdateBatch(
+        input_RS=input_RS, target_RS=target_RS, mask_RS=mask_RS, rollout_logp_RS=rollout_logp_RS,
+        advantages_R=scores.advantages_R.to(dev), natural_len=natural, minis=minis,
+        tokens_per_mini=trainer._all_sum([float(mask_RS[rows].sum()) for rows in mini_rows]),
+        sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
+
+
+def old_policy(trainer, batch: UpdateBatch, rollouts: Rollouts) -> None:
+    """Fill each micro-batch's pi_old log-probs and routes (and the reference's log-probs)."""
+    cfg = trainer.cfg.rl
+    policy = trainer.policy
+    flat = batch.micro_batches
+    seq_len = batch.input_RS.shape[1]
+    routes_RPLyK = rollouts.out.routes_RPLyK
+    if cfg.old_logp == "recompute":
+        if cfg.routing_replay == "r3":
+            for mb in flat:
+                mb.old_routes = _engine_routes_TLK(policy, routes_RPLyK, mb.rows, seq_len)
+            context = lambda i: policy.replay.replaying(flat[i].old_routes)  # noqa: E731
+        else:
+            recorded = [None] * len(flat)
+            context = lambda i: _recording_into(policy, recorded, i)  # noqa: E731
+        results = policy.run_micro_batches(batch.inputs(flat), batch.natural_len, context=context)
+        for i, mb in enumerate(flat):
+            mb.old_logp = results[i][0] if results[i] is not None else None
+            if cfg.routing_replay != "r3":
+                mb.old_routes = recorded[i]
+    else:
+        for mb in flat:
+            mb.old_logp = batch.rollout_logp_RS[mb.rows]
+            mb.old_routes = (_engine_routes_TLK(policy, routes_RPLyK, mb.rows, seq_len)
+                             if routes_RPLyK is not None else None)
+    if trainer.reference is not None:
+        # log pi_ref: the frozen reference always routes with its own router, never replaying (its model has
+        # no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the reference
+        # must stay the fixed start-of-RL policy, not follow them.
+        results = trainer.reference.run_micro_batches(batch.inputs(flat), batch.natural_len)
+        for i, mb in enumerate(flat):
+            mb.ref_logp = results[i][0] if results[i] is not None else None
+
+
+def update(trainer, batch: UpdateBatch, step: int) -> Updates:
+    from megagspo.algorithm import PackedBatch
+    from moe.optimizer import set_lr
+    from moe.volatility import volatility_counts
+
+    cfg = trainer.cfg.rl
+    policy = trainer.policy
+    replayed = cfg.routing_replay in ("r2", "r3")
+    result = Updates(lr=lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+    set_lr(trainer.optimizer, result.lr)
+    for k, micro in enumerate(batch.minis):
+        policy.zero_grad()
+        new_routes = [None] * len(micro)
+        if replayed:
+            context = lambda j, micro=micro: policy.replay.replaying(micro[j].old_routes)  # noqa: E731
+        else:
+            context = lambda j: _recording_into(policy, new_routes, j)  # noqa: E731
+
+        def policy_loss(j, logp, entropy, micro=micro, k=k):
+            mb = micro[j]
+            # GLOBAL normalisers (the whole mini-batch over all DP ranks): micro-batch losses add up to the
+            # mini-batch loss, and their accumulated gradients to its gradient
+            packed = PackedBatch.from_padded(
+                logp_BL=logp, loss_mask_BL=batch.mask_RS[mb.rows], num_global_sequences=batch.sequences_per_mini,
+                old_logp_BL=mb.old_logp if cfg.old_logp == "recompute" else None,
+                rollout_logp_BL=batch.rollout_logp_RS[mb.rows], advantages_B=batch.advantages_R[mb.rows],
+                num_global_tokens=max(batch.tokens_per_mini[k], 1.0), entropy_BL=entropy, ref_logp_BL=mb.ref_logp)
+            return trainer.loss_fn(packed, trainer.loss_cfg)
+
+        inputs = batch.inputs(micro)
+        results = policy.run_micro_batches(inputs, batch.natural_len, context=context, loss_fn=policy_loss)
+        result.metric_parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
+        result.grad_norms.append(policy.step(trainer.optimizer))
+        # expert volatility: top-k choices of this forward (under replay: a free forward of the updated policy)
+        # vs pi_old's on the same tokens, micro-batch by micro-batch, over this stage's layers
+        if micro[0].old_routes is None:
+            continue
+        if replayed:
+            policy.run_micro_batches(inputs, batch.natural_len, context=lambda j: _recording_into(policy, new_routes, j))
+        for j, mb in enumerate(micro):
+            changed_L, total_L = volatility_counts(mb.old_routes.long(), new_routes[j].long(),
+                                                   batch.mask_RS[mb.rows].reshape(-1))
+            result.volatility_changed += float(changed_L.sum())
+            result.volatility_total += float(total_L.sum())
+    result.volatility_changed, result.volatility_total = policy.pp_sum([result.volatility_changed,
+                                                                        result.volatility_total])
+    return result
+
+
+def summarize(trainer, rollouts: Rollouts, scores: Scores, batch: UpdateBatch, updates: Updates) -> dict:
+    """The step's metrics: counts summed over the data-parallel group by name, then normalised."""
+    from megagspo.algorithm import merge_metrics
+
+    policy = trainer.policy
+    m = policy.from_last_stage({k: float(v) for k, v in merge_metrics(updates.metric_parts).items()}
+                               if updates.metric_parts else None)
+    out, rewards_R = rollouts.out, scores.rewards_R
+    local = {
+        "reward": float(rewards_R.sum()), "correct": float((rewards_R >= 1.0).sum()),
+        "response_tokens": float(out.response_mask_RL.sum(1).float().sum()), "rows": float(batch.input_RS.shape[0]),
+        "reward_errors": float(scores.stats.errors), "vol_changed": updates.volatility_changed,
+        "vol_total": updates.volatility_total, "clip_seq": m["seq/clip_frac"], "clip_tok": m["tok/clip_frac"],
+        "clip_seq_low": m["seq/clip_low_frac"], "clip_seq_high": m["seq/clip_high_frac"],
+        "kl_old": m["kl/approx_old"], "entropy": m.get("entropy/mean", 0.0), "ratio": m["ratio/mean"],
+        "loss": m["loss"], "nonzero_adv": float((scores.advantages_R != 0).sum()),
+        "reward_clamped": float(scores.stats.clamped),
+    }
+    if trainer.reference is not None:
+        local.update({"kl_ref": m["kl/ref"], "loss_kl": m["loss/kl"]})
+    total = dict(zip(local, trainer._all_sum(list(local.values()))))
+    rows, d, gnorms = total["rows"], trainer.dp, updates.grad_norms
+    row = {
+        "reward/mean": total["reward"] / rows, "reward/accuracy": total["correct"] / rows,
+        "reward/errors": total["reward_errors"], "reward/clamped": total["reward_clamped"],
+        "reward/nonzero_adv_frac": total["nonzero_adv"] / rows,
+        "response/length_mean": total["response_tokens"] / rows,
+        "moe/expert_volatility": total["vol_changed"] / max(total["vol_total"], 1.0),
+        # per-rank means of the loss's own fractions: averaged over the data-parallel ranks
+        "clip/seq_frac": total["clip_seq"] / d, "clip/tok_frac": total["clip_tok"] / d,
+        "clip/seq_low_frac": total["clip_seq_low"] / d, "clip/seq_high_frac": total["clip_seq_high"] / d,
+        "kl/approx_old": total["kl_old"] / d, "entropy/mean": total["entropy"] / d, "ratio/mean": total["ratio"] / d,
+        "loss": total["loss"], "grad_norm": sum(gnorms) / len(gnorms), "grad_norm/max": max(gnorms),
+        "lr": updates.lr,
+    }
+    if trainer.reference is not None:  # k3 KL to the reference per response token; the KL share of the loss
+        row["kl/ref"], row["loss/kl"] = total["kl_ref"] / d, total["loss_kl"]
+    return row
+
+
+# ------------------------------------------------------------------------------------------------- routes
+def _recording_into(policy, store: list, i: int):
+    """A context recording this stage's routes of one forward into store[i] ([T, Ly, K])."""
+    @contextlib.contextmanager
+    def record():
+        with policy.replay.recording() as rec:
+            yield
+        store[i] = rec.routes
+
+    return record()
+
+
+def _engine_routes_TLK(policy, routes_RPLyK, rows, seq_len):
+    """Engine routes of the given rows as [rows*S, Ly, K] in storage order, Ly = this pipeline stage's MoE
+    layers; unfed positions get a fixed valid route (their outputs are never scored)."""
+    r = routes_RPLyK[rows].long()
+    k = r.shape[-1]
+    if r.shape[1] < seq_len:
+        pad = torch.full((r.shape[0], seq_len - r.shape[1], r.shape[2], k), -1, dtype=torch.long)
+        r = torch.cat([r, pad], dim=1)
+    r = r[:, :seq_len]
+    filler = torch.arange(k).expand_as(r)
+    r = torch.where(r < 0, filler, r)
+    spec = policy.replay.spec
+    return spec.stage_slice(r.reshape(-1, r.shape[2], k)).to(policy.device, spec.dtype)
