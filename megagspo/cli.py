@@ -93,6 +93,7 @@ def _export(args) -> int:
     from megagspo.trainer.trainer import TrainError, load_checkpoint
     from moe.architecture import Qwen3MoeArchitecture
 
+    from megagspo.checkpoint import CheckpointError
     from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
     from megagspo.errors import os_error_message
 
@@ -113,7 +114,7 @@ def _export(args) -> int:
             tokenizer.tok.save_pretrained(out)
         torch.save({"vocab": tokenizer.itos} if ckpt["tokenizer"] == "builtin" else {},
                    os.path.join(out, "megagspo_vocab.pt"))
-    except (TrainError, RunFolderBusy, ValueError) as exc:
+    except (TrainError, RunFolderBusy, CheckpointError, ValueError) as exc:
         print(f"megagspo export: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

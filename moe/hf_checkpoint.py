@@ -50,6 +50,7 @@ from typing import Iterable, Mapping
 import torch
 
 from moe.architecture import Qwen3MoeArchitecture
+from moe.checkpoint_errors import CheckpointError  # re-exported: callers import it from here too
 from moe.sharding import RankCoordinates
 
 FUSED = "fused"  # transformers 5.x: mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]
@@ -66,10 +67,6 @@ def is_hf_model_folder(path: str | os.PathLike) -> bool:
     folder = Path(path)
     return folder.is_dir() and (folder / "config.json").is_file() and \
         ((folder / SAFE_WEIGHTS).is_file() or (folder / SAFE_INDEX).is_file())
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the architecture or the model: the message names each tensor and shape."""
 
 
 # --------------------------------------------------------------------------------------------------------

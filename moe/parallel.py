@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -87,3 +88,12 @@ def destroy_model_parallel() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on `address` now (the OS picks it), for a rendezvous another process will bind: a
+    torch.distributed store (MASTER_PORT) or an NCCL weight-update group. Another process may take it
+    before the caller binds it; callers that bind at once make that race unlikely."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]

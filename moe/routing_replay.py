@@ -37,9 +37,6 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-ROUTING_REPLAY_MODES = ("off", "r2", "r3")
-
-
 class RoutingReplayError(RuntimeError):
     """Routing replay cannot do its job (model built without it, routes absent, state misuse)."""
 
@@ -49,43 +46,8 @@ class RouteValidationError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------------------
-# Configuration and sizes
+# Sizes
 # --------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RoutingReplayConfig:
-    """`mode`: "off", "r2" (record at the pi_old forward, replay in training) or "r3" (replay the rollout
-    engine's routes in the pi_old forward and in training). `allow_missing_final_token`: accept per-sample
-    routes one token short (engines never run the last sampled token); that position's route is filled
-    with a fixed valid route, which cannot change any log-prob of the sequence (causal attention: position
-    n-1 only feeds the logits predicting token n, which is never scored). `measure_volatility`: measure
-    expert-activation volatility (an extra no-replay forward at each update)."""
-
-    mode: str = "off"
-    allow_missing_final_token: bool = False
-    measure_volatility: bool = False
-
-    def __post_init__(self) -> None:
-        mode = str(self.mode).lower()
-        if mode not in ROUTING_REPLAY_MODES:
-            raise ValueError(f"routing_replay.mode must be one of {list(ROUTING_REPLAY_MODES)}, got {self.mode!r}")
-        object.__setattr__(self, "mode", mode)
-        for name in ("allow_missing_final_token", "measure_volatility"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"routing_replay.{name} must be a bool, got {getattr(self, name)!r}")
-
-    @property
-    def replays_in_old_policy_forward(self) -> bool:
-        return self.mode == "r3"
-
-    @property
-    def records_in_old_policy_forward(self) -> bool:
-        return self.mode == "r2"
-
-    @property
-    def replays_in_training(self) -> bool:
-        return self.mode in ("r2", "r3")
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -97,11 +59,6 @@ def route_dtype(num_experts: int) -> torch.dtype:
     if num_experts <= 32768:
         return torch.int16
     raise ValueError(f"num_experts={num_experts} does not fit int16 route storage (max 32768)")
-
-
-def route_bytes_per_token(num_moe_layers: int, topk: int, num_experts: int) -> int:
-    """Bytes one token's routes take: L * K * itemsize (48 * 8 * 1 = 384 for Qwen3-30B-A3B)."""
-    return num_moe_layers * topk * route_dtype(num_experts).itemsize
 
 
 @dataclass(frozen=True)
@@ -140,11 +97,6 @@ class RouteSpec:
     def bytes_per_token(self) -> int:
         """Bytes per token this stage stores (its own layers only)."""
         return self.num_moe_layers * self.topk * self.dtype.itemsize
-
-    @property
-    def bytes_per_token_total(self) -> int:
-        """Bytes per token for all MoE layers of the model (what an engine sends for R3)."""
-        return self.num_moe_layers_total * self.topk * self.dtype.itemsize
 
     def stage_slice(self, routes_TLK: Tensor) -> Tensor:
         """This stage's layers of routes covering every MoE layer of the model ([T, L_total, K] -> [T, L, K])."""
@@ -337,13 +289,11 @@ class RecordedRoutes:
 
 
 class ReplayHandle:
-    """State of one `RoutingReplay.replaying()` context: how many forwards consumed routes, and (with
-    `shadow=True`) the experts each router would have chosen itself, per forward call [T, L, K]."""
+    """State of one `RoutingReplay.replaying()` context: how many forwards consumed routes."""
 
     def __init__(self, num_microbatches: int) -> None:
         self.num_microbatches = num_microbatches
         self.forwards_done = 0
-        self.shadow: list[Tensor] = []
 
 
 class RoutingReplay:
@@ -411,13 +361,6 @@ class RoutingReplay:
         self._tp_group = tp_group
         self._active = False
 
-    # --- sizes ------------------------------------------------------------------------------------------
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes per token this rank stores (its stage's MoE layers, compact dtype)."""
-        return self.spec.bytes_per_token
-
     def _tp(self):
         from megatron.core import parallel_state as ps
 
@@ -449,7 +392,6 @@ class RoutingReplay:
                 rr.clear_router_replay_action()
                 rr.clear_indices()
                 rr.__dict__.pop("record_indices", None)
-                rr.__dict__.pop("get_replay_topk", None)
             self._active = False
 
     # --- recording --------------------------------------------------------------------------------------
@@ -506,17 +448,15 @@ class RoutingReplay:
     # --- replaying --------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def replaying(self, routes: Union[Tensor, Sequence[Tensor], None], *, shadow: bool = False,
+    def replaying(self, routes: Union[Tensor, Sequence[Tensor], None], *,
                   validate: bool = True) -> Iterator[ReplayHandle]:
         """Replay `routes` ([T, L, K] for one micro-batch, or a list with one per forward call) in every
         MoE layer of this stage, forward and backward recompute. Raises `RouteValidationError` when routes
         are None or do not fit; a forward whose token count differs from its routes raises at that layer.
 
         A single tensor is reused for every forward call (e.g. one micro-batch's forward and backward, or
-        several forwards over the same tokens). `shadow=True` also keeps, per forward call, the experts
-        each router would have picked itself from its current scores ([T, L, K], `handle.shadow`).
-        `validate=False` skips the id checks (range, distinct; they sync the host) for routes already
-        checked by `RouteStore.put` / `pack_sample_routes`; shapes are always checked."""
+        several forwards over the same tokens). `validate=False` skips the id checks (range, distinct; they
+        sync the host) for routes already checked by `pack_sample_routes`; shapes are always checked."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if routes is None:
@@ -539,7 +479,6 @@ class RoutingReplay:
         tp_rank, tp_size = 0, 1
         if self.sequence_parallel:
             _, tp_rank, tp_size = self._tp()
-        shadow_calls: list[list] = [[] for _ in self.layers]
         recompute = self.config.recompute_granularity is not None or bool(getattr(self.config, "moe_layer_recompute", False))
         with self._session("replaying") as hooks:
             for l, layer in enumerate(self.layers):
@@ -579,29 +518,9 @@ class RoutingReplay:
                     state["next"] += 1
                     if l == 0:
                         handle.forwards_done = state["next"]
-                    if shadow:
-                        shadow_calls[l].append((batch, seq_local))
 
                 hooks.append(layer.router.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                if shadow:
-                    original = rr.get_replay_topk
-
-                    def observed(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None,
-                                 l=l, original=original):
-                        if not _in_backward():
-                            with torch.no_grad():
-                                _, own_NK = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
-                                                                 group_topk=group_topk)
-                            shadow_calls[l][-1] = shadow_calls[l][-1][:2] + (own_NK,)
-                        return original(scores, topk, num_groups, group_topk, default_compute_topk)
-
-                    rr.get_replay_topk = observed
             yield handle
-            if shadow:
-                for call in range(len(shadow_calls[0])):
-                    per_layer = [self._to_storage(shadow_calls[l][call][2], *shadow_calls[l][call][:2])
-                                 for l in range(len(self.layers))]
-                    handle.shadow.append(torch.stack(per_layer, dim=1).to(self.spec.dtype))
 
 
 def _moe_layer_pattern(config) -> list[int]:
@@ -615,61 +534,8 @@ def _moe_layer_pattern(config) -> list[int]:
     return pattern
 
 
-# --------------------------------------------------------------------------------------------------------
-# Per-rank store of micro-batch routes
-# --------------------------------------------------------------------------------------------------------
-
-
-class RouteStore:
-    """This rank's routes, one [T, L_stage, K] tensor per micro-batch key, in the compact dtype.
-
-    `put` validates and converts; `get` raises naming the key when a micro-batch has no routes, so
-    training never silently runs a micro-batch without replay."""
-
-    def __init__(self, spec: RouteSpec, device: Union[str, torch.device] = "cpu") -> None:
-        self.spec = spec
-        self.device = torch.device(device)
-        self._routes: dict = {}
-
-    def put(self, key, routes_TLK: Tensor, cu_seqlens_S1: Optional[Tensor] = None, sample_ids=None) -> None:
-        validate_routes(routes_TLK, self.spec, cu_seqlens_S1=cu_seqlens_S1, sample_ids=sample_ids)
-        if routes_TLK.shape[1] != self.spec.num_moe_layers or routes_TLK.shape[2] != self.spec.topk:
-            raise RouteValidationError(
-                f"micro-batch {key!r}: routes shape {tuple(routes_TLK.shape)} does not fit [T, {self.spec.num_moe_layers}, {self.spec.topk}]"
-            )
-        self._routes[key] = routes_TLK.to(device=self.device, dtype=self.spec.dtype)
-
-    def get(self, key) -> Tensor:
-        if key not in self._routes:
-            raise RouteValidationError(
-                f"micro-batch {key!r} has no stored routes while routing replay is on (stored: {sorted(self._routes, key=str)})"
-            )
-        return self._routes[key]
-
-    def __contains__(self, key) -> bool:
-        return key in self._routes
-
-    def __len__(self) -> int:
-        return len(self._routes)
-
-    def clear(self) -> None:
-        self._routes.clear()
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.spec.bytes_per_token
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.numel() * r.element_size() for r in self._routes.values())
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.shape[0] for r in self._routes.values())
-
-
 __all__ = [
-    "ROUTING_REPLAY_MODES", "RecordedRoutes", "ReplayHandle", "RouteSpec", "RouteStore", "RouteValidationError",
-    "RoutingReplay", "RoutingReplayConfig", "RoutingReplayError", "filler_routes", "pack_sample_routes",
-    "route_bytes_per_token", "route_dtype", "router_token_index", "validate_routes", "validate_sample_routes",
+    "RecordedRoutes", "ReplayHandle", "RouteSpec", "RouteValidationError", "RoutingReplay", "RoutingReplayError",
+    "filler_routes", "pack_sample_routes", "route_dtype", "router_token_index", "validate_routes",
+    "validate_sample_routes",
 ]

@@ -6,13 +6,15 @@ and volatility is 0 by construction.
 Legend: T tokens (storage order of `moe.routing_replay`), L MoE layers, K top-k.
 
 Top-k is compared as a set per (token, layer): an expert chosen by both policies counts as unchanged
-whatever its rank. Results stay tensors (no host sync); `volatility_counts` returns numerator and
-denominator so data-parallel ranks can all-reduce them before dividing.
+whatever its rank. `volatility_counts` returns numerator and denominator as tensors (no host sync) so ranks
+can sum them before dividing; `VolatilityTally` keeps those sums over the micro-batches of one RL step.
+Routes come from `moe.routing_replay.RoutingReplay.recording()` (pi_theta's free forward) and from pi_old's
+forward or the rollout engine (R3).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -54,34 +56,36 @@ def expert_volatility(old_TLK: Tensor, new_TLK: Tensor, mask_T: Optional[Tensor]
     return changed_L.sum() / total_L.sum().clamp_min(1.0)
 
 
-def volatility_metrics(old_TLK: Tensor, new_TLK: Tensor, mask_T: Optional[Tensor] = None, *,
-                       group=None, moe_layers: Optional[tuple[int, ...]] = None,
-                       prefix: str = "moe/expert_volatility") -> dict[str, Tensor]:
-    """Per-step log entries: the overall fraction and one per MoE layer (named by global MoE-layer index,
-    `moe_layers`, default 0..L-1). Counts are summed over `group` (e.g. the data-parallel group) first.
-    Pipeline stages each report their own layers; the overall value is per stage."""
-    changed_L, total_L = volatility_counts(old_TLK, new_TLK, mask_T)
-    if group is not None and torch.distributed.get_world_size(group) > 1:
-        both = torch.stack([changed_L, total_L])
-        torch.distributed.all_reduce(both, group=group)
-        changed_L, total_L = both[0], both[1]
-    layers = moe_layers if moe_layers is not None else tuple(range(changed_L.shape[0]))
-    metrics = {prefix: changed_L.sum() / total_L.sum().clamp_min(1.0)}
-    per_layer = changed_L / total_L.clamp_min(1.0)
-    for i, layer in enumerate(layers):
-        metrics[f"{prefix}/layer_{layer}"] = per_layer[i]
-    return metrics
+class VolatilityTally:
+    """Running (changed, total) (token, layer, k) counts over the micro-batches of one RL step, for a trainer
+    that sums them over pipeline stages and data-parallel ranks before dividing (`fraction`).
+
+        tally = VolatilityTally()
+        for old_TLK, new_TLK, mask_T in micro_batches:  # pi_old's routes and pi_theta's, same tokens
+            tally.add(old_TLK, new_TLK, mask_T)
+        changed, total = all_reduce(tally.counts())
+        volatility = VolatilityTally.fraction(changed, total)
+
+    Counts are Python floats, added one micro-batch at a time (one host sync per micro-batch, at the end of
+    its update), so the sums match the trainer's metrics row exactly."""
+
+    def __init__(self) -> None:
+        self.changed = 0.0
+        self.total = 0.0
+
+    def add(self, old_TLK: Tensor, new_TLK: Tensor, mask_T: Optional[Tensor] = None) -> None:
+        changed_L, total_L = volatility_counts(old_TLK, new_TLK, mask_T)
+        self.changed += float(changed_L.sum())
+        self.total += float(total_L.sum())
+
+    def counts(self) -> list[float]:
+        """[changed, total]: what to sum over ranks."""
+        return [self.changed, self.total]
+
+    @staticmethod
+    def fraction(changed: float, total: float) -> float:
+        """changed / total, 0 when no token was compared."""
+        return changed / max(total, 1.0)
 
 
-@torch.no_grad()
-def measure_volatility(replay, run_forward: Callable[[], object], old_routes_TLK: Tensor,
-                       mask_T: Optional[Tensor] = None, *, group=None) -> dict[str, Tensor]:
-    """Run `run_forward()` (pi_theta's forward of the micro-batch whose pi_old routes are `old_routes_TLK`)
-    WITHOUT replay, recording its routes with `replay` (a `moe.routing_replay.RoutingReplay`), and return
-    `volatility_metrics` against pi_old. It must run outside any `replaying` context."""
-    with replay.recording() as rec:
-        run_forward()
-    return volatility_metrics(old_routes_TLK, rec.routes, mask_T, group=group, moe_layers=replay.spec.moe_layers)
-
-
-__all__ = ["changed_choices", "expert_volatility", "measure_volatility", "volatility_counts", "volatility_metrics"]
+__all__ = ["VolatilityTally", "changed_choices", "expert_volatility", "volatility_counts"]

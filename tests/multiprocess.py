@@ -28,11 +28,12 @@ import contextlib
 import io
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+
+from moe.parallel import free_port
 
 
 # MEGAGSPO_DEVICE=cpu: moe.device.use_cuda() is False (gloo, the CPU shim, the model on the CPU).
@@ -68,12 +69,6 @@ def _parent_environ(env: dict) -> Iterator[None]:
 
 class DistributedTestError(AssertionError):
     """A child rank failed, hung or died; the message carries its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megagspo.algorithm import PackedBatch, get_loss, global_batch_counts, merge_metrics
+from megagspo.algorithm import PackedBatch, get_loss, merge_metrics
 from multiprocess import run_distributed
 from test_algo_common import F64, assert_close64, cu_from_lengths, gen, random_lengths  # noqa: F401
 
@@ -128,7 +128,10 @@ def _dp_body(rank, world_size, problem, cases, reference):
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
     cu_list = [cu_from_lengths(problem["lengths"][[i]]) for i in mine]
     masks = [problem["mask"][_token_slices(problem, [i])] for i in mine]
-    N, Ntok = global_batch_counts(masks, cu_list, group=dist.group.WORLD)
+    # the global normalisers, summed over the data-parallel ranks as the trainer does
+    counts = torch.tensor([float(len(cu_list)), float(sum(int(m.sum()) for m in masks))], dtype=torch.float64)
+    dist.all_reduce(counts, group=dist.group.WORLD)
+    N, Ntok = counts[0], counts[1]
     assert (int(N), int(Ntok)) == _counts(problem), (N, Ntok)
     out = []
     for name, fields in cases:

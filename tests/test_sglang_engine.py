@@ -25,7 +25,6 @@ import base64
 import json
 import multiprocessing as mp
 import pickle
-import socket
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,6 +40,7 @@ from megagspo.rollout.sglang_engine import (SGLangConfigError, SGLangEngine, SGL
                                             SGLangServerError, SGLangUnavailableError)
 from megagspo.rollout.sglang_schema import SGLangResponseError
 from moe.architecture import Qwen3MoeArchitecture
+from moe.parallel import free_port
 
 TOK = BuiltinTokenizer()  # pad 0, bos 1, eos 2, vocab 20
 EOS = TOK.eos_id
@@ -652,10 +652,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()  # free now, and nothing listens on it
     with pytest.raises(SGLangServerError, match=f"cannot reach SGLang server at http://127.0.0.1:{port}/health"):
         SGLangEngine(ARCH, TOK, config=SGLangEngineConfig(urls=[f"http://127.0.0.1:{port}"], sync_dir=str(tmp_path),
                                                           timeout_s=5))

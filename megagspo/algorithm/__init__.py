@@ -18,7 +18,6 @@ from .losses import (
     kl_penalty,
 )
 from .metrics import merge_metrics
-from .normalization import global_batch_counts, local_batch_counts
 from .old_policy import OLD_LOGP_SOURCES, OldPolicyConfig, resolve_old_logp, rollout_correction_weights
 from .packing import (
     PackedBatch,
@@ -45,13 +44,11 @@ __all__ = [
     "available_losses",
     "broadcast_to_tokens",
     "get_loss",
-    "global_batch_counts",
     "group_advantages",
     "grpo_loss",
     "gspo_sequence_loss",
     "gspo_token_loss",
     "kl_penalty",
-    "local_batch_counts",
     "make_loss_config",
     "merge_metrics",
     "packed_to_padded",

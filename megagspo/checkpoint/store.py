@@ -27,14 +27,12 @@ import shutil
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from moe.checkpoint_errors import CheckpointError  # the one checkpoint error, shared with moe (re-exported)
+
 FORMAT = "megagspo-checkpoint/2"  # /2: model and optimizer as dist_checkpointing shards
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _TMP_DIR = re.compile(r"^step_\d{6,}\.tmp-(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint, or one that does not fit this run; the message says which and why."""
 
 
 def step_dir_name(step: int) -> str:

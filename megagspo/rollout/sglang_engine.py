@@ -243,12 +243,6 @@ def _address_towards(url: str) -> str:
         return s.getsockname()[0]
 
 
-def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 class SGLangIpcCodec:
     """What /update_weights_from_tensor carries, made with SGLang's own classes (the server unpickles with an
     allow-list, and FlattenedTensorBucket's byte layout changed between versions, so only the server's version
@@ -668,7 +662,9 @@ class SGLangEngine(RolloutEngine):
             return
         cfg = self.config
         address = cfg.master_address or _address_towards(self.urls[0])
-        port = cfg.master_port or _free_port(address)
+        from moe.parallel import free_port
+
+        port = cfg.master_port or free_port(address)
         world = 1 + sum(self._tp_sizes)
         offsets = [1 + sum(self._tp_sizes[:i]) for i in range(len(self.urls))]
         bodies = [init_weights_update_group_json(address, port, off, world, cfg.group_name, cfg.dist_backend)
