@@ -19,6 +19,7 @@ class DryRunReport:
     micro_batch_tokens: int
     num_micro_batches: int
     checkpoint: str  # what was checked about the checkpoint
+    loss: str  # the loss as megagspo.algorithm.registry.build_loss built it: name, implementation, every option
     missing_paths: tuple  # (config key, path) not present on this machine (checked on the cluster)
     total_params: int
     active_params: int
@@ -32,6 +33,7 @@ class DryRunReport:
             f"(dense data-parallel {self.data_parallel})",
             f"model: {_count(self.total_params)} parameters, {_count(self.active_params)} active per token",
             f"checkpoint: {self.checkpoint}",
+            f"loss: {self.loss}",
             *[f"not on this machine (checked when the run starts): {key} = {path}"
               for key, path in self.missing_paths],
             f"micro-batch (rl.micro_batch_size = {cfg.rl.micro_batch_size or 'whole mini-batch'}): "
@@ -56,6 +58,19 @@ def _pipeline_line(stages: int, micro_batches: int) -> str:
             f"idle bubble {bubble:.0%} of each update{advice}")
 
 
+def _describe_loss(rl) -> str:
+    """Build the loss exactly as the trainer does (the same validation) and list the options it received."""
+    from megagspo.algorithm.registry import LossOptionError, build_loss, loss_option_keys
+
+    try:
+        build_loss(rl)
+    except LossOptionError as exc:
+        raise ConfigError(str(exc)) from None
+    impl = "fused segmented GSPO kernel" if rl.loss_impl == "kernels" else "torch"
+    options = ", ".join(f"{k}={getattr(rl, k)!r}" for k in loss_option_keys(rl.loss))
+    return f"{rl.loss} ({impl}): {options}"
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -71,13 +86,9 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     CheckpointError naming what is wrong. `missing_paths`: (key, path) pairs that the config loader found
     absent under `deferred_path_checks()` (cluster paths); they are reported, and skipped here."""
     from megagspo.data import load_tokenizer
-    from megagspo.trainer.trainer import check_layout
-    from megagspo.trainer.init_weights import preflight_init_from
+    from megagspo.trainer.preflight import preflight
     from moe.hf_checkpoint import hf_tensor_shapes
-    from moe.parallel import ParallelLayout
 
-    world = _world_size(cfg)
-    data_parallel = check_layout(cfg, world)
     absent = {path for _, path in missing_paths}
     if cfg.data.tokenizer in absent:
         if not cfg.model.arch_file:
@@ -85,29 +96,33 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
                               "must come from model.arch_file")
         vocab_size = 0
     else:
-        vocab_size = load_tokenizer(cfg.data.tokenizer, cfg.data.prompt_format, cfg.data.chat_template_kwargs).vocab_size
-    if cfg.model.init_from in absent and not cfg.model.arch_file:
-        raise ConfigError(f"model.init_from = {cfg.model.init_from!r} is not on this machine, so the architecture "
+        vocab_size = load_tokenizer(cfg.data.tokenizer, cfg.data.prompt_format,
+                                    cfg.data.chat_template_kwargs).vocab_size
+    init_from = cfg.model.init_from
+    if init_from in absent and not cfg.model.arch_file:
+        raise ConfigError(f"model.init_from = {init_from!r} is not on this machine, so the architecture "
                           "must come from model.arch_file to be checked here")
-    arch = cfg.model.architecture(vocab_size)
+    # the trainer's own start-up checks (layout, architecture, sequence length, model.init_from, replay)
+    world = _world_size(cfg)
+    checked = preflight(cfg, world, vocab_size, init_from_present=init_from not in absent)
+    data_parallel, arch = checked.data_parallel, checked.arch
+    from moe.parallel import ParallelLayout
+
     layout = ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
                             pipeline_parallel=cfg.parallel.pipeline_parallel)
-    layout.check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
-                       arch.num_key_value_heads, arch.vocab_size)
-
     counts = parameter_counts(arch)
-    init_from = cfg.model.init_from
     shapes = hf_tensor_shapes(arch)
-    if init_from and init_from in absent:
+    if checked.init_source is None:
         checkpoint = f"expected {len(shapes)} HF tensors; {init_from} is checked against them when the run starts"
     else:
-        checkpoint = preflight_init_from(cfg.model, arch).description  # the trainer's own start-up check
+        checkpoint = checked.init_source.description
     numel = sum(math.prod(shape) for shape in shapes.values())
     if numel != counts.total(arch):
         raise ConfigError(f"checkpoint tensors hold {numel} parameters but the architecture has "
                           f"{counts.total(arch)}: planner and checkpoint disagree")
 
     rl = cfg.rl
+    loss = _describe_loss(rl)
     seq_tokens = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
     samples_per_rank = rl.prompts_per_step // data_parallel * rl.group_size
     # One forward/backward holds rl.micro_batch_size sequences of this rank's share of a mini-batch (0 = the
@@ -127,6 +142,6 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     if require_fitting:
         require_fit(plan)
     return DryRunReport(world_size=world, data_parallel=data_parallel, micro_batch_tokens=micro,
-                        num_micro_batches=num_micro_batches, checkpoint=checkpoint,
+                        num_micro_batches=num_micro_batches, checkpoint=checkpoint, loss=loss,
                         missing_paths=tuple(missing_paths),
                         total_params=counts.total(arch), active_params=counts.active(arch), plan=plan)

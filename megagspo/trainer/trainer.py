@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 
 from megagspo.config import Config, ConfigError
-from megagspo.trainer.layout import check_layout, micro_slices, world_from_env
-from megagspo.trainer.schedule import lr_at
+from megagspo.trainer.layout import check_layout, world_from_env  # noqa: F401 - check_layout: public here
+from megagspo.trainer.preflight import preflight
 
 
 class TrainError(RuntimeError):
@@ -52,30 +52,13 @@ class Trainer:
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
         # ---- everything that can be wrong with the input is checked before any compute ----
-        self.dp = check_layout(cfg, world_from_env())
         try:
             self.tokenizer, train, held_out, self.data_stats = build_datasets(cfg.data)
         except UnicodeDecodeError as exc:
             raise ConfigError(f"data: {cfg.data.train_path or cfg.data.eval_path!r} (or data.eval_path) is not "
                               f"UTF-8 text ({exc})") from None
-        arch = cfg.model.architecture(self.tokenizer.vocab_size)
-        need = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
-        if need > arch.max_position_embeddings:
-            raise ConfigError(f"data.max_prompt_tokens + data.max_response_tokens = {need} exceeds "
-                              f"model.max_position_embeddings = {arch.max_position_embeddings}")
-        from moe.parallel import LayoutError, ParallelLayout
-
-        try:
-            ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
-                           pipeline_parallel=cfg.parallel.pipeline_parallel
-                           ).check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
-                                         arch.num_key_value_heads, arch.vocab_size)
-        except LayoutError as exc:
-            raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel / parallel.pipeline_parallel do "
-                              f"not fit the model: {exc}") from None
-        from megagspo.trainer.init_weights import preflight_init_from
-
-        init_source = preflight_init_from(cfg.model, arch)
+        checked = preflight(cfg, world_from_env(), self.tokenizer.vocab_size)
+        self.dp, arch, init_source = checked.data_parallel, checked.arch, checked.init_source
         from megagspo.checkpoint import with_time_limit
 
         self.reward_fn = with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
@@ -90,8 +73,6 @@ class Trainer:
 
             self.loss_fn = fused_loss(cfg.rl.loss)
         engine_cls = get_engine_class(cfg.rollout.engine)
-        if cfg.rl.routing_replay == "r3" and not cfg.rollout.record_routes:
-            raise ConfigError("rl.routing_replay = 'r3' replays the engine's routes: set rollout.record_routes=true")
 
         # ---- model, engine, optimizer ----
         from megagspo.trainer.policy import setup_parallel
@@ -187,46 +168,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- KL reference
     def _start_reference(self) -> None:
-        """Collective: reference := the policy's full state now (start of RL); rank 0 writes it to
-        <run>/reference.safetensors (atomic, checksummed) so that a resume gets the same reference."""
-        full = self.policy.full_state_dict()
-        self.reference.load_full_state_dict(full)
-        self._save_reference_on_rank0(self.cfg.run_dir(), full, "writing the KL reference weights under")
-        self._reference_ready = True
+        from megagspo.trainer.kl_reference import start_reference
 
-    def _save_reference_on_rank0(self, run_dir: str, full: dict, what: str) -> None:
-        """Collective: rank 0 writes the reference; a failure (disk full, quota) stops every rank together."""
-        from megagspo.checkpoint import CheckpointError, save_reference
-
-        def write():
-            try:
-                save_reference(run_dir, full, self.ckpt.run_id)
-            except OSError as exc:
-                from megagspo.errors import os_error_message
-
-                raise CheckpointError(f"{what} {run_dir} failed: {os_error_message(exc)}") from None
-
-        self._from_rank0("the KL reference write", write)
+        start_reference(self)
 
     def _resume_reference(self) -> None:
-        """Collective: the reference weights of the run the resumed checkpoint belongs to (its folder may be
-        another run's: checkpoint.resume can name one). Rank 0 verifies size, sha256 and run id once and
-        shares the verdict (no rank is left in a collective when the file is bad); every rank then loads
-        its shards. A reference read from another run's folder is copied into this run's."""
-        from megagspo.checkpoint import CheckpointError, load_safetensors, verify_reference
+        from megagspo.trainer.kl_reference import resume_reference
 
-        # <run>/checkpoints/step_XXXXXX -> <run>
-        source_dir = os.path.dirname(os.path.dirname(os.path.abspath(self.resume["path"])))
-        path = self._from_rank0("the KL reference check", lambda: verify_reference(source_dir, self.ckpt.run_id))
-        full = load_safetensors(path)
-        try:
-            self.reference.load_full_state_dict(full)
-        except (KeyError, ValueError) as exc:
-            raise CheckpointError(f"the KL reference weights {path} do not fit this model: {exc}") from None
-        here = os.path.abspath(self.cfg.run_dir())
-        if source_dir != here:
-            self._save_reference_on_rank0(here, full, "copying the KL reference weights into")
-        self._reference_ready = True
+        resume_reference(self)
 
     # ------------------------------------------------------------------------------------------- utils
     def _all_sum(self, values: list) -> list:
@@ -289,110 +238,16 @@ class Trainer:
         return tqdm(total=total, desc=desc, dynamic_ncols=True)
 
     # ---------------------------------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Greedy decoding on the held-out set (split over DP ranks); exact reward as accuracy. Under TP only
-        model-parallel rank 0 decodes and scores (its TP x PP peers hold the same engine weights); its counts
-        are shared."""
-        if self.policy.mp_size > 1:
-            local = self._from_mp_rank0("held-out evaluation", self._evaluate_local)
-        else:
-            local = self._evaluate_local()
-        total, correct, lengths, sampled_correct = self._all_sum(local)
-        return {"eval/accuracy": correct / max(total, 1), "eval/response_length": lengths / max(total, 1),
-                "eval/sampled_accuracy": sampled_correct / max(total, 1), "eval/count": total}
+        from megagspo.trainer.evaluation import evaluate
 
-    def _evaluate_local(self) -> list:
-        """This data-parallel rank's share: [problems, greedy correct, response tokens, sampled correct]."""
-        from megagspo.rewards import RewardStats, score_batch
-        from megagspo.rollout import SamplingParams
-
-        examples = self.held_out[self.dp_rank::self.dp]
-        out = self.engine.generate([ex.prompt_ids for ex in examples], 1,
-                                   SamplingParams(self.cfg.data.max_response_tokens, greedy=True))
-        texts = [self.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
-        stats = RewardStats()
-        scores = score_batch(self.reward_fn, texts, [ex.answer for ex in examples], stats)
-        correct = sum(1.0 for s in scores if s >= 1.0)
-        n_s = self.cfg.rl.eval_samples
-        sampled_correct = 0.0
-        if n_s:
-            sampled = self.engine.generate([ex.prompt_ids for ex in examples], n_s,
-                                           SamplingParams(self.cfg.data.max_response_tokens,
-                                                          temperature=self.cfg.rollout.temperature,
-                                                          top_p=self.cfg.rollout.top_p))
-            texts_s = [self.tokenizer.decode(r[m].tolist())
-                       for r, m in zip(sampled.response_ids_RL, sampled.response_mask_RL)]
-            scores_s = score_batch(self.reward_fn, texts_s, [ex.answer for ex in examples for _ in range(n_s)], stats)
-            sampled_correct = sum(1.0 for s in scores_s if s >= 1.0) / n_s
-        return [float(len(examples)), correct, float(out.response_mask_RL.sum()), sampled_correct]
+        return evaluate(self)
 
     # ----------------------------------------------------------------------------------------------- SFT
     def run_sft(self) -> dict:
-        """Cold start: cross-entropy on prompt -> answer+eos demonstrations (train split only)."""
-        from megagspo.trainer.policy import build_sequences
+        from megagspo.trainer.sft import run_sft
 
-        cfg = self.cfg.sft
-        if cfg.steps == 0:
-            return {}
-        from moe.optimizer import OptimizerSettings, set_lr
-
-        opt = self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                           beta1=0.9, beta2=0.99, clip_grad=cfg.grad_clip))
-        bar = self._progress(cfg.steps, "cold-start SFT")
-        tok = self.tokenizer
-        sft_ds = self.train_ds
-        per_rank = cfg.batch_size // self.dp
-        micro_rows = micro_slices(per_rank, cfg.micro_batch_size)
-        self.policy.set_micro_batches(len(micro_rows))
-        t_start = time.perf_counter()
-        for step in range(cfg.steps):
-            lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, "cosine", 0.1)
-            set_lr(opt, lr)
-            batch = self._local_slice(sft_ds.sample(cfg.batch_size))
-            answers = [tok.encode(ex.answer) + [tok.eos_id] for ex in batch]
-            width = max(len(a) for a in answers)
-            resp = torch.full((len(batch), width), tok.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.bool)
-            for i, a in enumerate(answers):
-                resp[i, :len(a)] = torch.tensor(a)
-                mask[i, :len(a)] = True
-            prompt_ids = [list(ex.prompt_ids) for ex in batch]
-            natural = max(map(len, prompt_ids)) + width - 1
-            inp, tgt, lmask, _ = build_sequences(prompt_ids, resp, mask, tok.pad_id, length=self._seq_length(natural))
-            inp, tgt, lmask = (t.to(self.policy.device) for t in (inp, tgt, lmask))
-            (n_tok,) = self._all_sum([float(lmask.sum())])
-            self.policy.zero_grad()
-            lmask = lmask.float()
-
-            def lm_loss(i, logp_BS, _entropy_BS):  # gradients accumulate; divided by the GLOBAL token count
-                loss = -(logp_BS * lmask[micro_rows[i]]).sum() / n_tok
-                return loss, float(loss.detach())
-
-            losses = self.policy.run_micro_batches([(inp[rows], tgt[rows]) for rows in micro_rows], natural,
-                                                   loss_fn=lm_loss)
-            loss_local = sum(x for x in losses if x is not None)  # 0 on the stages without the LM head
-            gnorm = self.policy.step(opt)
-            (loss_sum,) = self._all_sum(self.policy.pp_sum([loss_local]))
-            do_eval = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0
-            if step % 10 == 0 or step == cfg.steps - 1 or do_eval:
-                row = {"phase": "sft", "step": step, "sft/loss": loss_sum, "sft/lr": lr, "grad_norm": float(gnorm)}
-                if do_eval:
-                    self.sync_weights()
-                    row["eval/accuracy"] = self.evaluate()["eval/accuracy"]
-                    self._say(f"SFT step {step + 1}: loss {loss_sum:.3f}, held-out accuracy {row['eval/accuracy']:.3f}")
-                self.logger.log(row)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_sum:.3f}")
-            signum = self.stop.requested() if step < cfg.steps - 1 else None
-            if signum:  # SFT is not checkpointed mid-way (step_000000 follows it): stop now, redo it on resume
-                raise self._preempted(f"stopped by a signal during cold-start SFT (after step {step + 1} of "
-                                      f"{cfg.steps}); no checkpoint yet: the next run starts over", signum)
-        if bar is not None:
-            bar.close()
-        self.sync_weights()
-        return {"sft/time_s": time.perf_counter() - t_start}
+        return run_sft(self)
 
     # ------------------------------------------------------------------------------------------------ RL
     def rl_step(self, step: int) -> dict:

@@ -1,0 +1,46 @@
+"""Everything a run checks before any compute, shared by the trainer and the dry run (`megagspo train
+--dry-run` / `megagspo plan`), so that a recipe that passes the dry run starts: the process layout against
+the batch sizes, the architecture (from the recipe, model.arch_file or the model.init_from folder) against
+the tokenizer, the sequence length and the parallel layout, model.init_from against the architecture, and the
+routing-replay settings. Data files are read by the trainer only (a dry run may lack the cluster's files)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megagspo.config import Config, ConfigError
+from megagspo.trainer.init_weights import InitSource, preflight_init_from
+from megagspo.trainer.layout import check_layout
+
+
+@dataclass
+class Preflight:
+    data_parallel: int
+    arch: object                      # moe.architecture.Qwen3MoeArchitecture
+    init_source: Optional[InitSource]  # None when model.init_from is not on this machine (dry run only)
+
+
+def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bool = True) -> Preflight:
+    """Raise ConfigError (naming the key) for the first thing that cannot work; `vocab_size` is the
+    tokenizer's (0 when it is not on this machine)."""
+    data_parallel = check_layout(cfg, world)
+    arch = cfg.model.architecture(vocab_size)
+    need = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
+    if need > arch.max_position_embeddings:
+        raise ConfigError(f"data.max_prompt_tokens + data.max_response_tokens = {need} exceeds "
+                          f"model.max_position_embeddings = {arch.max_position_embeddings}")
+    from moe.parallel import LayoutError, ParallelLayout
+
+    try:
+        ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
+                       pipeline_parallel=cfg.parallel.pipeline_parallel
+                       ).check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
+                                     arch.num_key_value_heads, arch.vocab_size)
+    except LayoutError as exc:
+        raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel / parallel.pipeline_parallel do "
+                          f"not fit the model: {exc}") from None
+    if cfg.rl.routing_replay == "r3" and not cfg.rollout.record_routes:
+        raise ConfigError("rl.routing_replay = 'r3' replays the engine's routes: set rollout.record_routes=true")
+    init_source = preflight_init_from(cfg.model, arch) if init_from_present else None
+    return Preflight(data_parallel, arch, init_source)
