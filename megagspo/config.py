@@ -300,7 +300,10 @@ class RolloutConfig:
     engine: str = "hf"              # hf (transformers Qwen3MoeForCausalLM, KV cache) | sglang (GPU hosts)
     temperature: float = 1.0
     top_p: float = 1.0
-    record_routes: bool = True      # routed experts per token from the engine (needed by R3)
+    # Derived, not a setting: the engine returns each token's routed experts exactly when something reads them,
+    # rl.routing_replay = r3 (replayed in training) or rl.old_logp = rollout (pi_old's routes for the expert-
+    # volatility metric). Config sets it; a recipe value that contradicts the derivation is refused.
+    record_routes: Optional[bool] = None
     # Weight sync after each update: the full model streams to the engine in buckets of at most this many
     # bytes, gathered one bucket at a time over TP / EP / PP (no rank ever holds the whole model).
     sync_bucket_mib: int = 512
@@ -328,6 +331,8 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.sglang: {exc}") from None
         elif self.sglang:
             raise ConfigError("rollout.sglang is set but rollout.engine is not 'sglang'")
+        _require("rollout", "record_routes", self.record_routes in (None, True, False), self.record_routes,
+                 "true or false (better: unset, it follows rl.routing_replay and rl.old_logp)")
         _pos_int("rollout", "sync_bucket_mib", self.sync_bucket_mib)
         _num("rollout", "temperature", self.temperature, 0.0, 10.0, lo_open=True)
         _num("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
@@ -359,17 +364,25 @@ class SFTConfig:
         _num("sft", "grad_clip", self.grad_clip, 0.0, lo_open=True)
 
 
-LOSSES = ("gspo", "gspo_token", "grpo")
 OLD_LOGP = ("recompute", "rollout")
 ROUTING_REPLAY = ("none", "r2", "r3")
 LOSS_IMPLS = ("torch", "kernels")
-FUSED_LOSSES = ("gspo", "gspo_token")  # the losses megagspo.kernels.gspo_segment_loss computes
+LOGPROB_IMPLS = ("auto", "kernels", "torch")
 SCHEDULES = ("constant", "cosine", "linear")
+# Spellings other projects (and megagspo's SGLang config) use for a value that has one name here: refused with
+# the right one. YAML reads a bare `off` as false, hence the boolean.
+_SPELLED = {("rl.routing_replay", "off"): "none", ("rl.routing_replay", False): "none",
+            ("rl.loss_impl", "fused"): "kernels", ("rl.logprob_impl", "fused"): "kernels"}
+_SPELLED_CHOICES = {"rl.routing_replay": ROUTING_REPLAY, "rl.loss_impl": LOSS_IMPLS, "rl.logprob_impl": LOGPROB_IMPLS}
 
 
 @dataclass
 class RLConfig:
-    """Per step: prompts_per_step prompts x group_size responses, split into mini_batches updates."""
+    """Per step: prompts_per_step prompts x group_size responses, split into mini_batches updates.
+
+    The loss options (clip_low .. loss_input_checks) map one to one onto the fields of the chosen loss's Config
+    dataclass (megagspo.algorithm.registry.LOSS_OPTION_KEYS); build_loss(cfg.rl) builds and validates it here
+    and in the trainer, so an option the chosen loss lacks (rl.dual_clip with gspo) is refused naming the key."""
 
     steps: int = 100
     prompts_per_step: int = 16      # B
@@ -380,14 +393,33 @@ class RLConfig:
     # mini-batch (losses divide by global counts, so the sum equals the unsplit gradient).
     # 0 = the whole per-rank mini-batch in one forward/backward.
     micro_batch_size: int = 0
-    loss: str = "gspo"              # gspo | gspo_token | grpo
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
-    old_logp: str = "recompute"     # recompute (Megatron no-grad forward) | rollout (engine log-probs, §5.4)
-    routing_replay: str = "none"    # none | r2 | r3
-    # > 0: loss += kl_coef * k3 KL(pi_theta || pi_ref) to a frozen copy of the policy at the start of RL
+    # ---- the loss (megagspo.algorithm.registry.build_loss) ----
+    loss: str = "gspo"              # gspo (eq. 6) | gspo_token (eqs. 14-15) | grpo (eq. 2)
+    clip_low: float = 3e-4          # ratio clipped below at 1 - clip_low (the paper's GSPO values; GRPO: 0.2)
+    clip_high: float = 4e-4         # ... and above at 1 + clip_high (GRPO: 0.27)
+    dual_clip: Optional[float] = None  # grpo only: for A_t < 0 the objective is bounded below by dual_clip * A_t (> 1)
+    aggregation: str = "seq_mean_token_mean"  # grpo only: seq_mean_token_mean (eq. 2) | token_mean (1 / tokens)
+    # > 0: loss += kl_coef * KL(pi_theta || pi_ref) to a frozen copy of the policy at the start of RL
     # (a second model's weights in memory; <run>/reference.safetensors). 0 = off (the GSPO paper trains without).
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"        # k3 = exp(d) - d - 1 (>= 0, low variance) | k1 = -d, d = log pi_ref - log pi
+    old_logp: str = "recompute"     # recompute (Megatron no-grad forward) | rollout (engine log-probs, §5.4)
+    # old_logp = recompute: weight each sequence by rho_i = min(exp(mean_t log pi_old / pi_rollout), cap), the
+    # length-normalised rollout -> trainer mismatch (algorithm/old_policy.py); a constant, no gradient.
+    rollout_correction: bool = False
+    rollout_correction_cap: float = 2.0
+    loss_input_checks: bool = True  # check each batch's shapes and finiteness in the loss (host syncs; false = skip)
+    # The policy loss: torch (megagspo.algorithm) | kernels (the fused segmented GSPO kernel for gspo and
+    # gspo_token, forced: an error where megagspo._C cannot serve the device; grpo has none and is refused)
+    loss_impl: str = "torch"
+    # ---- group advantages (eq. 7): A_i = (r_i - mean r) / (std r + adv_eps) ----
+    scale_adv_by_std: bool = True   # false: A_i = r_i - mean r
+    adv_eps: float = 1e-6
+    adv_unbiased_std: bool = True   # Bessel-corrected std (torch's default, as verl and TRL)
+    # ---- routing replay: the one switch (moe.routing_replay on Megatron-Core's RouterReplay) ----
+    # none | r2 (pi_old's routes, recorded in the recompute forward, replayed in training) | r3 (the rollout
+    # engine's routes replayed; the engine is asked for them: rollout.record_routes follows this key)
+    routing_replay: str = "none"
     lr: float = 1e-3
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -396,13 +428,11 @@ class RLConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0
-    logprob_impl: str = "auto"      # auto (megagspo.kernels if importable) | kernels | torch
-    # The policy loss: torch (megagspo.algorithm) | kernels (the fused segmented GSPO kernel for gspo and
-    # gspo_token; grpo has no fused kernel and is refused)
-    loss_impl: str = "torch"
+    # auto (megagspo.kernels, with one warning where megagspo._C cannot serve the device) | kernels (forced: an
+    # error instead of the fallback) | torch (a naive log_softmax; needs model.logprob_path=logits)
+    logprob_impl: str = "auto"
     eval_every: int = 25
     eval_samples: int = 4           # also score this many T=1 samples per held-out prompt (0 = greedy only)
-    scale_adv_by_std: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "mini_batches", "eval_every"):
@@ -413,18 +443,30 @@ class RLConfig:
         _nonneg_int("rl", "micro_batch_size", self.micro_batch_size)
         if self.group_size < 2:
             raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
-        _choice("rl", "loss", self.loss, LOSSES)
+        from megagspo.algorithm.registry import (LossOptionError, available_losses, build_advantage_config,
+                                                 build_loss_config, check_loss_impl)
+
+        _choice("rl", "loss", self.loss, available_losses())
         _choice("rl", "old_logp", self.old_logp, OLD_LOGP)
         _choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)
         _choice("rl", "lr_schedule", self.lr_schedule, SCHEDULES)
-        _choice("rl", "logprob_impl", self.logprob_impl, ("auto", "kernels", "torch"))
+        _choice("rl", "logprob_impl", self.logprob_impl, LOGPROB_IMPLS)
         _choice("rl", "loss_impl", self.loss_impl, LOSS_IMPLS)
-        if self.loss_impl == "kernels" and self.loss not in FUSED_LOSSES:
-            raise ConfigError(f"rl.loss_impl = 'kernels' has no fused kernel for rl.loss = {_show(self.loss)} (fused: "
-                              f"{', '.join(FUSED_LOSSES)}); set rl.loss_impl=torch")
         _num("rl", "clip_low", self.clip_low, 0.0, 1.0, lo_open=True)
         _num("rl", "clip_high", self.clip_high, 0.0, lo_open=True)
         _num("rl", "kl_coef", self.kl_coef, 0.0)
+        if self.dual_clip is not None:
+            _num("rl", "dual_clip", self.dual_clip, 1.0, lo_open=True)
+        _num("rl", "rollout_correction_cap", self.rollout_correction_cap, 1.0)
+        _num("rl", "adv_eps", self.adv_eps, 0.0, lo_open=True)
+        # The loss's own Config validates the rest (choices, options the chosen loss lacks, kernel support):
+        # the same builder the trainer calls, so a recipe that loads here builds there.
+        try:
+            build_loss_config(self)
+            build_advantage_config(self)
+            check_loss_impl(self)
+        except LossOptionError as exc:
+            raise ConfigError(str(exc)) from None
         _num("rl", "lr", self.lr, 0.0, 1.0, lo_open=True)
         _num("rl", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         _num("rl", "weight_decay", self.weight_decay, 0.0, 1.0)
@@ -530,6 +572,31 @@ class Config:
             ok, why = replay_available()
             if not ok:
                 raise ConfigError(f"rl.routing_replay = {_show(self.rl.routing_replay)} is not available yet: {why}")
+        self._derive_replay_flags()
+
+    def _derive_replay_flags(self) -> None:
+        """rl.routing_replay is the one switch for routing replay; the engine-side flags follow from it (and
+        from rl.old_logp). A recipe may still spell them out (a run's saved config.yaml does), but a value that
+        contradicts the derivation is refused naming both keys."""
+        rl = self.rl
+        # The engine's routes are read by R3 (replayed in training) and, with rl.old_logp = rollout, by the
+        # expert-volatility metric (pi_old is the engine, so its routes are pi_old's); otherwise nobody reads them.
+        routes = rl.routing_replay == "r3" or rl.old_logp == "rollout"
+        given = self.rollout.record_routes
+        if given is not None and given != routes:
+            raise ConfigError(f"rollout.record_routes = {given} contradicts rl.routing_replay = "
+                              f"{rl.routing_replay!r} with rl.old_logp = {rl.old_logp!r} (the engine's routes are "
+                              f"{'read' if routes else 'never read'}): remove rollout.record_routes, it follows "
+                              "rl.routing_replay")
+        self.rollout.record_routes = routes
+        if self.rollout.engine == "sglang":
+            mode = "r3" if rl.routing_replay == "r3" else "off"  # SGLangEngineConfig's own spelling of "none"
+            given = self.rollout.sglang.get("routing_replay")
+            if given is not None and given != mode:
+                raise ConfigError(f"rollout.sglang.routing_replay = {_show(given)} contradicts rl.routing_replay = "
+                                  f"{rl.routing_replay!r}: remove rollout.sglang.routing_replay, it follows "
+                                  "rl.routing_replay")
+            self.rollout.sglang = {**self.rollout.sglang, "routing_replay": mode}
 
     def _auto_tokenizer(self) -> str:
         """data.tokenizer = auto: model.init_from's own tokenizer when it has one (also when the folder is
@@ -579,6 +646,9 @@ def _section_classes() -> dict:
 
 def _coerce_value(path: str, value: Any, default: Any) -> Any:
     """YAML gives ints for floats like `1` and strings for `1e-3`; accept those, reject real mismatches."""
+    if isinstance(value, (str, bool)) and (path, value) in _SPELLED:
+        raise ConfigError(f"{path} = {_show(value)} is spelled {_SPELLED[(path, value)]!r} here; valid values: "
+                          f"{', '.join(_SPELLED_CHOICES[path])}")
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{path} must be true or false, got {_show(value)}")

@@ -68,6 +68,10 @@ def run_state(spec: AblationSpec, run: Run, extra: List[str]) -> str:
     want = expected_config(spec, run, extra)
     for d in (saved, want):  # a progress bar does not make a different run
         d.get("log", {}).pop("progress", None)
+        # Derived from rl.routing_replay / rl.old_logp (compared there), not settings: a folder written before
+        # they were derived holds the old default and is the same run.
+        d.get("rollout", {}).pop("record_routes", None)
+        (d.get("rollout", {}).get("sglang") or {}).pop("routing_replay", None)
     diff = _dict_diff(saved, want)
     if diff:
         raise ConfigError(f"{run.run_dir} holds a run with a different config ({'; '.join(diff[:4])}); use another "

@@ -4,6 +4,7 @@ for `megagspo.algorithm.get_loss(name)` with the same loss, gradient and metrics
 Legend: T packed tokens, S sequences, S1 = S + 1 offsets (`cu_seqlens_S1`).
 
     loss_fn = fused_loss("gspo")            # or "gspo_token"; any other name raises, naming the fused ones
+                                            # impl="fused" (default): the megagspo._C kernel or an error
     loss, metrics = loss_fn(batch, config)  # batch: megagspo.algorithm.PackedBatch, config: GSPOConfig
 
 What the kernel serves, and what it refuses (a clear error, never a silent fallback to the torch loss):
@@ -20,6 +21,7 @@ logits: O(T) torch ops on detached tensors).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -28,15 +30,22 @@ from torch import Tensor
 FUSED_LOSSES = ("gspo", "gspo_token")
 
 
-def fused_loss(name: str) -> Callable:
-    """The fused-kernel entry point of registered loss `name`; ValueError for a loss the kernel cannot serve."""
+def fused_loss(name: str, impl: str = "fused") -> Callable:
+    """The fused-kernel entry point of registered loss `name`; ValueError for a loss the kernel cannot serve.
+
+    impl is gspo_segment_loss's: "fused" (rl.loss_impl=kernels) runs the megagspo._C kernel or raises where it
+    cannot serve the tensors' device, never a silent fallback; "auto" / "reference" are for tests."""
     if name not in FUSED_LOSSES:
         raise ValueError(f"megagspo.kernels: no fused kernel for loss {name!r}; fused losses: "
                          f"{', '.join(FUSED_LOSSES)} (use the torch loss, rl.loss_impl=torch)")
-    return _fused_gspo
+    from . import IMPLS
+
+    if impl not in IMPLS:
+        raise ValueError(f"megagspo.kernels.fused_loss: impl must be one of {IMPLS}; got {impl!r}")
+    return functools.partial(_fused_gspo, impl=impl)
 
 
-def _fused_gspo(batch, config) -> tuple[Tensor, dict]:
+def _fused_gspo(batch, config, *, impl: str = "fused") -> tuple[Tensor, dict]:
     """GSPO / GSPO-token with per-sequence advantages through megagspo.kernels.gspo_segment_loss."""
     from megagspo.algorithm.losses import kl_penalty
     from megagspo.algorithm.metrics import clip_metrics
@@ -62,7 +71,8 @@ def _fused_gspo(batch, config) -> tuple[Tensor, dict]:
         check_finite("advantages_S", batch.advantages_S)
     loss, k = gspo_segment_loss(
         batch.logp_T, old_logp_T, mask_T, batch.cu_seqlens_S1, batch.advantages_S,
-        clip_low=config.clip_low, clip_high=config.clip_high, num_global_sequences=batch.num_global_sequences)
+        clip_low=config.clip_low, clip_high=config.clip_high, num_global_sequences=batch.num_global_sequences,
+        impl=impl)
 
     # metrics as the torch loss reports them, from the kernel's per-sequence ratios and clip decisions
     num_seqs = batch.cu_seqlens_S1.shape[0] - 1

@@ -1,0 +1,237 @@
+"""One config surface: every loss option reaches the algorithm from YAML and the command line through
+megagspo.algorithm.registry.build_loss, one spelling per concept, replay flags derived from rl.routing_replay,
+and rl.loss_impl / rl.logprob_impl = kernels that really force the fused kernels.
+
+Legend: B rows (sequences), L positions per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+
+import pytest
+import torch
+
+from megagspo.algorithm import PackedBatch, get_loss, group_advantages, segment_ids
+from megagspo.algorithm.advantages import GroupAdvantageConfig
+from megagspo.algorithm.losses import GRPOConfig, GSPOConfig, grpo_loss
+from megagspo.algorithm.registry import (ADVANTAGE_OPTION_KEYS, LOSS_OPTION_KEYS, LossOptionError,
+                                         available_losses, build_advantage_config, build_loss, config_paths,
+                                         loss_option_keys)
+from megagspo.config import ConfigError, RLConfig, config_from_dict, deferred_path_checks, load_config
+
+TINY = "configs/tiny_cpu.yaml"
+
+
+def _tiny(*overrides):
+    return load_config(TINY, list(overrides))
+
+
+def _hand_translation(rl):
+    """What Trainer.__init__ built before build_loss existed (trainer.py at ff9db87): the reference the
+    builder must reproduce for every existing recipe, so their runs are unchanged."""
+    fields = dict(clip_low=rl.clip_low, clip_high=rl.clip_high, old_policy={"source": rl.old_logp})
+    if rl.kl_coef > 0:
+        fields["kl"] = {"coef": rl.kl_coef, "estimator": "k3"}
+    return get_loss(rl.loss), get_loss(rl.loss).Config(**fields)
+
+
+# ------------------------------------------------------------------------------------ coverage, unchanged runs
+
+
+def test_every_field_of_every_loss_config_has_an_rl_key():
+    rl_fields = {f.name for f in dataclasses.fields(RLConfig)}
+    assert set(LOSS_OPTION_KEYS) <= rl_fields and set(ADVANTAGE_OPTION_KEYS) <= rl_fields
+    mapped = set(LOSS_OPTION_KEYS.values())
+    for name in available_losses():
+        missing = set(config_paths(get_loss(name).Config)) - mapped
+        assert not missing, f"loss {name!r}: Config fields {missing} cannot be set from YAML"
+    assert {f.name for f in dataclasses.fields(GroupAdvantageConfig)} == set(ADVANTAGE_OPTION_KEYS.values())
+
+
+@pytest.mark.parametrize("recipe", sorted(glob.glob("configs/*.yaml")))
+def test_every_recipe_builds_the_loss_the_hand_translation_built(recipe):
+    with deferred_path_checks():
+        cfg = load_config(recipe)
+    loss_fn, loss_cfg = build_loss(cfg.rl)
+    ref_fn, ref_cfg = _hand_translation(cfg.rl)
+    assert loss_fn is ref_fn and loss_cfg == ref_cfg
+    assert build_advantage_config(cfg.rl) == GroupAdvantageConfig(scale_by_std=cfg.rl.scale_adv_by_std)
+
+
+def test_tiny_recipe_loss_is_gspo_at_its_clip_range():
+    loss_fn, loss_cfg = build_loss(_tiny().rl)
+    assert loss_fn is get_loss("gspo")
+    assert loss_cfg == GSPOConfig(clip_low=0.003, clip_high=0.004)
+
+
+# ------------------------------------------------------------------------------------ options reach the loss
+
+
+def test_every_grpo_option_reaches_its_config_from_the_command_line():
+    cfg = _tiny("rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.27", "rl.dual_clip=3", "rl.aggregation=token_mean",
+                "rl.kl_coef=0.01", "rl.kl_estimator=k1", "rl.rollout_correction=true", "rl.rollout_correction_cap=1.5",
+                "rl.loss_input_checks=false")
+    loss_fn, c = build_loss(cfg.rl)
+    assert loss_fn is get_loss("grpo") and isinstance(c, GRPOConfig)
+    assert (c.clip_low, c.clip_high, c.dual_clip, c.aggregation) == (0.2, 0.27, 3.0, "token_mean")
+    assert (c.kl.coef, c.kl.estimator) == (0.01, "k1")
+    assert (c.old_policy.source, c.old_policy.rollout_correction, c.old_policy.correction_cap) == ("recompute", True, 1.5)
+    assert c.validate is False
+
+
+def test_options_reach_the_config_from_yaml():
+    cfg = config_from_dict({"rl": {"loss": "gspo_token", "kl_coef": 0.05, "kl_estimator": "k1", "old_logp": "rollout",
+                                   "adv_eps": 1e-4, "adv_unbiased_std": False, "scale_adv_by_std": False}})
+    _, c = build_loss(cfg.rl)
+    assert (c.kl.coef, c.kl.estimator, c.old_policy.source) == (0.05, "k1", "rollout")
+    assert build_advantage_config(cfg.rl) == GroupAdvantageConfig(scale_by_std=False, eps=1e-4, unbiased_std=False)
+
+
+def test_built_grpo_loss_computes_what_its_options_say():
+    """dual_clip and token_mean change the loss: the built loss equals the functional GRPO with those options
+    and differs from the default aggregation (so the option is not silently dropped on the way)."""
+    gen = torch.Generator().manual_seed(0)
+    B, L = 6, 9
+    logp = -torch.rand(B, L, generator=gen, dtype=torch.float64) * 2
+    old = logp + (torch.rand(B, L, generator=gen, dtype=torch.float64) - 0.5) * 3.0  # ratios far outside [0.8, 1.27]
+    mask = torch.rand(B, L, generator=gen) < 0.6
+    mask[:, 0] = True
+    adv = torch.randn(B, generator=gen, dtype=torch.float64)
+    batch = PackedBatch.from_padded(logp_BL=logp, loss_mask_BL=mask, num_global_sequences=B, old_logp_BL=old,
+                                    advantages_B=adv, num_global_tokens=float(mask.sum()))
+    cfg = _tiny("rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.27", "rl.dual_clip=1.5", "rl.aggregation=token_mean")
+    loss_fn, loss_cfg = build_loss(cfg.rl)
+    got, _ = loss_fn(batch, loss_cfg)
+    want, _ = grpo_loss(batch.logp_T, batch.old_logp_T, batch.loss_mask_T, batch.cu_seqlens_S1,
+                        adv[segment_ids(batch.cu_seqlens_S1, batch.num_tokens)], clip_low=0.2, clip_high=0.27, dual_clip=1.5,
+                        aggregation="token_mean", num_global_tokens=float(mask.sum()))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    default_fn, default_cfg = build_loss(_tiny("rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.27").rl)
+    assert not torch.allclose(default_fn(batch, default_cfg)[0], got)
+
+
+def test_advantage_options_reach_group_advantages():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    adv_cfg = build_advantage_config(_tiny("rl.adv_eps=0.5", "rl.adv_unbiased_std=false").rl)
+    got = group_advantages(rewards, **dataclasses.asdict(adv_cfg))
+    centered = rewards - rewards.mean(1, keepdim=True)
+    torch.testing.assert_close(got, centered / (rewards.std(1, keepdim=True, unbiased=False) + 0.5))
+
+
+# ------------------------------------------------------------------------------------ errors name the key
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["rl.dual_clip=3"], ["rl.dual_clip = 3", "rl.loss = grpo only", "'gspo' takes: rl.clip_low", "rl.kl_estimator"]),
+    (["rl.aggregation=token_mean"], ["rl.aggregation", "grpo only"]),
+    (["rl.loss=grpo", "rl.aggregation=seq_mean"], ["rl.aggregation", "seq_mean_token_mean", "token_mean"]),
+    (["rl.loss=grpo", "rl.dual_clip=0.5"], ["rl.dual_clip", "0.5"]),
+    (["rl.kl_estimator=k2"], ["rl.kl_estimator", "k1", "k3"]),
+    (["rl.old_logp=rollout", "rl.rollout_correction=true"], ["rl.rollout_correction", "recompute"]),
+    (["rl.rollout_correction_cap=0.5"], ["rl.rollout_correction_cap"]),
+    (["rl.adv_eps=0"], ["rl.adv_eps"]),
+    (["rl.rollout_correction=1"], ["rl.rollout_correction must be true or false"]),
+    (["rl.loss=grpo", "rl.loss_impl=kernels"], ["rl.loss_impl = 'kernels'", "rl.loss = 'grpo'", "gspo, gspo_token"]),
+    (["rl.loss_impl=kernels", "rl.rollout_correction=true"], ["rl.loss_impl = 'kernels'", "rl.rollout_correction"]),
+    (["rl.dual_clipp=3"], ["unknown config key 'rl.dual_clipp'", "dual_clip", "aggregation", "kl_estimator"]),
+])
+def test_a_bad_loss_option_is_refused_naming_the_key(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        _tiny(*overrides)
+    for w in words:
+        assert w in str(err.value), f"{w!r} not in {err.value}"
+
+
+def test_build_loss_refuses_on_its_own_without_the_config_loader():
+    rl = dataclasses.replace(RLConfig(), loss="grpo", clip_low=0.2, clip_high=0.27)
+    object.__setattr__(rl, "aggregation", "sum")  # past RLConfig's checks, as a hand-built config could be
+    with pytest.raises(LossOptionError, match=r"rl\.aggregation must be one of"):
+        build_loss(rl)
+    assert loss_option_keys("gspo") == ["clip_low", "clip_high", "kl_coef", "kl_estimator", "old_logp",
+                                        "rollout_correction", "rollout_correction_cap", "loss_input_checks"]
+
+
+# ------------------------------------------------------------------------------------ one spelling per concept
+
+
+@pytest.mark.parametrize("override, right", [
+    ("rl.routing_replay=off", "'none'"),        # YAML reads a bare off as false
+    ('rl.routing_replay="off"', "'none'"),      # SGLang's spelling
+    ("rl.loss_impl=fused", "'kernels'"),
+    ("rl.logprob_impl=fused", "'kernels'"),
+])
+def test_another_spelling_is_a_clear_error(override, right):
+    with pytest.raises(ConfigError, match=f"is spelled {right} here; valid values"):
+        _tiny(override)
+
+
+# ------------------------------------------------------------------------------------ replay flags derived
+
+
+def test_engine_routes_follow_routing_replay_and_old_logp():
+    assert _tiny().rollout.record_routes is False  # nothing reads them: the engine is not asked
+    assert _tiny("rl.routing_replay=r2").rollout.record_routes is False  # R2 records in the pi_old forward
+    assert _tiny("rl.routing_replay=r3").rollout.record_routes is True
+    assert _tiny("rl.old_logp=rollout").rollout.record_routes is True  # pi_old's routes for expert volatility
+    assert _tiny("rl.routing_replay=r3", "rollout.record_routes=true").rollout.record_routes is True  # redundant: ok
+    with pytest.raises(ConfigError, match=r"rollout.record_routes = False contradicts rl.routing_replay = 'r3'"):
+        _tiny("rl.routing_replay=r3", "rollout.record_routes=false")
+    cfg = _tiny("rl.routing_replay=r3")  # a run's saved config.yaml loads back to the same config
+    assert config_from_dict(cfg.to_dict()).rollout == cfg.rollout
+
+
+def test_sglang_replay_mode_follows_routing_replay():
+    from megagspo.rollout.sglang_engine import SGLangEngineConfig
+
+    sglang = ["rollout.engine=sglang", "rollout.sglang={urls: [http://127.0.0.1:30000], sync_dir: /tmp/w}"]
+    assert _tiny(*sglang).rollout.sglang["routing_replay"] == "off"
+    cfg = _tiny(*sglang, "rl.routing_replay=r3")
+    assert SGLangEngineConfig(**cfg.rollout.sglang).routing_replay == "r3" and cfg.rollout.record_routes
+    with pytest.raises(ConfigError, match=r"rollout.sglang.routing_replay = 'off' contradicts rl.routing_replay = 'r3'"):
+        _tiny(*sglang[:1], "rollout.sglang={urls: [http://h:1], sync_dir: /tmp/w, routing_replay: 'off'}",
+              "rl.routing_replay=r3")
+
+
+# ------------------------------------------------------------------------------------ kernels are forced
+
+
+def _gspo_batch():
+    gen = torch.Generator().manual_seed(1)
+    logp = -torch.rand(4, 5, generator=gen)
+    return PackedBatch.from_padded(logp_BL=logp, loss_mask_BL=torch.ones(4, 5, dtype=torch.bool),
+                                   num_global_sequences=4, old_logp_BL=logp + 0.01, advantages_B=torch.randn(4, generator=gen))
+
+
+def test_loss_impl_kernels_runs_the_fused_kernel_and_equals_the_torch_loss():
+    import megagspo.kernels as kernels
+
+    if not kernels.fused_available("cpu"):
+        pytest.skip("megagspo._C has no CPU kernels in this build")
+    fused_fn, cfg = build_loss(_tiny("rl.loss_impl=kernels").rl)
+    torch_fn, torch_cfg = build_loss(_tiny().rl)
+    assert fused_fn is not torch_fn and cfg == torch_cfg
+    batch = _gspo_batch()
+    torch.testing.assert_close(fused_fn(batch, cfg)[0], torch_fn(batch, cfg)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_loss_impl_kernels_raises_instead_of_falling_back(monkeypatch):
+    import megagspo.kernels as kernels
+
+    fused_fn, cfg = build_loss(_tiny("rl.loss_impl=kernels").rl)
+    monkeypatch.setattr(kernels, "has_device_kernel", lambda device: False)  # as on a box whose _C lacks them
+    with pytest.raises(RuntimeError, match="impl='fused' requested"):
+        fused_fn(_gspo_batch(), cfg)
+
+
+def test_logprob_impl_kernels_raises_instead_of_falling_back(monkeypatch):
+    import megagspo.kernels as kernels
+    from megagspo.trainer.policy import _logprob_fn
+
+    monkeypatch.setattr(kernels, "has_device_kernel", lambda device: False)
+    logits, target = torch.randn(3, 7), torch.tensor([0, 4, 6])
+    with pytest.raises(RuntimeError, match="impl='fused' requested"):
+        _logprob_fn("kernels")(logits, target)
+    with pytest.warns(RuntimeWarning, match="falling back"):  # auto is the one that may fall back, loudly
+        _logprob_fn("auto")(logits, target)
