@@ -6,7 +6,7 @@ CUDA sources (`csrc/cuda/*.cu`) are added when torch has CUDA and nvcc is found,
     MEGAGSPO_CUDA=auto (default) | 1 (force, fail if impossible) | 0 (skip)
 
 Install with `pip install --no-build-isolation -e .`: build isolation would install a fresh, unpinned
-torch into the build environment (a CUDA build on CPU hosts; see shared/notes/platform.md).
+torch into the build environment (a CUDA build on CPU hosts; see docs/platform.md).
 """
 
 import glob

@@ -1,7 +1,7 @@
 """Core attention on torch's scaled_dot_product_attention, for Megatron's local layer spec.
 
-Shape legend: S sequence length (Sq queries, Sk keys), B batch, N query heads, G key/value heads (per TP
-rank), D head dim.
+Shape legend (docs/architecture.md, plus attention's own axes): S sequence length (Sq queries, Sk keys), B batch
+rows; here N is query heads and G key/value heads (per TP rank), D head dim.
 
 `SDPACoreAttention` takes Megatron's core-attention call (q [Sq, B, N, D], k / v [Sk, B, G, D], a bool mask
 that is True where attention is masked out) and returns [Sq, B, N*D] like DotProductAttention. On CUDA, SDPA

@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 MEGATRON_VERSION = "0.16.1"
 
-# TransformerConfig values a CPU run needs (platform.md): CPU weight init, no grouped GEMM (needs the
+# TransformerConfig values a CPU run needs (docs/platform.md): CPU weight init, no grouped GEMM (needs the
 # grouped_gemm package), no fused kernels (all CUDA/TE/apex-only).
 CPU_TRANSFORMER_SETTINGS: dict = {
     "use_cpu_initialization": True,
@@ -459,7 +459,7 @@ def initialize_cpu_rng(seed: int) -> None:
     """Seed torch and install Megatron's RNG tracker in the form that works without CUDA.
 
     `model_parallel_cuda_manual_seed` needs CUDA; a CPU RNG-state tracker makes DP-replicated weights
-    differ between EP ranks, the inference (no-op) tracker keeps them identical (platform.md).
+    differ between EP ranks, the inference (no-op) tracker keeps them identical (docs/platform.md).
     """
     from megatron.core import tensor_parallel
 

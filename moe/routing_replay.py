@@ -6,9 +6,10 @@ rollout engine captured (transformers router hooks, SGLang) in both the pi_old f
 GSPO paper §5.3: with routes replayed, pi_theta and pi_old share the activated network of each token, so
 token ratios w_{i,t} = pi_theta(y_t|..)/pi_old(y_t|..) stay meaningful.
 
-Legend: T packed tokens of one micro-batch in storage order, L MoE layers (of this pipeline stage unless
-"total"), K top-k, E experts, B rows and S sequence length of the model input [B, S], S_loc the sequence
-chunk a router sees (S / TP with sequence parallelism), N = S_loc * B router tokens.
+Legend (docs/architecture.md, with two local axes): T packed tokens of one micro-batch in storage order, K
+top-k, E experts, B rows and S sequence length of the model input [B, S]; here L is the MoE layers (of this
+pipeline stage unless "total"; Ly in the shared legend), S_loc the sequence chunk a router sees (S / TP with
+sequence parallelism) and N = S_loc * B the router tokens.
 
 Storage order. `routes_TLK` is indexed t = b * S + s for the model input [B, S]: batch-major, i.e. the
 packed order of `padded_to_packed` ([B, S] row by row) and, for a packed [1, T] input, the packed order

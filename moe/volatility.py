@@ -3,7 +3,8 @@ expert choices under pi_theta that differ from those under pi_old. The paper rep
 gradient update of the 48-layer Qwen3-30B-A3B; with routing replay on, the experts used equal pi_old's
 and volatility is 0 by construction.
 
-Legend: T tokens (storage order of `moe.routing_replay`), L MoE layers, K top-k.
+Legend (docs/architecture.md): T tokens (storage order of `moe.routing_replay`), K top-k; L here is the MoE
+layers of this stage (Ly in the shared legend), as in `moe.routing_replay`.
 
 Top-k is compared as a set per (token, layer): an expert chosen by both policies counts as unchanged
 whatever its rank. `volatility_counts` returns numerator and denominator as tensors (no host sync) so ranks

@@ -44,7 +44,7 @@ def test_rollout_source_uses_rollout_logprobs_as_pi_old(gen, name):
 
 def test_correction_uses_exp_of_mean_not_exp_of_sum(gen):
     # A per-token train/inference gap delta on a 3,000-token response: the weight is exp(delta)
-    # (~1.001), not exp(3000 * delta) (~20, the NeMo-RL bug in field.md).
+    # (~1.001), not exp(3000 * delta) (~20, NeMo-RL's bug, docs/architecture.md).
     lengths = torch.tensor([3000, 1, 500])
     cu = cu_from_lengths(lengths)
     T = int(cu[-1])

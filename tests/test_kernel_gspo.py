@@ -1,6 +1,6 @@
 """Segmented GSPO kernel (megagspo._C) against its pure-torch reference and the algorithm core.
 
-Legend: T tokens, S sequences, S1 = S + 1. Fresh random inputs every run; seeds appear in failure messages.
+Legend (docs/architecture.md): T tokens, N sequences (spelled `_S` in names; `_S1`: N + 1 offsets). Fresh random inputs every run; seeds appear in failure messages.
 """
 
 from __future__ import annotations

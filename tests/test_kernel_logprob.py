@@ -4,7 +4,7 @@ Legend: T tokens, V vocab (shard). Fresh random inputs on every run (no fixed se
 in assertion messages so that a failure can be replayed.
 
 Tolerance: a fused result must be within 2x the error of a same-precision torch run (both against a float64
-reference) plus the (atol, rtol) floor of TOL below (style.md #5).
+reference) plus the (atol, rtol) floor of TOL below (docs/architecture.md, "Where the choices come from").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Group-relative advantages (eq. 7): each response's reward against the other responses to its prompt.
 
-Legend: B = prompts (groups), G = responses per prompt (group size), S = B * G sequences.
+Legend (docs/architecture.md): B prompts (groups), G responses per prompt (group size), R = B * G responses.
 
 A_i = (r_i - mean(r_group)) / (std(r_group) + eps), or without the std division (`scale_by_std=False`).
 A group whose rewards are all equal carries no signal: its advantages are exactly 0 (tested with max ==

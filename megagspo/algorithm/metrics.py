@@ -1,7 +1,7 @@
 """Loss metrics as 0-dim tensors: nothing here calls .item() or branches on values, so computing them
 inside the loss never syncs the device. Convert to floats only at logging time.
 
-Legend: T = packed tokens, S = sequences.
+Legend (docs/architecture.md): T packed tokens, N packed sequences (spelled `_S` in names here).
 
 Keys (all float tensors):
   seq/count, seq/nonempty, seq/empty           sequences in the micro-batch; with / without response tokens

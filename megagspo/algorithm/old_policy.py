@@ -1,6 +1,7 @@
 """Where pi_old comes from (paper §5.4), and the optional rollout -> recomputed importance correction.
 
-Legend: T = packed tokens, S = sequences, S1 = S + 1 offsets.
+Legend (docs/architecture.md): T packed tokens, N packed sequences, written `_S` in names here (`_S1`: the
+N + 1 offsets).
 
 source = "recompute": pi_old is the training engine's recomputation (`old_logp_T`), the usual practice.
 source = "rollout":   pi_old is the inference engine's log-probs (`rollout_logp_T`): GSPO depends only on
@@ -11,7 +12,7 @@ With "recompute", `rollout_correction=True` adds a sequence-level importance wei
 the sampling (rollout) policy and the recomputed pi_old:
     rho_i = min(exp(mean_t[log pi_old - log pi_rollout]), cap)
 It is the length-normalised ratio, like s_i in eq. 8. NeMo-RL used exp(SUM) over tokens and
-down-weighted whole batches ~17x (field.md, PR #2269): a per-token gap of 0.001 over 3,000 tokens is
+down-weighted whole batches ~17x (NVIDIA-NeMo/RL PR #2269): a per-token gap of 0.001 over 3,000 tokens is
 exp(3) = 20 with the sum but 1.001 with the mean. The weight is a constant (no gradient), truncated at
 `cap` in the log domain so it can never overflow.
 """

@@ -1,7 +1,7 @@
 """Packed (THD) layout: segment ids and sums from `cu_seqlens`, padded <-> packed, the batch structure.
 
-Legend: T = packed tokens, S = sequences, S1 = S + 1 offsets (`cu_seqlens_S1`, starts at 0, last == T),
-B = rows and L = length of the padded layout [B, L].
+Legend (docs/architecture.md): T packed tokens, N packed sequences, spelled `_S` in names here (`cu_seqlens_S1`:
+the N + 1 offsets, starts at 0, last == T); B rows and L response length of the padded layout [B, L].
 
 Segment reductions use `index_add` on segment ids, never a Python loop over sequences, and build the
 ids with `repeat_interleave(..., output_size=T)` so no device-to-host sync is needed for the size.

@@ -1,6 +1,6 @@
 """Importance ratios on packed sequences: token log-ratios (eq. 3) and the sequence ratio (eq. 8).
 
-Legend: T = packed tokens, S = sequences, S1 = S + 1 offsets.
+Legend (docs/architecture.md): T packed tokens, N packed sequences (spelled `_S` in names here; `_S1`: the N + 1 offsets).
 
 Everything stays in the log domain until the final exp: s_i = exp(m_i) with m_i the masked MEAN
 log-ratio, never a product of token ratios (which under/overflows after a few hundred tokens). In float32,

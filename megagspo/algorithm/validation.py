@@ -3,7 +3,7 @@
 Every check here may synchronise with the device (it inspects values); the losses call them only when
 `validate=True`. Messages name the tensor and its shape so a bad batch is found from the log alone.
 
-Legend: T = packed tokens, S = sequences, S1 = S + 1 offsets.
+Legend (docs/architecture.md): T packed tokens, N packed sequences (spelled `_S` in names here; `_S1`: the N + 1 offsets).
 """
 
 from __future__ import annotations

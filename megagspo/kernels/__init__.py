@@ -1,6 +1,7 @@
 """Fused kernels: token log-probs (plain, vocab-parallel, chunked from hidden states) and segmented GSPO.
 
-Legend: T tokens, V vocab (the local shard under tensor parallelism), H hidden, S sequences, S1 = S + 1.
+Legend (docs/architecture.md): T tokens, V vocab (the local shard under tensor parallelism), H hidden,
+N packed sequences (spelled `_S` in names here; `_S1`: the N + 1 offsets).
 
     token_logprobs(logits_TV, target_T, *, with_entropy=False, inplace_backward=False,
                    tp_group=None, vocab_start=None, impl="auto")          -> logp_T  (or (logp_T, entropy_T))

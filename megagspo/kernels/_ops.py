@@ -1,7 +1,7 @@
 """Loading megagspo._C, and the torch.library registrations of its ops: fake (meta) implementations so
 torch.compile traces them, and autograd formulas.
 
-Legend: T tokens, V vocab (shard), S sequences, S1 = S + 1.
+Legend (docs/architecture.md): T tokens, V vocab (shard), N packed sequences (spelled `_S` in names here; `_S1`: the N + 1 offsets).
 
 The extension is the one optional heavy dependency of this package; `extension_error()` says why it is
 not usable (None when it is) and megagspo/kernels/__init__.py warns once when it falls back.

@@ -1,6 +1,7 @@
 """Pure-torch references of every fused kernel in csrc/, and the fallback when megagspo._C is absent.
 
-Legend: T tokens, V vocab (a shard of it under tensor parallelism), H hidden, S sequences, S1 = S + 1.
+Legend (docs/architecture.md): T tokens, V vocab (a shard of it under tensor parallelism), H hidden,
+N packed sequences (spelled `_S` in names here; `_S1`: the N + 1 offsets).
 
 These are deliberately the naive formulas (they materialise float32 [T, V]); tests compare the fused
 kernels against them. The `*_op` functions mirror the signatures of the torch.ops.megagspo ops so the

@@ -1,7 +1,8 @@
 """The rollout-engine interface and registry.
 
-Legend: N = prompts, G = samples per prompt, R = N*G responses (prompt-major: the G samples of prompt i
-are rows i*G .. i*G+G-1), L = max response tokens, Ly = layers, K = experts per token.
+Legend (docs/architecture.md): B prompts, G samples per prompt, R = B*G responses (prompt-major: the G samples of
+prompt i are rows i*G .. i*G+G-1), L max response tokens, P prompt + response positions, Ly MoE layers, K
+experts per token.
 """
 
 from __future__ import annotations
