@@ -129,7 +129,7 @@ def test_advantage_options_reach_group_advantages():
     (["rl.loss=grpo", "rl.aggregation=seq_mean"], ["rl.aggregation", "seq_mean_token_mean", "token_mean"]),
     (["rl.loss=grpo", "rl.dual_clip=0.5"], ["rl.dual_clip", "0.5"]),
     (["rl.kl_estimator=k2"], ["rl.kl_estimator", "k1", "k3"]),
-    (["rl.old_logp=rollout", "rl.rollout_correction=true"], ["rl.rollout_correction", "recompute"]),
+    (["rl.old_logp=rollout", "rl.rollout_correction=true"], ["rl.rollout_correction", "needs rl.old_logp='recompute'"]),
     (["rl.rollout_correction_cap=0.5"], ["rl.rollout_correction_cap"]),
     (["rl.adv_eps=0"], ["rl.adv_eps"]),
     (["rl.rollout_correction=1"], ["rl.rollout_correction must be true or false"]),

@@ -144,7 +144,9 @@ def _as_rl_keys(message: str, keys: Dict[str, str]) -> str:
             key = by_field.get(field)
         return f"rl.{key}" if key else m.group(0)
 
-    return re.sub(r"\b([A-Z][A-Za-z]*Config)\.([a-z_]+)", swap, message)
+    message = re.sub(r"\b([A-Z][A-Za-z]*Config)\.([a-z_]+)", swap, message)
+    # OldPolicyConfig's messages name its bare field `source=`, which a recipe spells rl.old_logp
+    return re.sub(r"\bsource=", "rl.old_logp=", message) if "old_logp" in keys else message
 
 
 def build_loss_config(rl_cfg):
