@@ -57,6 +57,10 @@ class MetricsLogger:
                 if not isinstance(value, str) and key != "step":
                     self.tb.add_scalar(key, value, step)
 
+    def state_dict(self, tail: int) -> dict:
+        """How many rows were logged, and the last `tail` of them (restores metrics.jsonl if it is lost)."""
+        return {"count": len(self.rows), "rows": self.rows[-tail:] if tail else []}
+
     def raise_write_error(self) -> None:
         """Raise the OSError that stopped metrics.jsonl from being appended to, if one did."""
         if self.write_error is not None:

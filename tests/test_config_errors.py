@@ -6,7 +6,7 @@ import os
 import pytest
 
 from megagspo.config import ConfigError, config_from_dict, load_config, parse_overrides
-from megagspo.trainer.trainer import check_layout
+from megagspo.trainer.layout import check_layout
 
 
 def test_recipe_loads_with_overrides():

@@ -35,6 +35,7 @@ import os
 import random
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 import torch
@@ -62,6 +63,25 @@ def arch_dict(arch) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- RNG
+class RunRng:
+    """Every random state a run draws from on this rank: the global torch (and CUDA) generators (HF
+    `generate` samples with them), Python's and NumPy's, and the mini-batch permutation generator."""
+
+    def __init__(self, sample_gen: torch.Generator) -> None:
+        self.sample_gen = sample_gen
+
+    def state_dict(self) -> dict:
+        return capture_rng(self.sample_gen)
+
+    def load_state_dict(self, tensors: Dict[str, torch.Tensor], meta: dict, rank: int) -> None:
+        restore_rng(tensors, meta, rank, self.sample_gen)
+
+    def reseed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.sample_gen.manual_seed(seed)
+        random.seed(seed)
+
+
 def capture_rng(sample_gen: torch.Generator) -> dict:
     import numpy as np
 
@@ -143,11 +163,30 @@ def defining_differences(saved: dict, now: dict) -> list:
     defaults = flat(_jsonable(Config().to_dict()))
     keys = sorted(k for k in set(before) | set(after)
                   if any(k == d or k.startswith(d + ".") for d in DEFINING_KEYS) and k not in IMPLEMENTATION_KEYS)
+
     def shown(values: dict, k: str) -> str:
         return repr(values[k]) if k in values else f"unset (default {defaults.get(k)!r})"
 
     return [f"{k}: {shown(before, k)} in the checkpoint, {shown(after, k)} now"
             for k in keys if before.get(k, defaults.get(k)) != after.get(k, defaults.get(k))]
+
+
+# ---------------------------------------------------------------------------- the parts a checkpoint holds
+@dataclass
+class RunParts:
+    """The named parts of a run a checkpoint holds (torchtitan's pattern: the manager gets the parts, not the
+    trainer). dataset / rng / metrics expose state_dict(); policy and optimizer go through Megatron's
+    sharded checkpointing (moe.dist_checkpoint)."""
+
+    policy: object                    # megagspo.trainer.policy.MegatronPolicy
+    optimizer: object                 # Megatron's distributed optimizer, None before RL
+    dataset: object                   # megagspo.data.PromptDataset
+    rng: RunRng
+    metrics: object                   # megagspo.metrics_log.MetricsLogger
+    summary: dict
+    arch: object                      # moe.architecture.Qwen3MoeArchitecture
+    data_parallel: int
+    data_parallel_rank: int
 
 
 # ------------------------------------------------------------------------------------------- manager
@@ -277,30 +316,26 @@ class CheckpointManager:
             self.say("optimizer hyper-parameters differ from the checkpoint's; the config's are used: "
                      + "; ".join(changed))
 
-    def _layout(self, trainer) -> dict:
+    def _layout(self, data_parallel: int) -> dict:
         p = self.cfg.parallel
         return {"tensor_parallel": p.tensor_parallel, "expert_parallel": p.expert_parallel,
-                "pipeline_parallel": p.pipeline_parallel, "data_parallel": trainer.dp}
+                "pipeline_parallel": p.pipeline_parallel, "data_parallel": data_parallel}
 
-    def restore_rng_and_data(self, trainer, point: dict) -> None:
+    def restore_rng_and_data(self, parts: "RunParts", point: dict) -> None:
+        """The data-loader position and every RNG of this rank from the checkpoint `point` (RNGs reseeded
+        from (seed, step, DP rank) when it was written by another process layout)."""
         state = point["state"]
-        ds = state["data"]
-        py = ds["rng"]
-        trainer.train_ds.rng.setstate((py[0], tuple(py[1]), py[2]))
-        trainer.train_ds._order = list(ds["order"])
-        layout_now = self._layout(trainer)
+        parts.dataset.load_state_dict(state["data"])
+        layout_now = self._layout(parts.data_parallel)
         saved = dict(state.get("layout") or {})
         saved.setdefault("pipeline_parallel", 1)  # written before pipeline parallelism existed
         if state["world"] == self.world and saved == layout_now:
             tensors = load_safetensors(os.path.join(point["path"], RNG))
-            restore_rng(tensors, state["rng"][self.rank], self.rank, trainer.sample_gen)
+            parts.rng.load_state_dict(tensors, state["rng"][self.rank], self.rank)
         else:
             # Seeded by the DATA-parallel rank, as a fresh run is: tensor-parallel peers must draw the same
             # mini-batch permutation (they hold chunks of the same rows under sequence parallelism).
-            seed = self.cfg.seed * 7919 + 1_000_003 * int(state["step"]) + trainer.dp_rank
-            torch.manual_seed(seed)
-            trainer.sample_gen.manual_seed(seed)
-            random.seed(seed)
+            parts.rng.reseed(self.cfg.seed * 7919 + 1_000_003 * int(state["step"]) + parts.data_parallel_rank)
             self.say(f"checkpoint written by {state['world']} processes with layout {state.get('layout')}, resumed "
                      f"on {self.world} with {layout_now}: RNG states reseeded (the run continues; it is not a "
                      "bit-for-bit replay of the uninterrupted one)")
@@ -329,15 +364,15 @@ class CheckpointManager:
         every = self.ck.every_steps
         return steps_done == total or (every > 0 and steps_done % every == 0)
 
-    def save(self, trainer, steps_done: int, last_eval: dict, phase: str = "rl") -> Optional[str]:
+    def save(self, parts: "RunParts", steps_done: int, last_eval: dict, phase: str = "rl") -> Optional[str]:
         """Collective. Every rank writes its model / optimizer shards into step_<steps_done>.tmp-<pid>, rank 0
         adds RNG, trainer state and the manifest and renames; prunes to keep_last. -> the path on rank 0."""
         from moe import dist_checkpoint
 
         t0 = time.perf_counter()
-        policy = trainer.policy
-        optimizer = getattr(trainer, "optimizer", None)
-        rng = capture_rng(trainer.sample_gen)
+        policy = parts.policy
+        optimizer = parts.optimizer
+        rng = parts.rng.state_dict()
         rngs = [None] * self.world
         if self.world > 1:
             torch.distributed.all_gather_object(rngs, rng)
@@ -371,19 +406,15 @@ class CheckpointManager:
         if self.rank == 0 and failure is None:
             from safetensors.torch import save_file
 
-            ds = trainer.train_ds
-            py = ds.rng.getstate()
-            rows = trainer.logger.rows
-            tail = self.ck.metrics_tail
             state = {
                 "step": steps_done, "phase": phase, "run_id": self.run_id, "world": self.world,
-                "layout": self._layout(trainer),
-                "arch": arch_dict(trainer.arch), "tokenizer": self.cfg.data.tokenizer,
-                "dataset_size": len(ds), "config": _jsonable(self.cfg.to_dict()),
-                "data": {"rng": [py[0], list(py[1]), py[2]], "order": list(ds._order)},
+                "layout": self._layout(parts.data_parallel),
+                "arch": arch_dict(parts.arch), "tokenizer": self.cfg.data.tokenizer,
+                "dataset_size": len(parts.dataset), "config": _jsonable(self.cfg.to_dict()),
+                "data": parts.dataset.state_dict(),
                 "rng": [{"python": r["python"], "numpy": r["numpy"]} for r in rngs],
-                "last_eval": last_eval, "summary": _jsonable(trainer.summary),
-                "metrics": {"count": len(rows), "rows": rows[-tail:] if tail else []},
+                "last_eval": last_eval, "summary": _jsonable(parts.summary),
+                "metrics": parts.metrics.state_dict(self.ck.metrics_tail),
                 "optimizer": has_optimizer, "model_index": index,
             }
             rng_t = {}

@@ -168,6 +168,16 @@ class PromptDataset:
             batch.append(self.examples[self._order.pop()])
         return batch
 
+    def state_dict(self) -> dict:
+        """The sampler's position: its RNG and what is left of the current epoch's order (JSON-able)."""
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss], "order": list(self._order)}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self._order = list(state["order"])
+
 
 def build_datasets(data_cfg, tokenizer=None):
     """-> (tokenizer, train examples, held-out examples, stats). Everything is validated here."""

@@ -1,5 +1,6 @@
 """Cold-start SFT and GSPO / GSPO-token / GRPO training on Megatron-Core with an embedded rollout engine."""
 
-from .trainer import Trainer, TrainError, check_layout
+from .layout import check_layout
+from .trainer import Trainer, TrainError
 
 __all__ = ["TrainError", "Trainer", "check_layout"]

@@ -33,8 +33,9 @@ from typing import Optional
 
 import torch
 
+from megagspo.checkpoint.state import RunParts, RunRng
 from megagspo.config import Config, ConfigError
-from megagspo.trainer.layout import check_layout, world_from_env  # noqa: F401 - check_layout: public here
+from megagspo.trainer.layout import world_from_env
 from megagspo.trainer.preflight import preflight
 
 
@@ -156,13 +157,14 @@ class Trainer:
 
         self._from_rank0("writing metrics.jsonl and config.yaml", open_run_files)
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dp_rank)
+        self.rng = RunRng(self.sample_gen)
         # Sampling randomness differs per data-parallel rank; the TP ranks of one DP rank draw the same
         # (rank == dp_rank without TP). Training rollouts are also broadcast from TP rank 0 (_generate).
         torch.manual_seed(cfg.seed * 7919 + self.dp_rank)
-        if self.resume:
-            self.ckpt.restore_rng_and_data(self, self.resume)
         self.summary: dict = {"data": self.data_stats, "device": str(self.policy.device),
                               "precision": cfg.model.precision}
+        if self.resume:
+            self.ckpt.restore_rng_and_data(self.checkpoint_parts(), self.resume)
         if self.is_main and self.logger.tb_note and not self.quiet:
             print(self.logger.tb_note)
 
@@ -176,6 +178,12 @@ class Trainer:
         from megagspo.trainer.kl_reference import resume_reference
 
         resume_reference(self)
+
+    def checkpoint_parts(self) -> RunParts:
+        """What a checkpoint holds of this run, by name (megagspo.checkpoint.state.RunParts)."""
+        return RunParts(policy=self.policy, optimizer=self.optimizer, dataset=self.train_ds, rng=self.rng,
+                        metrics=self.logger, summary=self.summary, arch=self.arch, data_parallel=self.dp,
+                        data_parallel_rank=self.dp_rank)
 
     # ------------------------------------------------------------------------------------------- utils
     def _all_sum(self, values: list) -> list:
@@ -304,7 +312,7 @@ class Trainer:
         self._stop_if_metrics_unwritable()
         signum = self.stop.requested()
         if signum or self.ckpt.due(steps_done, self.cfg.rl.steps):
-            path = self.ckpt.save(self, steps_done, last_eval)
+            path = self.ckpt.save(self.checkpoint_parts(), steps_done, last_eval)
         if signum:
             import signal as _signal
 
@@ -370,7 +378,7 @@ class Trainer:
         if rl and self.cfg.rl.steps:
             if self.reference is not None:  # written before step_000000: every RL checkpoint has its reference
                 self._start_reference()
-            self.ckpt.save(self, 0, cold, phase="cold_start")  # step_000000: SFT is never redone
+            self.ckpt.save(self.checkpoint_parts(), 0, cold, phase="cold_start")  # step_000000: SFT is never redone
             signum = self.stop.requested()
             if signum:
                 raise self._preempted("stopped by a signal after cold-start SFT; checkpoint step_000000 written; "
