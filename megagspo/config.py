@@ -453,10 +453,10 @@ class RLConfig:
         _nonneg_int("rl", "micro_batch_size", self.micro_batch_size)
         if self.group_size < 2:
             raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
-        from megagspo.algorithm.registry import (LossOptionError, available_losses, build_advantage_config,
-                                                 build_loss_config, check_loss_impl)
+        from megagspo.algorithm.registry import (LossOptionError, build_advantage_config, build_loss_config,
+                                                 check_loss_impl, registered_losses)
 
-        _choice("rl", "loss", self.loss, available_losses())
+        _choice("rl", "loss", self.loss, registered_losses())
         _choice("rl", "old_logp", self.old_logp, OLD_LOGP)
         _choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)
         _choice("rl", "lr_schedule", self.lr_schedule, SCHEDULES)

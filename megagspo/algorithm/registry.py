@@ -42,7 +42,13 @@ def register_loss(name: str, config_cls: type) -> Callable[[Callable], Callable]
 
 
 def available_losses() -> list:
-    """Registered loss names, in registration order (gspo, gspo_token, grpo)."""
+    """Registered loss names, sorted."""
+    _register_builtin()
+    return sorted(_LOSSES)
+
+
+def registered_losses() -> list:
+    """Registered loss names in registration order (gspo, gspo_token, grpo): the order the docs use."""
     _register_builtin()
     return list(_LOSSES)
 
@@ -165,7 +171,7 @@ def build_loss_config(rl_cfg):
         if path in paths:
             fields[path] = value
         elif value != _rl_default(rl_cfg, key):
-            takes = [n for n in available_losses() if path in config_paths(get_loss(n).Config)]
+            takes = [n for n in registered_losses() if path in config_paths(get_loss(n).Config)]
             raise LossOptionError(
                 f"rl.{key} = {value!r} applies to rl.loss = {' | '.join(takes)} only, not {name!r}; "
                 f"rl.loss = {name!r} takes: {', '.join('rl.' + k for k in loss_option_keys(name))}")
