@@ -235,3 +235,54 @@ def test_logprob_impl_kernels_raises_instead_of_falling_back(monkeypatch):
         _logprob_fn("kernels")(logits, target)
     with pytest.warns(RuntimeWarning, match="falling back"):  # auto is the one that may fall back, loudly
         _logprob_fn("auto")(logits, target)
+
+
+# ------------------------------------------------------------------------------------ ablation arms
+
+
+def test_an_ablation_arm_may_vary_any_loss_option_and_a_wrong_one_names_the_arm(tmp_path):
+    import os
+
+    from megagspo.ablation.spec import load_ablation
+
+    recipe = tmp_path / "ab.yaml"
+    base = os.path.abspath(TINY)
+    recipe.write_text(f"name: ab\nbase: {base}\ncommon: {{rl.steps: 1}}\narms:\n"
+                      "  grpo_dual: {rl.loss: grpo, rl.clip_low: 0.2, rl.clip_high: 0.27, rl.dual_clip: 3,\n"
+                      "              rl.aggregation: token_mean, rl.kl_estimator: k1}\n"
+                      "  gspo_dual: {rl.loss: gspo, rl.dual_clip: 3}\n")
+    spec = load_ablation(str(recipe), out_dir=str(tmp_path / "out"), arms=["grpo_dual"])
+    _, c = build_loss(spec.validate_runs([])["grpo_dual"].rl)
+    assert (c.dual_clip, c.aggregation, c.kl.estimator) == (3.0, "token_mean", "k1")
+    spec = load_ablation(str(recipe), out_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match=r"ablation arm 'gspo_dual': rl.dual_clip = 3 applies to rl.loss = grpo only"):
+        spec.validate_runs([])
+
+
+def test_an_ablation_folder_written_before_the_derivation_is_the_same_run(tmp_path):
+    """A cell folder whose config.yaml holds the old default rollout.record_routes = true (before it followed
+    rl.routing_replay) resumes instead of being refused as a different config."""
+    import os
+
+    import yaml
+
+    from megagspo.ablation.runner import expected_config, plan_runs, run_state
+    from megagspo.ablation.spec import load_ablation
+
+    recipe = tmp_path / "ab.yaml"
+    recipe.write_text(f"name: ab\nbase: {os.path.abspath(TINY)}\ncold_start: sft\narms:\n  gspo: {{rl.loss: gspo}}\n")
+    spec = load_ablation(str(recipe), out_dir=str(tmp_path / "out"))
+    cell = [r for r in plan_runs(spec, []) if r.kind == "cell"][0]
+    saved = expected_config(spec, cell, [])
+    assert saved["rollout"]["record_routes"] is False
+    saved["rollout"]["record_routes"] = True
+    saved["rl"] = {k: v for k, v in saved["rl"].items() if k not in ("dual_clip", "kl_estimator", "adv_eps")}
+    os.makedirs(cell.run_dir)
+    with open(os.path.join(cell.run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(saved, f)
+    assert run_state(spec, cell, []) == "partial"
+    saved["rl"]["dual_clip"] = 2.0  # a real difference is still refused
+    with open(os.path.join(cell.run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(saved, f)
+    with pytest.raises(ConfigError, match="rl.dual_clip: 2.0 there, None asked"):
+        run_state(spec, cell, [])
