@@ -467,6 +467,7 @@ class RLConfig:
         _num("rl", "kl_coef", self.kl_coef, 0.0)
         if self.dual_clip is not None:
             _num("rl", "dual_clip", self.dual_clip, 1.0, lo_open=True)
+            self.dual_clip = float(self.dual_clip)  # `3` on the command line is an int to YAML
         _num("rl", "rollout_correction_cap", self.rollout_correction_cap, 1.0)
         _num("rl", "adv_eps", self.adv_eps, 0.0, lo_open=True)
         # The loss's own Config validates the rest (choices, options the chosen loss lacks, kernel support):

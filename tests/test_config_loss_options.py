@@ -255,7 +255,7 @@ def test_an_ablation_arm_may_vary_any_loss_option_and_a_wrong_one_names_the_arm(
     _, c = build_loss(spec.validate_runs([])["grpo_dual"].rl)
     assert (c.dual_clip, c.aggregation, c.kl.estimator) == (3.0, "token_mean", "k1")
     spec = load_ablation(str(recipe), out_dir=str(tmp_path / "out"))
-    with pytest.raises(ConfigError, match=r"ablation arm 'gspo_dual': rl.dual_clip = 3 applies to rl.loss = grpo only"):
+    with pytest.raises(ConfigError, match=r"ablation arm 'gspo_dual': rl.dual_clip = 3.0 applies to rl.loss = grpo only"):
         spec.validate_runs([])
 
 
@@ -286,3 +286,12 @@ def test_an_ablation_folder_written_before_the_derivation_is_the_same_run(tmp_pa
         yaml.safe_dump(saved, f)
     with pytest.raises(ConfigError, match="rl.dual_clip: 2.0 there, None asked"):
         run_state(spec, cell, [])
+
+
+def test_dry_run_prints_the_loss_build_loss_built():
+    from megagspo.dry_run import _describe_loss
+
+    text = _describe_loss(_tiny("rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.27", "rl.dual_clip=3").rl)
+    assert text.startswith("grpo (torch): clip_low=0.2, clip_high=0.27, dual_clip=3.0, aggregation=")
+    assert "dual_clip" not in _describe_loss(_tiny().rl)  # gspo has no such option: not listed
+    assert _describe_loss(_tiny("rl.loss_impl=kernels").rl).startswith("gspo (fused segmented GSPO kernel)")

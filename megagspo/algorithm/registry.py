@@ -134,20 +134,16 @@ def _rl_default(rl_cfg, key: str) -> Any:
     return None
 
 
+# Nested Configs of the losses and the field that holds them (GSPOConfig.kl is a KLConfig, ...).
+_NESTED_OWNERS = {"KLConfig": "kl.", "OldPolicyConfig": "old_policy."}
+
+
 def _as_rl_keys(message: str, keys: Dict[str, str]) -> str:
     """'GRPOConfig.dual_clip must be ...' -> 'rl.dual_clip must be ...': errors name the key a user sets."""
-    by_field = {path.rsplit(".", 1)[-1]: key for key, path in keys.items()}
-    by_field.update({f"{path.split('.')[0]}.{path.rsplit('.', 1)[-1]}": key for key, path in keys.items()
-                     if "." in path})
+    key_of = {path: key for key, path in keys.items()}
 
     def swap(m: re.Match) -> str:
-        owner, field = m.group(1), m.group(2)
-        if owner == "KLConfig":
-            key = by_field.get(f"kl.{field}")
-        elif owner == "OldPolicyConfig":
-            key = by_field.get(f"old_policy.{field}")
-        else:
-            key = by_field.get(field)
+        key = key_of.get(_NESTED_OWNERS.get(m.group(1), "") + m.group(2))
         return f"rl.{key}" if key else m.group(0)
 
     message = re.sub(r"\b([A-Z][A-Za-z]*Config)\.([a-z_]+)", swap, message)
