@@ -90,7 +90,7 @@ def _export(args) -> int:
 
     from megagspo.data import load_tokenizer
     from megagspo.rollout import HFRolloutEngine
-    from megagspo.trainer.trainer import TrainError, load_checkpoint
+    from megagspo.checkpoint.full_state import load_checkpoint
     from moe.architecture import Qwen3MoeArchitecture
 
     from megagspo.checkpoint import CheckpointError
@@ -114,7 +114,7 @@ def _export(args) -> int:
             tokenizer.tok.save_pretrained(out)
         torch.save({"vocab": tokenizer.itos} if ckpt["tokenizer"] == "builtin" else {},
                    os.path.join(out, "megagspo_vocab.pt"))
-    except (TrainError, RunFolderBusy, CheckpointError, ValueError) as exc:
+    except (RunFolderBusy, CheckpointError, ValueError) as exc:
         print(f"megagspo export: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

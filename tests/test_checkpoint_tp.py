@@ -116,7 +116,7 @@ def tp2_run(tmp_path_factory):
 @pytest.mark.multiprocess
 def test_tp2_shards_hold_halves_and_one_process_rebuilds_the_full_state(tp2_run):
     from megagspo.checkpoint import load_run_checkpoint
-    from megagspo.trainer.trainer import load_checkpoint
+    from megagspo.checkpoint.full_state import load_checkpoint
     from moe.dist_checkpoint import read_full_state_dict, read_metadata_safely
 
     run_dir, full, opt_full, shapes = tp2_run

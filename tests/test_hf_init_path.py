@@ -217,7 +217,7 @@ def test_megagspo_export_starts_rl_from_exactly_its_weights(tmp_path):
     """tiny_cpu (built-in tokenizer) -> `megagspo export` -> `model.init_from`: the new run starts from the
     exported weights bit for bit (its step-0 checkpoint equals the first run's final one) and at the held-out
     accuracy the first run ended with."""
-    from megagspo.trainer.trainer import load_checkpoint
+    from megagspo.checkpoint.full_state import load_checkpoint
 
     short = ["data.train_size=200", "data.eval_size=20", "rl.prompts_per_step=4", "rl.group_size=4",
              "rl.mini_batches=2", "rl.eval_every=1", "rl.eval_samples=0", *FAST]

@@ -280,7 +280,8 @@ def test_unsafe_or_damaged_weight_files_get_a_clear_error(tmp_path, kind):
     import torch
     from safetensors.torch import save_file
 
-    from megagspo.trainer.trainer import TrainError, load_checkpoint
+    from megagspo.checkpoint import CheckpointError
+    from megagspo.checkpoint.full_state import load_checkpoint
 
     marker = tmp_path / "pwned"
     if kind.endswith("safetensors"):
@@ -302,7 +303,7 @@ def test_unsafe_or_damaged_weight_files_get_a_clear_error(tmp_path, kind):
         torch.save({"state": {}, "x": _Evil(str(marker))}, buf, pickle_protocol=2)
         path.write_bytes(buf.getvalue())
         needle = "cannot be read as a weights-only torch file"
-    with pytest.raises(TrainError, match=needle):
+    with pytest.raises(CheckpointError, match=needle):
         load_checkpoint(str(path))
     assert not marker.exists()
 
@@ -312,7 +313,8 @@ def test_sharded_checkpoint_whose_metadata_carries_code_is_refused(tmp_path):
     `.metadata` with plain pickle; megagspo reads it with an allow-list first, so the code never runs."""
     import torch
 
-    from megagspo.trainer.trainer import TrainError, load_checkpoint
+    from megagspo.checkpoint import CheckpointError
+    from megagspo.checkpoint.full_state import load_checkpoint
 
     marker = tmp_path / "pwned"
     buf = io.BytesIO()
@@ -329,7 +331,7 @@ def test_sharded_checkpoint_whose_metadata_carries_code_is_refused(tmp_path):
                "trainer_state.json": _put(json.dumps(state).encode())}
     path = write_checkpoint(str(tmp_path / "checkpoints"), 3, writers)
     assert verify(path, REQUIRED) is None  # the manifest is consistent: only the content is hostile
-    with pytest.raises(TrainError, match="refusing to unpickle io.open"):
+    with pytest.raises(CheckpointError, match="refusing to unpickle io.open"):
         load_checkpoint(path)
     assert not marker.exists()
 

@@ -43,11 +43,11 @@ def preflight_init_from(model_cfg, arch) -> InitSource:
             raise ConfigError(f"model.init_from = {path!r} does not fit this model: {exc}") from None
         return InitSource("hf", path, f"{path}: {len(shapes)} Hugging Face tensors match the architecture "
                                       f"({layout} experts); each rank reads only its slices")
-    from megagspo.trainer.trainer import TrainError, load_checkpoint
+    from megagspo.checkpoint.full_state import load_checkpoint
 
     try:
         ckpt = load_checkpoint(path)
-    except TrainError as exc:
+    except CheckpointError as exc:
         raise ConfigError(f"model.init_from = {path!r}: {exc} (or a Hugging Face folder: config.json with "
                           "model.safetensors or model.safetensors.index.json)") from None
     saved_arch = ckpt.get("arch")

@@ -1,32 +1,23 @@
-"""The training loop: cold-start SFT, then per RL step (design.md "One RL step"):
+"""The run: checks, then cold-start SFT, then RL steps, with checkpoints, metrics and evaluation around them.
 
-    B prompts (this DP rank's share) -> rollout engine: G samples each (tokens, log-probs, routes)
-    -> rewards (verifiers; errors score 0 and are counted) -> group advantages (eq. 7)
-    -> pi_old: recompute on Megatron (no-grad forward per micro-batch, routes recorded for R2 and for
-       volatility; R3 replays the engine's routes) or the engine's log-probs (§5.4)
-    -> for each of `mini_batches` mini-batches: for each micro-batch (`rl.micro_batch_size` rows on this
-       rank, 0 = all): forward (routes replayed under R2/R3), registered loss (GSPO eq. 6 / GSPO-token
-       eq. 14 / GRPO eq. 2) normalised by GLOBAL counts of the mini-batch, backward (gradients accumulate);
-       then once per mini-batch: gradients SUMMED over DP (Megatron DDP, fp32 buffers), global-norm clip and
-       update by Megatron's distributed optimizer (fp32 master weights and moments sharded over DP)
-    -> weights exported (full Megatron state: TP shards, EP experts and PP stages gathered) -> rollout engine
-    -> metrics (JSONL / TensorBoard / progress bar), held-out greedy accuracy every `eval_every` steps.
+    Trainer(cfg)   preflight (layout, data, tokenizer, architecture, model.init_from: megagspo.trainer.preflight)
+                   -> process groups -> the run folder's lock -> resume point (megagspo.checkpoint)
+                   -> policy (+ frozen KL reference), rollout engine, metrics files
+    train()        held-out accuracy -> cold-start SFT (megagspo.trainer.sft) -> step_000000
+                   -> RL steps: megagspo.trainer.rl_step (collect -> score -> prepare -> old_policy -> update
+                      -> summarize), evaluation every rl.eval_every steps (megagspo.trainer.evaluation),
+                      a checkpoint when due or on SIGTERM / SIGINT
+                   -> summary.json, plots, checkpoint.pt
 
 Tensor and pipeline parallelism: the TP x PP ranks of one data-parallel rank (its model-parallel group) get
 the same prompts and the same rollouts (model-parallel rank 0 generates and broadcasts), sequences are
 right-padded to a multiple of TP (sequence parallelism; the alignment padding is kept out of the router aux
 loss), and metrics are summed over the data-parallel group only, so nothing is counted twice. Every pass
-over micro-batches goes through `MegatronPolicy.run_micro_batches` (Megatron's 1F1B schedule when PP > 1):
-log-probs, losses and metrics exist on the last stage, routes and volatility counts on every stage for its
-own layers (volatility is summed over the stages).
-
-Legend: B prompts, G samples per prompt, R = B*G responses, M mini-batches, S model input length,
-L response length, T = rows*S tokens in storage order (b*S + s).
+over micro-batches goes through `MegatronPolicy.run_micro_batches` (Megatron's 1F1B schedule when PP > 1).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from typing import Optional
@@ -92,41 +83,17 @@ class Trainer:
             raise
 
     def _build_run(self, cfg: Config, arch, train, held_out, init_source, engine_cls, quiet: bool) -> None:
-        """Everything after the run folder is owned: resume point, models, engine, run files."""
-        from megagspo.data import PromptDataset
-        from megagspo.trainer.init_weights import load_init_weights
-        from megagspo.trainer.policy import MegatronPolicy
-
-        # ---- checkpoints: the resume point is chosen, verified and checked against this model before
-        # anything in the run folder is written (megagspo.checkpoint; docs/robustness.md) ----
+        """Everything after the run folder is owned: resume point, models, engine, run files, RNG."""
         from megagspo.checkpoint import CheckpointManager, StopRequest
+        from megagspo.data import PromptDataset
 
+        # the resume point is chosen, verified and checked against this model before anything in the run
+        # folder is written (megagspo.checkpoint; docs/robustness.md)
         self.ckpt = CheckpointManager(cfg, self.rank, self.world)
         self.resume = self.ckpt.find_resume(arch, len(train))
         self.stop = StopRequest()
         self.arch = arch
-        self.policy = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl,
-                                     precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
-                                     logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-                                     implementation=cfg.model.implementation())
-        if self.resume:
-            self.ckpt.load_model(self.policy, self.resume)  # the engine gets these weights just below
-        else:  # a resume's weights come from its checkpoint: model.init_from is not read again
-            load_init_weights(self.policy, init_source, arch)
-        # KL reference policy (rl.kl_coef > 0 only): a second, frozen Megatron model of the same layout. Built
-        # here, before the RNG is reseeded below, so building it changes no random draw of the run. Its weights
-        # are the policy's at the start of RL: copied by _start_reference (a fresh run, or a resume from the
-        # step_000000 checkpoint, whose weights ARE the start of RL) or read back from <run>/reference.safetensors.
-        self.optimizer = None  # the RL optimizer, made by run_rl (SFT has its own, freed after the cold start)
-        self.reference: Optional[MegatronPolicy] = None
-        self._reference_ready = False
-        if cfg.rl.kl_coef > 0:
-            self.reference = MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl, frozen=True,
-                                            precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
-                                            logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-                                            implementation=cfg.model.implementation())
-            if self.resume and self.resume["state"]["step"] > 0:
-                self._resume_reference()
+        self._build_models(cfg, arch, init_source)
         engine_kwargs = {"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang" else {}
         self.engine = engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes, **engine_kwargs)
         self.sync_weights()
@@ -135,27 +102,7 @@ class Trainer:
         self.dp_rank = self.policy.dp_rank
         self.is_main = self.rank == 0
         self.quiet = quiet or not self.is_main
-        from megagspo.metrics_log import MetricsLogger
-
-        # Everything is checked: from here on the run folder is written (a fresh run first moves earlier
-        # checkpoints aside; metrics.jsonl and config.yaml are rewritten). Rank 0 writes; a failure (disk
-        # full, read-only) reaches every rank.
-        self.ckpt.retire_previous()
-        self.logger = MetricsLogger(cfg.run_dir(), enabled=False)
-
-        def open_run_files():
-            prior = self.ckpt.prior_metrics(self.resume, os.path.join(cfg.run_dir(), "metrics.jsonl")) \
-                if self.resume else []
-            self.logger = MetricsLogger(cfg.run_dir(), enabled=True, tensorboard=cfg.log.tensorboard)
-            for row in prior:  # metrics.jsonl = the rows up to the checkpoint, then the resumed steps
-                self.logger.log(row)
-            self.logger.raise_write_error()
-            import yaml
-
-            with open(os.path.join(cfg.run_dir(), "config.yaml"), "w") as f:
-                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-
-        self._from_rank0("writing metrics.jsonl and config.yaml", open_run_files)
+        self._open_run_files(cfg)
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dp_rank)
         self.rng = RunRng(self.sample_gen)
         # Sampling randomness differs per data-parallel rank; the TP ranks of one DP rank draw the same
@@ -167,6 +114,57 @@ class Trainer:
             self.ckpt.restore_rng_and_data(self.checkpoint_parts(), self.resume)
         if self.is_main and self.logger.tb_note and not self.quiet:
             print(self.logger.tb_note)
+
+    def _build_models(self, cfg: Config, arch, init_source) -> None:
+        """The policy (weights from the resumed checkpoint, else model.init_from) and, at rl.kl_coef > 0, the
+        frozen KL reference: a second Megatron model of the same layout, built before the RNG is reseeded so
+        that building it changes no random draw of the run. Its weights are the policy's at the start of RL:
+        copied by _start_reference (a fresh run, or a resume from step_000000, whose weights ARE the start of
+        RL) or read back from <run>/reference.safetensors."""
+        from megagspo.trainer.init_weights import load_init_weights
+        from megagspo.trainer.policy import MegatronPolicy
+
+        def policy(frozen: bool = False):
+            return MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl, frozen=frozen,
+                                  precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
+                                  logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
+                                  implementation=cfg.model.implementation())
+
+        self.policy = policy()
+        if self.resume:
+            self.ckpt.load_model(self.policy, self.resume)  # the engine gets these weights from sync_weights
+        else:  # a resume's weights come from its checkpoint: model.init_from is not read again
+            load_init_weights(self.policy, init_source, arch)
+        self.optimizer = None  # the RL optimizer, made by run_rl (SFT has its own, freed after the cold start)
+        self.reference = None
+        self._reference_ready = False
+        if cfg.rl.kl_coef > 0:
+            self.reference = policy(frozen=True)
+            if self.resume and self.resume["state"]["step"] > 0:
+                self._resume_reference()
+
+    def _open_run_files(self, cfg: Config) -> None:
+        """Everything is checked: from here on the run folder is written. A fresh run first moves earlier
+        checkpoints aside; metrics.jsonl (the rows up to a resumed checkpoint) and config.yaml are rewritten.
+        Rank 0 writes; a failure (disk full, read-only) reaches every rank."""
+        from megagspo.metrics_log import MetricsLogger
+
+        self.ckpt.retire_previous()
+        self.logger = MetricsLogger(cfg.run_dir(), enabled=False)
+
+        def write():
+            prior = self.ckpt.prior_metrics(self.resume, os.path.join(cfg.run_dir(), "metrics.jsonl")) \
+                if self.resume else []
+            self.logger = MetricsLogger(cfg.run_dir(), enabled=True, tensorboard=cfg.log.tensorboard)
+            for row in prior:
+                self.logger.log(row)
+            self.logger.raise_write_error()
+            import yaml
+
+            with open(os.path.join(cfg.run_dir(), "config.yaml"), "w") as f:
+                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+
+        self._from_rank0("writing metrics.jsonl and config.yaml", write)
 
     # ------------------------------------------------------------------------------------- KL reference
     def _start_reference(self) -> None:
@@ -332,24 +330,14 @@ class Trainer:
         return Preempted(msg, 128 + signum)
 
     def save_checkpoint(self, name: str = "checkpoint.pt") -> Optional[str]:
+        """Collective: the full (TP=EP=PP=1) weights as <run>/<name> (weights-only torch file, atomic), for
+        `megagspo export` and `model.init_from`; a failed write stops every rank together."""
+        from megagspo.checkpoint.full_state import save_full_checkpoint
+
         state = self.policy.full_state_dict()  # collective under EP: every rank calls it
         path = os.path.join(self.cfg.run_dir(), name)
-
-        def write():
-            try:
-                torch.save({"state": state, "arch": self.arch.__dict__, "tokenizer": self.cfg.data.tokenizer,
-                            "config": self.cfg.to_dict()}, path + ".tmp")
-                os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint.pt
-            except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
-                from megagspo.errors import write_failure_message
-
-                reason = write_failure_message(exc, path)
-                with contextlib.suppress(OSError):
-                    os.remove(path + ".tmp")
-                raise TrainError(f"writing {path} failed: {reason}; the step checkpoints under "
-                                 f"{self.ckpt.root} are intact") from None
-
-        self._from_rank0(f"writing {name}", write)  # a failure stops every rank together
+        self._from_rank0(f"writing {name}", lambda: save_full_checkpoint(
+            path, state, self.arch, self.cfg.data.tokenizer, self.cfg.to_dict(), intact=self.ckpt.root))
         return path if self.is_main else None
 
     def train(self, rl: bool = True) -> dict:
@@ -436,27 +424,3 @@ class Trainer:
     def _say(self, msg: str) -> None:
         if self.is_main:
             print(msg, flush=True)
-
-
-def load_checkpoint(path: str) -> dict:
-    """{"state": full Megatron state, "arch", "tokenizer", "config"} from checkpoint.pt (weights-only), a
-    verified checkpoint folder step_XXXXXX (safetensors), or a bare .safetensors file (state only)."""
-    from megagspo.checkpoint import CheckpointError, load_run_checkpoint, safe_torch_load
-
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "checkpoint.pt")):
-        try:
-            return load_run_checkpoint(path)
-        except CheckpointError as exc:
-            raise TrainError(str(exc)) from None
-    if os.path.isdir(path):
-        path = os.path.join(path, "checkpoint.pt")
-    if not os.path.isfile(path):
-        raise TrainError(f"no checkpoint at {path!r}")
-    try:
-        if path.endswith(".safetensors"):
-            from megagspo.checkpoint import load_safetensors
-
-            return {"state": load_safetensors(path)}
-        return safe_torch_load(path)  # weights_only=True: never unpickles code from a user path
-    except CheckpointError as exc:
-        raise TrainError(str(exc)) from None

@@ -1,0 +1,47 @@
+"""Full-state checkpoint files: the whole (TP=EP=PP=1) model in one weights-only torch file (`checkpoint.pt`,
+`cold_start.pt`), written atomically at the end of a run and after cold-start SFT, and the one reader of every
+form `megagspo export` and `model.init_from` accept (that file, a verified step_XXXXXX folder or run folder,
+or a bare .safetensors state)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .guards import load_safetensors, safe_torch_load
+from .state import load_run_checkpoint
+from .store import CheckpointError
+
+
+def save_full_checkpoint(path: str, state: dict, arch, tokenizer: str, config: dict, intact: str) -> None:
+    """Write {"state", "arch", "tokenizer", "config"} to `path` through a temporary name and a rename, so a
+    crash never leaves a half-written file; a failure names its cause (disk full, ...) and says that the
+    step checkpoints under `intact` are untouched."""
+    try:
+        torch.save({"state": state, "arch": arch.__dict__, "tokenizer": tokenizer, "config": config}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
+        from megagspo.errors import write_failure_message
+
+        reason = write_failure_message(exc, path)
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise CheckpointError(f"writing {path} failed: {reason}; the step checkpoints under {intact} are intact") \
+            from None
+
+
+def load_checkpoint(path: str) -> dict:
+    """{"state": full Megatron state, "arch", "tokenizer", "config"} from checkpoint.pt (weights-only), a
+    verified checkpoint folder step_XXXXXX / checkpoints folder / run folder (sharded), or a bare .safetensors
+    file (state only). Raises CheckpointError naming the path and the problem."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "checkpoint.pt")):
+        return load_run_checkpoint(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "checkpoint.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path!r}")
+    if path.endswith(".safetensors"):
+        return {"state": load_safetensors(path)}
+    return safe_torch_load(path)  # weights_only=True: never unpickles code from a user path
