@@ -21,8 +21,9 @@ and every full shape are validated from the safetensors headers first, before an
 
 Export (`save_hf_checkpoint`): all ranks walk the same plan; the shards of each "unit" (the Megatron
 tensors that make up a group of HF tensors, e.g. one layer's experts for a fused `gate_up_proj`) are sent
-to the writer rank, reassembled, converted, and appended to the current safetensors shard; the writer
-holds one unit plus one output shard. Output: `model.safetensors` or `model-0000k-of-0000n.safetensors`
+to the writer rank, reassembled, and handed to `HFFolderWriter` (the one HF folder writer, also used by the
+SGLang engine's disk weight sync), which converts them and appends them to the current safetensors shard;
+the writer holds one unit plus one output shard. Output: `model.safetensors` or `model-0000k-of-0000n.safetensors`
 with `model.safetensors.index.json`, plus `config.json`; experts per-expert by default (as transformers'
 `save_pretrained` writes them), fused on request.
 
@@ -664,6 +665,72 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class HFFolderWriter:
+    """The one writer of Hugging Face Qwen3-MoE folders: full (TP=EP=PP=1) Megatron tensors in, in any number
+    of buckets (a whole state dict is one bucket); safetensors shards, their index and config.json out.
+
+    Each HF tensor is made (`_unit_to_hf`) as soon as every Megatron tensor it is built of has arrived (one
+    Megatron tensor in the per-expert layout; every expert of a layer for the fused one) and appended to the
+    current shard, so the writer holds one output shard plus the Megatron tensors of unfinished HF tensors,
+    on the CPU. `dtype`: cast every tensor to it (None keeps each tensor's dtype). `finish` checks that the
+    stream covered every HF tensor, gives the shards their final names (`model.safetensors`, or
+    `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`) and writes config.json with the
+    embedding's dtype. Used by `save_hf_checkpoint` (export of a distributed model) and by the SGLang
+    engine's disk weight sync (a stream of `moe.sharding` buckets)."""
+
+    def __init__(self, path: str | os.PathLike, arch: Qwen3MoeArchitecture, *, expert_layout: str = PER_EXPERT,
+                 dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+                 config_extra: Mapping | None = None) -> None:
+        _check_layout(expert_layout)
+        self.path, self.arch, self.dtype, self.config_extra = Path(path), arch, dtype, config_extra
+        self.plan = megatron_plan(arch, expert_layout)
+        if arch.tie_word_embeddings:
+            self.plan.pop("output_layer.weight")  # the last stage's copy of the embedding; the embedding is written
+        self.hf_shapes = hf_tensor_shapes(arch, expert_layout)
+        self._unit_of = {name: unit for unit in _units(self.plan, self.hf_shapes) for name in unit.megatron}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._done: set[str] = set()  # Megatron tensors already written
+        self._config_dtype: torch.dtype | None = None
+        self._shards = _ShardWriter(self.path, max_shard_bytes)
+
+    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Full Megatron tensors by full name; `output_layer.weight` of a tied model is skipped."""
+        for name, t in tensors.items():
+            unit = self._unit_of.get(name)
+            if unit is None:
+                if name == "output_layer.weight" and self.arch.tie_word_embeddings:
+                    continue
+                raise CheckpointError(f"{name!r} (shape {tuple(t.shape)}) has no counterpart in a Qwen3-MoE "
+                                      "checkpoint")
+            if name in self._pending or name in self._done:
+                raise CheckpointError(f"{self.path}: the tensors hold {name} more than once")
+            self._pending[name] = t.detach().cpu()
+            if all(n in self._pending for n in unit.megatron):
+                self._write(unit)
+
+    def _write(self, unit: _Unit) -> None:
+        parts = {n: self._pending.pop(n) for n in unit.megatron}
+        self._done.update(unit.megatron)
+        for key, tensor in _unit_to_hf(unit, parts, self.plan, self.hf_shapes).items():
+            if key == "model.embed_tokens.weight":
+                self._config_dtype = self.dtype or tensor.dtype
+            self._shards.add(key, tensor if self.dtype is None else tensor.to(self.dtype))
+
+    def finish(self) -> list[str]:
+        """-> the files written (shards, index, config.json)."""
+        missing = [n for n in self.plan if n not in self._done]
+        if missing:
+            raise CheckpointError(f"{self.path}: the tensors lacked {len(missing)} Megatron tensor(s) of this "
+                                  f"architecture, e.g. {missing[:5]}")
+        files = self._shards.finish()
+        from moe.hf_config import hf_config_from_architecture
+
+        config = hf_config_from_architecture(self.arch, dtype=_dtype_name(self._config_dtype),
+                                             extra=self.config_extra)
+        (self.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return files + ["config.json"]
+
+
 @torch.no_grad()
 def save_hf_checkpoint(model, path: str | os.PathLike, arch: Qwen3MoeArchitecture, *,
                        expert_layout: str = PER_EXPERT, dtype: torch.dtype | None = None,
@@ -727,7 +794,8 @@ def save_hf_checkpoint(model, path: str | os.PathLike, arch: Qwen3MoeArchitectur
             raise CheckpointError(f"{path} already holds {stale}; pass overwrite=True to replace them")
         for name in stale:
             (path / name).unlink()
-        writer = _ShardWriter(path, max_shard_bytes)
+        writer = HFFolderWriter(path, arch, expert_layout=expert_layout, dtype=out_dtype,
+                                max_shard_bytes=max_shard_bytes, config_extra=config_extra)
     backend_device = "cpu"
     if distributed and dist.get_backend() == "nccl":
         backend_device = torch.device("cuda", torch.cuda.current_device())
@@ -752,17 +820,11 @@ def save_hf_checkpoint(model, path: str | os.PathLike, arch: Qwen3MoeArchitectur
             if me == writer_rank:
                 full_tensors[name] = _assemble(shards, info["split_dim"], info["glu"])
         if me == writer_rank:
-            for key, tensor in _unit_to_hf(unit, full_tensors, plan, hf_shapes).items():
-                writer.add(key, tensor.to(out_dtype))
+            writer.add(full_tensors)  # a whole unit: written at once
             del full_tensors
     if me != writer_rank:
         return []
-    files = writer.finish()
-    from moe.hf_config import hf_config_from_architecture
-
-    config = hf_config_from_architecture(arch, dtype=_dtype_name(out_dtype), extra=config_extra)
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return files + ["config.json"]
+    return writer.finish()
 
 
 def _assemble(shards: list[torch.Tensor], split_dim: int | None, glu: bool) -> torch.Tensor:

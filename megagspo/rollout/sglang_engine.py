@@ -746,11 +746,10 @@ class SGLangEngine(RolloutEngine):
         return self._write_checkpoint([megatron_state], max_shard_bytes)
 
     def _write_checkpoint(self, buckets, max_shard_bytes: int) -> Path:
-        """`write_hf_checkpoint` from a stream of Megatron buckets: each bucket's per-expert HF tensors are
-        appended to the current shard (moe.hf_checkpoint's shard writer: a shard is written once full, so this
-        holds one shard and one bucket), under a temporary name renamed once the stream held every tensor."""
-        from moe.hf_checkpoint import PER_EXPERT, _ShardWriter, hf_tensor_shapes
-        from moe.hf_config import hf_config_from_architecture
+        """`write_hf_checkpoint` from a stream of Megatron buckets through moe.hf_checkpoint's HF folder writer
+        (per-expert layout, each tensor in its own dtype; a shard is written once full, so this holds one shard
+        and one bucket), under a temporary name renamed once the stream held every tensor."""
+        from moe.hf_checkpoint import HFFolderWriter
 
         self._version += 1
         path = Path(self.config.sync_dir) / f"weights-v{self._version:06d}"
@@ -760,23 +759,11 @@ class SGLangEngine(RolloutEngine):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            writer = _ShardWriter(tmp, max_shard_bytes)
-            written, dtype = set(), None
+            writer = HFFolderWriter(tmp, self.arch, max_shard_bytes=max_shard_bytes)
             for bucket in buckets:
-                for key, t in hf_named_tensors_of_bucket(bucket, self.arch):
-                    if key in written:
-                        raise ValueError(f"weight sync: the stream holds {key} more than once")
-                    written.add(key)
-                    if key == "model.embed_tokens.weight":
-                        dtype = str(t.dtype).removeprefix("torch.")
-                    writer.add(key, t.detach().cpu())
+                writer.add(bucket)
                 del bucket
-            missing = [k for k in hf_tensor_shapes(self.arch, PER_EXPERT) if k not in written]
-            if missing:
-                raise KeyError(f"weight sync: the stream lacked {len(missing)} HF tensor(s), e.g. {missing[:5]}")
             writer.finish()
-            (tmp / "config.json").write_text(json.dumps(hf_config_from_architecture(self.arch, dtype=dtype),
-                                                        indent=2))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
