@@ -36,7 +36,7 @@ class TrainError(RuntimeError):
 
 class Trainer:
     def __init__(self, cfg: Config, *, quiet: bool = False) -> None:
-        from megagspo.algorithm import get_loss
+        from megagspo.algorithm.registry import LossOptionError, build_loss
         from megagspo.data import build_datasets
         from megagspo.rewards import get_reward
         from megagspo.rollout import get_engine_class
@@ -54,16 +54,10 @@ class Trainer:
         from megagspo.checkpoint import with_time_limit
 
         self.reward_fn = with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
-        self.loss_fn = get_loss(cfg.rl.loss)
-        loss_fields = dict(clip_low=cfg.rl.clip_low, clip_high=cfg.rl.clip_high,
-                           old_policy={"source": cfg.rl.old_logp})
-        if cfg.rl.kl_coef > 0:  # loss += kl_coef * k3 KL to the frozen reference (algorithm/kl.py, losses._finish)
-            loss_fields["kl"] = {"coef": cfg.rl.kl_coef, "estimator": "k3"}
-        self.loss_cfg = self.loss_fn.Config(**loss_fields)
-        if cfg.rl.loss_impl == "kernels":  # the fused segmented GSPO kernel: same loss, gradient and metrics
-            from megagspo.kernels.policy_losses import fused_loss
-
-            self.loss_fn = fused_loss(cfg.rl.loss)
+        try:  # every rl.* loss option through the loss registry (torch, or the fused kernel when asked)
+            self.loss_fn, self.loss_cfg = build_loss(cfg.rl)
+        except LossOptionError as exc:
+            raise ConfigError(str(exc)) from None
         engine_cls = get_engine_class(cfg.rollout.engine)
 
         # ---- model, engine, optimizer ----
