@@ -19,11 +19,12 @@ experts; its pipeline stage's layers), maps them through the segments, and reads
 with `safe_open(...).get_slice(...)`. Peak memory: the rank's shard plus one slice. The whole key set
 and every full shape are validated from the safetensors headers first, before any data is read.
 
-Export (`save_hf_checkpoint`): all ranks walk the same plan; the shards of each "unit" (the Megatron
-tensors that make up a group of HF tensors, e.g. one layer's experts for a fused `gate_up_proj`) are sent
-to the writer rank, reassembled, and handed to `HFFolderWriter` (the one HF folder writer, also used by the
-SGLang engine's disk weight sync), which converts them and appends them to the current safetensors shard;
-the writer holds one unit plus one output shard. Output: `model.safetensors` or `model-0000k-of-0000n.safetensors`
+Export (`save_hf_checkpoint`): the full tensors are gathered to the writer rank in buckets by
+`moe.sharding.iter_full_state_buckets` (the one shard -> full gather, also the trainer's weight sync) and
+handed to `HFFolderWriter` (the one HF folder writer, also the SGLang engine's disk weight sync), which makes
+each HF tensor once the Megatron tensors it is built of have arrived (e.g. one layer's experts for a fused
+`gate_up_proj`) and appends it to the current safetensors shard; the writer holds one bucket, those
+pending tensors and one output shard. Output: `model.safetensors` or `model-0000k-of-0000n.safetensors`
 with `model.safetensors.index.json`, plus `config.json`; experts per-expert by default (as transformers'
 `save_pretrained` writes them), fused on request.
 
@@ -742,10 +743,15 @@ def save_hf_checkpoint(model, path: str | os.PathLike, arch: Qwen3MoeArchitectur
     Tensors are written in `dtype` (default: the embedding's dtype, i.e. the model's params_dtype), experts in `expert_layout`:
     PER_EXPERT by default — what transformers 5.23's own `save_pretrained` writes, what published Qwen3
     checkpoints hold and what SGLang / vLLM loaders read; transformers 5.x loads it (fusing on load) as well
-    as FUSED (`gate_up_proj [E, 2I, H]`, its in-memory layout). Returns the files written (on the writer;
-    [] elsewhere). Raises CheckpointError if the model's parameters do not cover the architecture.
+    as FUSED (`gate_up_proj [E, 2I, H]`, its in-memory layout). The full tensors come from the one
+    shard -> full gather, `moe.sharding.iter_full_state_buckets`, delivered to the writer rank only, in buckets
+    of at most min(max_shard_bytes, 512 MiB), into `HFFolderWriter`. Returns the files written (on the writer;
+    [] elsewhere). Raises CheckpointError (on every rank) if the model's parameters do not cover the
+    architecture.
     """
     import torch.distributed as dist
+
+    from moe.sharding import DEFAULT_BUCKET_BYTES, iter_full_state_buckets
 
     _check_layout(expert_layout)
     path = Path(path)
@@ -754,83 +760,52 @@ def save_hf_checkpoint(model, path: str | os.PathLike, arch: Qwen3MoeArchitectur
     plan = megatron_plan(arch, expert_layout)
     if arch.tie_word_embeddings:
         plan.pop("output_layer.weight")  # the last stage's copy of the embedding; the embedding is written
-    hf_shapes = hf_tensor_shapes(arch, expert_layout)
-
-    mine: dict[tuple[str, int], LocalParam] = {}
-    meta = []
+    chunks = _chunks(model)
+    if len(chunks) != 1:
+        raise CheckpointError(f"save_hf_checkpoint takes one model chunk, got {len(chunks)} (virtual pipeline "
+                              "stages are not supported)")
     for lp in local_params(model, arch, coords):
-        if lp.full_name not in plan:
-            if lp.full_name == "output_layer.weight" and arch.tie_word_embeddings:
-                continue
+        if lp.full_name not in plan and not (lp.full_name == "output_layer.weight" and arch.tie_word_embeddings):
             raise CheckpointError(f"model parameter {lp.local_name!r} (full name {lp.full_name!r}) has no "
                                   "counterpart in a Qwen3-MoE checkpoint")
-        mine[(lp.full_name, lp.rank)] = lp
-        meta.append((lp.full_name, lp.rank, lp.size, lp.split_dim, lp.glu, tuple(lp.param.shape),
-                     _dtype_name(lp.param.dtype)))
-    gathered = [meta]
-    if distributed:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, meta)
-    # Every shard's holder: the lowest rank that has it (DP / EP-DP replicas hold copies).
-    owners: dict[str, dict] = {}
-    for rank, entries in enumerate(gathered):
-        for name, shard, size, split_dim, glu, shape, dtype_name in entries:
-            info = owners.setdefault(name, {"size": size, "split_dim": split_dim, "glu": glu, "holders": {}})
-            if info["size"] != size or info["split_dim"] != split_dim:
-                raise CheckpointError(f"{name}: ranks disagree on its split ({info['size']} vs {size})")
-            info["holders"].setdefault(shard, (rank, shape, getattr(torch, dtype_name)))
-    missing = [n for n in plan if n not in owners or len(owners[n]["holders"]) != owners[n]["size"]]
+
+    buckets = iter_full_state_buckets(chunks[0], min(max_shard_bytes, DEFAULT_BUCKET_BYTES),
+                                      receive=me == writer_rank, coords=coords)
+    # The gather's plan is the whole model's (every stage, every expert) and the same on every rank of the
+    # model-parallel groups, so these checks fail on all of them together, before any tensor moves.
+    held = {_hf_name(e.name): e for e in buckets.plan}
+    missing = [n for n in plan if n not in held]
     if missing:
         raise CheckpointError(f"no rank holds (all shards of) {len(missing)} tensor(s), e.g. {missing[:5]}")
-
     # One dtype for the whole file: the embedding's (the model's params_dtype; Megatron's torch-norm
     # fallback keeps norm gains in float32 under bf16, which converts back exactly).
-    out_dtype = dtype or owners["embedding.word_embeddings.weight"]["holders"][0][2]
+    out_dtype = dtype or getattr(torch, held["embedding.word_embeddings.weight"].dtype)
+
+    writer, failure = None, None
     if me == writer_rank:
         path.mkdir(parents=True, exist_ok=True)
         stale = sorted(p.name for p in path.glob("*.safetensors")) + \
             ([SAFE_INDEX] if (path / SAFE_INDEX).exists() else [])
         if stale and not overwrite:
-            raise CheckpointError(f"{path} already holds {stale}; pass overwrite=True to replace them")
-        for name in stale:
-            (path / name).unlink()
-        writer = HFFolderWriter(path, arch, expert_layout=expert_layout, dtype=out_dtype,
-                                max_shard_bytes=max_shard_bytes, config_extra=config_extra)
-    backend_device = "cpu"
-    if distributed and dist.get_backend() == "nccl":
-        backend_device = torch.device("cuda", torch.cuda.current_device())
-
-    for unit in _units(plan, hf_shapes):
-        full_tensors = {}
-        for name in unit.megatron:
-            info = owners[name]
-            shards = []
-            for shard in range(info["size"]):
-                holder, shape, shard_dtype = info["holders"][shard]
-                if holder == me:
-                    tensor = mine[(name, shard)].param.detach()
-                    if me != writer_rank:
-                        dist.send(tensor.contiguous(), dst=writer_rank)
-                    else:
-                        shards.append(tensor.cpu())
-                elif me == writer_rank:
-                    buffer = torch.empty(shape, dtype=shard_dtype, device=backend_device)
-                    dist.recv(buffer, src=holder)
-                    shards.append(buffer.cpu())
-            if me == writer_rank:
-                full_tensors[name] = _assemble(shards, info["split_dim"], info["glu"])
-        if me == writer_rank:
-            writer.add(full_tensors)  # a whole unit: written at once
-            del full_tensors
-    if me != writer_rank:
-        return []
-    return writer.finish()
+            failure = CheckpointError(f"{path} already holds {stale}; pass overwrite=True to replace them")
+        else:
+            for name in stale:
+                (path / name).unlink()
+            writer = HFFolderWriter(path, arch, expert_layout=expert_layout, dtype=out_dtype,
+                                    max_shard_bytes=max_shard_bytes, config_extra=config_extra)
+    for bucket in buckets:  # every rank iterates to the end (the gather is collective), also after a failure
+        if writer is not None and failure is None:
+            try:
+                writer.add({_hf_name(name): t for name, t in bucket.items()})
+            except CheckpointError as exc:
+                failure = exc
+    if failure is not None:
+        raise failure
+    return writer.finish() if writer is not None else []
 
 
-def _assemble(shards: list[torch.Tensor], split_dim: int | None, glu: bool) -> torch.Tensor:
-    if len(shards) == 1:
-        return shards[0]
-    if glu and split_dim == 0:
-        halves = [torch.chunk(s, 2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=split_dim)
+def _hf_name(full_name: str) -> str:
+    """A full Megatron name under the local spec's spelling (Transformer Engine's fused-norm names mapped)."""
+    for pattern, repl in _TE_ALIASES:
+        full_name = pattern.sub(repl, full_name)
+    return full_name

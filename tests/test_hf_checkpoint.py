@@ -89,6 +89,44 @@ def test_fused_and_per_expert_layouts_hold_the_same_tensors(tmp_path):
     _assert_bitwise_equal(megatron_state_dict_from_hf(model.state_dict(), arch), full_from_per_expert, "Megatron")
 
 
+def test_folder_writer_takes_any_bucket_split_and_names_what_is_wrong(tmp_path):
+    """HFFolderWriter (the one HF folder writer): a fused-layout export streamed one Megatron tensor at a time
+    equals the whole state at once, tensor for tensor, and in transformers' hands; a repeated, unknown or
+    missing tensor is a CheckpointError naming it."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from moe.hf_checkpoint import HFFolderWriter
+
+    model = make_hf_model(MIXED)
+    arch = _arch(model)
+    full = megatron_state_dict_from_hf(model.state_dict(), arch)
+    (tmp_path / "whole").mkdir()
+    whole = HFFolderWriter(tmp_path / "whole", arch, expert_layout=FUSED)
+    whole.add(full)
+    assert whole.finish() == ["model.safetensors", "config.json"]
+    (tmp_path / "stream").mkdir()
+    stream = HFFolderWriter(tmp_path / "stream", arch, expert_layout=FUSED, max_shard_bytes=20_000)
+    for name in reversed(list(full)):  # fused experts complete only when the last expert of a layer arrives
+        stream.add({name: full[name]})
+    files = stream.finish()
+    assert "model.safetensors.index.json" in files and len(files) > 3
+    _assert_bitwise_equal(_load_dir(tmp_path / "whole"), _load_dir(tmp_path / "stream"), "streamed")
+    _assert_bitwise_equal(_load_dir(tmp_path / "stream"), {k: v for k, v in model.state_dict().items()}, "hf")
+    reloaded = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "stream"))
+    assert torch.equal(reloaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+    (tmp_path / "bad").mkdir()
+    bad = HFFolderWriter(tmp_path / "bad", arch)
+    name = "decoder.layers.0.self_attention.linear_proj.weight"
+    bad.add({name: full[name]})
+    with pytest.raises(CheckpointError, match="hold decoder.layers.0.self_attention.linear_proj.weight more than once"):
+        bad.add({name: full[name]})
+    with pytest.raises(CheckpointError, match="'decoder.layers.0.extra.weight' .* has no counterpart"):
+        bad.add({"decoder.layers.0.extra.weight": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match=r"lacked \d+ Megatron tensor\(s\) of this architecture, e.g. \['embedding"):
+        bad.finish()
+
+
 def test_tied_embeddings_have_no_lm_head():
     model = make_hf_model(dict(tie_word_embeddings=True))
     arch = _arch(model)
