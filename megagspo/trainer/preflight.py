@@ -1,8 +1,9 @@
 """Everything a run checks before any compute, shared by the trainer and the dry run (`megagspo train
 --dry-run` / `megagspo plan`), so that a recipe that passes the dry run starts: the process layout against
 the batch sizes, the architecture (from the recipe, model.arch_file or the model.init_from folder) against
-the tokenizer, the sequence length and the parallel layout, model.init_from against the architecture, and the
-routing-replay settings. Data files are read by the trainer only (a dry run may lack the cluster's files)."""
+the tokenizer, the sequence length and the parallel layout, and model.init_from against the architecture
+(the replay switches follow rl.routing_replay in the config itself). Data files are read by the trainer only
+(a dry run may lack the cluster's files)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,5 @@ def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bo
     except LayoutError as exc:
         raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel / parallel.pipeline_parallel do "
                           f"not fit the model: {exc}") from None
-    if cfg.rl.routing_replay == "r3" and not cfg.rollout.record_routes:
-        raise ConfigError("rl.routing_replay = 'r3' replays the engine's routes: set rollout.record_routes=true")
     init_source = preflight_init_from(cfg.model, arch) if init_from_present else None
     return Preflight(data_parallel, arch, init_source)

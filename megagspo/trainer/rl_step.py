@@ -18,6 +18,7 @@ L response length, Ly MoE layers of this pipeline stage, K top-k, T = rows*S tok
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -120,6 +121,7 @@ def collect(trainer) -> Rollouts:
 
 def score(trainer, rollouts: Rollouts) -> Scores:
     from megagspo.algorithm import group_advantages
+    from megagspo.algorithm.registry import build_advantage_config
     from megagspo.rewards import RewardStats, score_batch
 
     cfg = trainer.cfg.rl
@@ -133,7 +135,8 @@ def score(trainer, rollouts: Rollouts) -> Scores:
         scores, stats = trainer._from_mp_rank0(
             "reward scoring", lambda: (score_batch(trainer.reward_fn, texts, answers, stats), stats))
     rewards_R = torch.tensor(scores, dtype=torch.float32)
-    advantages_R = group_advantages(rewards_R, group_size=cfg.group_size, scale_by_std=cfg.scale_adv_by_std)
+    advantages_R = group_advantages(rewards_R, group_size=cfg.group_size,
+                                    **dataclasses.asdict(build_advantage_config(cfg)))  # eq. 7, every rl.adv_* key
     return Scores(rewards_R, advantages_R, stats)
 
 
