@@ -77,10 +77,14 @@ def _body(rank, world_size, layout_kwargs, seed):
     forced_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     with torch.no_grad(), replay.recording() as free:
         free_logits = forward_logits(model, local_BS)
-    # Volatility is a global statistic: sum the counts over the data-parallel group.
-    from moe.volatility import volatility_metrics
+    # Volatility is a global statistic: the counts are summed over the data-parallel group, as the trainer does.
+    from moe.volatility import VolatilityTally
 
-    dp_vol = volatility_metrics(routes, free.routes, group=ps.get_data_parallel_group())["moe/expert_volatility"]
+    tally = VolatilityTally()
+    tally.add(routes, free.routes)
+    counts = torch.tensor(tally.counts(), dtype=torch.float64)
+    torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
+    dp_vol = VolatilityTally.fraction(*counts.tolist())
     destroy_model_parallel()
     out.update(
         used_equal=torch.equal(sorted_routes(used[0]), sorted_routes(routes)),
