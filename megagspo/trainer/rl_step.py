@@ -205,13 +205,14 @@ def old_policy(trainer, batch: UpdateBatch, rollouts: Rollouts) -> None:
 def update(trainer, batch: UpdateBatch, step: int) -> Updates:
     from megagspo.algorithm import PackedBatch
     from moe.optimizer import set_lr
-    from moe.volatility import volatility_counts
+    from moe.volatility import VolatilityTally
 
     cfg = trainer.cfg.rl
     policy = trainer.policy
     replayed = cfg.routing_replay in ("r2", "r3")
     result = Updates(lr=lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
     set_lr(trainer.optimizer, result.lr)
+    tally = VolatilityTally()
     for k, micro in enumerate(batch.minis):
         policy.zero_grad()
         new_routes = [None] * len(micro)
@@ -242,18 +243,15 @@ def update(trainer, batch: UpdateBatch, step: int) -> Updates:
         if replayed:
             policy.run_micro_batches(inputs, batch.natural_len, context=lambda j: _recording_into(policy, new_routes, j))
         for j, mb in enumerate(micro):
-            changed_L, total_L = volatility_counts(mb.old_routes.long(), new_routes[j].long(),
-                                                   batch.mask_RS[mb.rows].reshape(-1))
-            result.volatility_changed += float(changed_L.sum())
-            result.volatility_total += float(total_L.sum())
-    result.volatility_changed, result.volatility_total = policy.pp_sum([result.volatility_changed,
-                                                                        result.volatility_total])
+            tally.add(mb.old_routes.long(), new_routes[j].long(), batch.mask_RS[mb.rows].reshape(-1))
+    result.volatility_changed, result.volatility_total = policy.pp_sum(tally.counts())  # over pipeline stages
     return result
 
 
 def summarize(trainer, rollouts: Rollouts, scores: Scores, batch: UpdateBatch, updates: Updates) -> dict:
     """The step's metrics: counts summed over the data-parallel group by name, then normalised."""
     from megagspo.algorithm import merge_metrics
+    from moe.volatility import VolatilityTally
 
     policy = trainer.policy
     m = policy.from_last_stage({k: float(v) for k, v in merge_metrics(updates.metric_parts).items()}
@@ -278,7 +276,7 @@ def summarize(trainer, rollouts: Rollouts, scores: Scores, batch: UpdateBatch, u
         "reward/errors": total["reward_errors"], "reward/clamped": total["reward_clamped"],
         "reward/nonzero_adv_frac": total["nonzero_adv"] / rows,
         "response/length_mean": total["response_tokens"] / rows,
-        "moe/expert_volatility": total["vol_changed"] / max(total["vol_total"], 1.0),
+        "moe/expert_volatility": VolatilityTally.fraction(total["vol_changed"], total["vol_total"]),
         # per-rank means of the loss's own fractions: averaged over the data-parallel ranks
         "clip/seq_frac": total["clip_seq"] / d, "clip/tok_frac": total["clip_tok"] / d,
         "clip/seq_low_frac": total["clip_seq_low"] / d, "clip/seq_high_frac": total["clip_seq_high"] / d,
