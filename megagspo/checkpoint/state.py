@@ -368,18 +368,11 @@ class CheckpointManager:
 
     def save(self, parts: "RunParts", steps_done: int, last_eval: dict, phase: str = "rl") -> Optional[str]:
         """Collective. Every rank writes its model / optimizer shards into step_<steps_done>.tmp-<pid>, rank 0
-        adds RNG, trainer state and the manifest and renames; prunes to keep_last. -> the path on rank 0."""
-        from moe import dist_checkpoint
-
+        adds RNG, trainer state and the manifest and renames; prunes to keep_last. -> the path on rank 0.
+        A failure on any rank (disk full, quota, permissions) raises CheckpointError on every rank, with the
+        earlier checkpoints untouched."""
         t0 = time.perf_counter()
-        policy = parts.policy
-        optimizer = parts.optimizer
-        rng = parts.rng.state_dict()
-        rngs = [None] * self.world
-        if self.world > 1:
-            torch.distributed.all_gather_object(rngs, rng)
-        else:
-            rngs = [rng]
+        rngs = self._gather(parts.rng.state_dict())
         # 1. rank 0 opens the temporary folder; every rank learns its path (or that it failed)
         def begin():
             try:
@@ -389,51 +382,14 @@ class CheckpointManager:
 
         tmp = run_on_rank0("opening the checkpoint folder", begin, peer_error=CheckpointError)
         # 2. every rank writes its shards (collective)
-        has_optimizer = optimizer is not None and dist_checkpoint.optimizer_has_state(optimizer)
-        try:
-            dist_checkpoint.save_model(policy.model, os.path.join(tmp, MODEL_DIR))
-            if has_optimizer:
-                dist_checkpoint.save_optimizer(policy.model, optimizer, os.path.join(tmp, OPTIMIZER_DIR))
-            index = dist_checkpoint.model_index(policy.model)
-            failure = None
-        except (OSError, dist_checkpoint.DistCheckpointError, *dist_checkpoint.save_errors()) as exc:
-            failure = self._failed(steps_done, exc)
-        failures = [failure]
-        if self.world > 1:
-            failures = [None] * self.world
-            torch.distributed.all_gather_object(failures, failure)
-        failure = next((f for f in failures if f), None)
+        index, has_optimizer, failure = self._write_shards(parts, tmp, steps_done)
+        failure = next((f for f in self._gather(failure) if f), None)
         # 3. rank 0 writes the rest, the manifest, renames
         path = None
         if self.rank == 0 and failure is None:
-            from safetensors.torch import save_file
-
-            state = {
-                "step": steps_done, "phase": phase, "run_id": self.run_id, "world": self.world,
-                "layout": self._layout(parts.data_parallel),
-                "arch": arch_dict(parts.arch), "tokenizer": self.cfg.data.tokenizer,
-                "dataset_size": len(parts.dataset), "config": _jsonable(self.cfg.to_dict()),
-                "data": parts.dataset.state_dict(),
-                "rng": [{"python": r["python"], "numpy": r["numpy"]} for r in rngs],
-                "last_eval": last_eval, "summary": _jsonable(parts.summary),
-                "metrics": parts.metrics.state_dict(self.ck.metrics_tail),
-                "optimizer": has_optimizer, "model_index": index,
-            }
-            rng_t = {}
-            for r, s in enumerate(rngs):
-                rng_t[f"rank{r}/torch"] = s["torch"]
-                rng_t[f"rank{r}/sample_gen"] = s["sample_gen"]
-                if "cuda" in s:
-                    rng_t[f"rank{r}/cuda"] = s["cuda"]
-
-            def dump_json(p):
-                with open(p, "w") as f:
-                    json.dump(state, f)
-
-            writers = {RNG: lambda p: save_file(rng_t, p), STATE: dump_json}
+            state = self._trainer_state(parts, steps_done, phase, last_eval, rngs, index, has_optimizer)
             try:
-                path = store.commit_checkpoint(self.root, steps_done, tmp, writers, {"run_id": self.run_id})
-                store.prune(self.root, self.ck.keep_last)
+                path = self._commit(tmp, steps_done, state, rngs)
             except (OSError, SafetensorError) as exc:  # disk full, quota, permissions: earlier ones are untouched
                 failure = self._failed(steps_done, exc)
         if failure and self.rank == 0:
@@ -445,6 +401,63 @@ class CheckpointManager:
             raise CheckpointError(box[0])
         if self.rank == 0:
             self.say_quiet(f"checkpoint {path} written in {time.perf_counter() - t0:.1f} s")
+        return path
+
+    def _gather(self, obj) -> list:
+        """obj of every rank, in rank order (collective)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def _write_shards(self, parts: "RunParts", tmp: str, steps_done: int):
+        """This rank's model / optimizer shards into `tmp` -> (model index, optimizer written, failure or None)."""
+        from moe import dist_checkpoint
+
+        optimizer = parts.optimizer
+        has_optimizer = optimizer is not None and dist_checkpoint.optimizer_has_state(optimizer)
+        try:
+            dist_checkpoint.save_model(parts.policy.model, os.path.join(tmp, MODEL_DIR))
+            if has_optimizer:
+                dist_checkpoint.save_optimizer(parts.policy.model, optimizer, os.path.join(tmp, OPTIMIZER_DIR))
+            return dist_checkpoint.model_index(parts.policy.model), has_optimizer, None
+        except (OSError, dist_checkpoint.DistCheckpointError, *dist_checkpoint.save_errors()) as exc:
+            return None, has_optimizer, self._failed(steps_done, exc)
+
+    def _trainer_state(self, parts: "RunParts", steps_done: int, phase: str, last_eval: dict, rngs: list,
+                       index, has_optimizer: bool) -> dict:
+        """trainer_state.json: step, identity, layout, model, tokenizer, config, every part's state."""
+        return {
+            "step": steps_done, "phase": phase, "run_id": self.run_id, "world": self.world,
+            "layout": self._layout(parts.data_parallel),
+            "arch": arch_dict(parts.arch), "tokenizer": self.cfg.data.tokenizer,
+            "dataset_size": len(parts.dataset), "config": _jsonable(self.cfg.to_dict()),
+            "data": parts.dataset.state_dict(),
+            "rng": [{"python": r["python"], "numpy": r["numpy"]} for r in rngs],
+            "last_eval": last_eval, "summary": _jsonable(parts.summary),
+            "metrics": parts.metrics.state_dict(self.ck.metrics_tail),
+            "optimizer": has_optimizer, "model_index": index,
+        }
+
+    def _commit(self, tmp: str, steps_done: int, state: dict, rngs: list) -> str:
+        """Rank 0: the RNG tensors and trainer state into `tmp`, then the manifest and the rename; prune."""
+        from safetensors.torch import save_file
+
+        rng_t = {}
+        for r, s in enumerate(rngs):
+            rng_t[f"rank{r}/torch"] = s["torch"]
+            rng_t[f"rank{r}/sample_gen"] = s["sample_gen"]
+            if "cuda" in s:
+                rng_t[f"rank{r}/cuda"] = s["cuda"]
+
+        def dump_json(p):
+            with open(p, "w") as f:
+                json.dump(state, f)
+
+        writers = {RNG: lambda p: save_file(rng_t, p), STATE: dump_json}
+        path = store.commit_checkpoint(self.root, steps_done, tmp, writers, {"run_id": self.run_id})
+        store.prune(self.root, self.ck.keep_last)
         return path
 
     def _failed(self, steps_done: int, exc: Exception) -> str:
