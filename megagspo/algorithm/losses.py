@@ -1,8 +1,9 @@
 """Policy losses on packed sequences: GSPO (eq. 6), GSPO-token (eqs. 14-15), GRPO (eq. 2), plus an
 optional KL penalty; functional forms and their registered `(batch, config)` entry points.
 
-Legend: T = packed tokens, S = sequences, S1 = S + 1 offsets (`cu_seqlens_S1`), N = sequences in the
-GLOBAL batch (`num_global_sequences`), N_tok = response tokens in the global batch.
+Legend (docs/architecture.md): T = packed tokens; packed sequences are spelled `_S` in names here (`_S1` =
+their count + 1 offsets, `cu_seqlens_S1`); N = sequences in the GLOBAL batch (`num_global_sequences`), N_tok =
+response tokens in the global batch.
 
 Normalisation: every loss divides by a global count (N or N_tok), never by a local one, so the sum of
 micro-batch losses and their gradients equal the global batch's however it is split across

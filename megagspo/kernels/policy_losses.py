@@ -1,7 +1,8 @@
 """The registered policy losses through the fused segmented GSPO kernel: drop-in `(batch, config)` entry points
 for `megagspo.algorithm.get_loss(name)` with the same loss, gradient and metrics (config rl.loss_impl=kernels).
 
-Legend: T packed tokens, S sequences, S1 = S + 1 offsets (`cu_seqlens_S1`).
+Legend (docs/architecture.md): T packed tokens; packed sequences spelled `_S` in names here, `_S1` their
+count + 1 offsets (`cu_seqlens_S1`).
 
     loss_fn = fused_loss("gspo")            # or "gspo_token"; any other name raises, naming the fused ones
                                             # impl="fused" (default): the megagspo._C kernel or an error
