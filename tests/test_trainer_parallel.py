@@ -466,7 +466,7 @@ def test_full_state_dict_gathers_shards_and_grad_norm_counts_each_element_once(l
 # ------------------------------------------------------------------------------------- bad input
 def test_micro_batch_size_that_does_not_divide_is_refused():
     from megagspo.config import ConfigError, load_config
-    from megagspo.trainer.trainer import check_layout
+    from megagspo.trainer.layout import check_layout
 
     path = os.path.join(REPO, "configs/tiny_cpu.yaml")
     cfg = load_config(path, [*BASE, "rl.micro_batch_size=3"])
