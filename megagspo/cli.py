@@ -33,7 +33,6 @@ def _train(args, rl: bool) -> int:
     from megagspo.checkpoint.run_lock import RunFolderBusy
     from megagspo.config import ConfigError, load_config
     from megagspo.errors import os_error_message
-    from megagspo.trainer.trainer import TrainError
 
     overrides = list(args.overrides) + (["checkpoint.resume=latest"] if getattr(args, "resume", False) else [])
     try:
@@ -41,7 +40,7 @@ def _train(args, rl: bool) -> int:
         from megagspo.trainer import Trainer
 
         trainer = Trainer(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, CheckpointError, TrainError, RunFolderBusy) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointError, RunFolderBusy) as exc:
         print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the filesystem refused a read or a write: say which path and why, in one line
@@ -52,7 +51,7 @@ def _train(args, rl: bool) -> int:
     except Preempted as exc:
         print(f"megagspo {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
-    except (CheckpointError, TrainError) as exc:
+    except CheckpointError as exc:
         print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

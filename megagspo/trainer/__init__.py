@@ -1,6 +1,6 @@
 """Cold-start SFT and GSPO / GSPO-token / GRPO training on Megatron-Core with an embedded rollout engine."""
 
 from .layout import check_layout
-from .trainer import Trainer, TrainError
+from .trainer import Trainer
 
-__all__ = ["TrainError", "Trainer", "check_layout"]
+__all__ = ["Trainer", "check_layout"]

@@ -30,10 +30,6 @@ from megagspo.trainer.layout import world_from_env
 from megagspo.trainer.preflight import preflight
 
 
-class TrainError(RuntimeError):
-    pass
-
-
 class Trainer:
     def __init__(self, cfg: Config, *, quiet: bool = False) -> None:
         from megagspo.algorithm.registry import LossOptionError, build_loss
