@@ -399,8 +399,11 @@ def _token_advantages(batch: PackedBatch) -> Tensor:
     return batch.advantages_S[segment_ids(batch.cu_seqlens_S1, batch.num_tokens)]
 
 
-def _finish(batch: PackedBatch, config, policy_loss: Tensor, metrics: dict, extra: dict,
-            aggregation: str = "seq_mean_token_mean") -> tuple[Tensor, dict]:
+def finish_loss(batch: PackedBatch, config, policy_loss: Tensor, metrics: dict, extra: dict,
+                aggregation: str = "seq_mean_token_mean") -> tuple[Tensor, dict]:
+    """The registered losses' common epilogue: + kl_coef x the KL penalty aggregated like the policy loss
+    (when config.kl is on), the old-policy metrics `extra`, and the total as metrics["loss"]. Shared by the
+    torch losses here and the fused kernel entry points (megagspo.kernels.policy_losses)."""
     loss = policy_loss
     if config.kl.enabled:
         if batch.ref_logp_T is None:
@@ -439,7 +442,7 @@ def gspo(batch: PackedBatch, config: GSPOConfig) -> tuple[Tensor, dict]:
         clip_low=config.clip_low, clip_high=config.clip_high, num_global_sequences=batch.num_global_sequences,
         seq_weights_S=weights_S, entropy_T=batch.entropy_T, validate=config.validate,
     )
-    return _finish(batch, config, loss, metrics, extra)
+    return finish_loss(batch, config, loss, metrics, extra)
 
 
 @register_loss("gspo_token", GSPOTokenConfig)
@@ -451,7 +454,7 @@ def gspo_token(batch: PackedBatch, config: GSPOTokenConfig) -> tuple[Tensor, dic
         clip_low=config.clip_low, clip_high=config.clip_high, num_global_sequences=batch.num_global_sequences,
         seq_weights_S=weights_S, entropy_T=batch.entropy_T, validate=config.validate,
     )
-    return _finish(batch, config, loss, metrics, extra)
+    return finish_loss(batch, config, loss, metrics, extra)
 
 
 @register_loss("grpo", GRPOConfig)
@@ -465,4 +468,4 @@ def grpo(batch: PackedBatch, config: GRPOConfig) -> tuple[Tensor, dict]:
         num_global_tokens=batch.num_global_tokens, seq_weights_S=weights_S, entropy_T=batch.entropy_T,
         validate=config.validate,
     )
-    return _finish(batch, config, loss, metrics, extra, aggregation=config.aggregation)
+    return finish_loss(batch, config, loss, metrics, extra, aggregation=config.aggregation)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-import torch
 from torch import Tensor
 
 FUSED_LOSSES = ("gspo", "gspo_token")
@@ -48,7 +47,7 @@ def fused_loss(name: str, impl: str = "fused") -> Callable:
 
 def _fused_gspo(batch, config, *, impl: str = "fused") -> tuple[Tensor, dict]:
     """GSPO / GSPO-token with per-sequence advantages through megagspo.kernels.gspo_segment_loss."""
-    from megagspo.algorithm.losses import kl_penalty
+    from megagspo.algorithm.losses import finish_loss
     from megagspo.algorithm.metrics import clip_metrics
     from megagspo.algorithm.old_policy import resolve_old_logp
     from megagspo.algorithm.packing import as_bool_mask, segment_ids
@@ -90,18 +89,7 @@ def _fused_gspo(batch, config, *, impl: str = "fused") -> tuple[Tensor, dict]:
         mask_T=mask_T, lengths_S=lengths_S, log_ratio_T=log_ratio_T, entropy_T=batch.entropy_T,
     )
     metrics["loss/policy"] = loss.detach()
-    if config.kl.enabled:  # as megagspo.algorithm.losses adds it: the policy loss's aggregation (seq mean)
-        if batch.ref_logp_T is None:
-            raise ValueError(f"KLConfig.coef={config.kl.coef} > 0 but the batch has no ref_logp_T")
-        penalty, kl_mean = kl_penalty(
-            batch.logp_T, batch.ref_logp_T, batch.loss_mask_T, batch.cu_seqlens_S1, estimator=config.kl.estimator,
-            num_global_sequences=batch.num_global_sequences, num_global_tokens=batch.num_global_tokens)
-        loss = loss + config.kl.coef * penalty
-        metrics["loss/kl"] = (config.kl.coef * penalty).detach()
-        metrics["kl/ref"] = kl_mean
-    metrics.update(extra)
-    metrics["loss"] = loss.detach()
-    return loss, metrics
+    return finish_loss(batch, config, loss, metrics, extra)  # the torch losses' KL term and totals
 
 
 __all__ = ["FUSED_LOSSES", "fused_loss"]
