@@ -68,14 +68,20 @@ def free_bytes(path: str):
         return None
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, cut to `limit` characters: libraries put tracebacks and
+    tables into messages that a one-line error must not carry."""
+    return (str(exc).strip().splitlines() or [""])[0][:limit]
+
+
 def write_failure_message(exc: BaseException, target: str) -> str:
     """One line saying why writing under `target` failed; call it before cleaning up the partial files."""
     os_exc = _os_error_in_chain(exc)
     if os_exc is not None:
         return os_error_message(os_exc)
-    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    said = first_line(exc)
     free = free_bytes(target)
     if free is not None and free < LOW_SPACE_BYTES:
         return (f"{target}: disk full ({free} bytes left on its filesystem; the writer said: "
-                f"{type(exc).__name__}: {first_line})")
-    return f"{type(exc).__name__}: {first_line}"
+                f"{type(exc).__name__}: {said})")
+    return f"{type(exc).__name__}: {said}"

@@ -110,9 +110,11 @@ class HFTokenizer:
         try:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - transformers raises many types; each becomes one clear error
-            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise ValueError(f"tokenizer folder {path!r} could not be loaded ({type(exc).__name__}: {first_line}); "
-                             "expected tokenizer.json, or tokenizer_config.json with its vocabulary files") from None
+            from megagspo.errors import first_line
+
+            raise ValueError(f"tokenizer folder {path!r} could not be loaded ({type(exc).__name__}: "
+                             f"{first_line(exc, 200)}); expected tokenizer.json, or tokenizer_config.json with its "
+                             "vocabulary files") from None
         specials = set(self.tok.all_special_ids)
         if len(self.tok) <= len(specials):
             raise ValueError(f"tokenizer folder {path!r} has no vocabulary besides its {len(specials)} special "

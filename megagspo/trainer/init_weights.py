@@ -97,11 +97,11 @@ def _load(policy, source: InitSource, arch) -> None:
 
 
 def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, OSError):
-        from megagspo.errors import os_error_message
+    from megagspo.errors import first_line, os_error_message
 
+    if isinstance(exc, OSError):
         return os_error_message(exc)
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def _failed_anywhere(failed: bool) -> bool:
