@@ -705,6 +705,19 @@ def _build(cls, raw: dict, prefix: str):
         raise ConfigError(f"{prefix[:-1] or 'config'}: {exc}") from None
 
 
+def flatten_keys(tree: dict, prefix: str = "") -> dict:
+    """{'rl': {'loss': 'grpo'}} (or {'rl.loss': 'grpo'}) -> {'rl.loss': 'grpo'}: the dotted key paths that
+    overrides, ablation arms and resume comparisons name."""
+    out: dict = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_keys(value, f"{path}."))
+        else:
+            out[path] = value
+    return out
+
+
 def parse_overrides(overrides) -> dict:
     """['rl.steps=10', 'seed=2'] -> nested dict; values parsed as YAML scalars."""
     out: dict = {}

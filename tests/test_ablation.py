@@ -14,6 +14,7 @@ import yaml
 
 from megagspo.ablation import load_ablation, plan_runs, write_report
 from megagspo.ablation.report import claims, load_results, mean_std, smooth
+from megagspo.config import flatten_keys
 from megagspo.ablation.runner import run_state
 from megagspo.config import ConfigError
 from multiprocess import cpu_pinned_env
@@ -78,14 +79,6 @@ def test_subsets_are_checked(tmp_path):
     assert list(spec.arms) == ["grpo"] and spec.seeds == [1]
 
 
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def test_arms_differ_only_in_what_they_name(tmp_path):
@@ -95,7 +88,7 @@ def test_arms_differ_only_in_what_they_name(tmp_path):
     assert kinds[:2] == [("cold_start", 0), ("cold_start", 1)]  # cold starts first, then cells seed-major
     assert [(r.arm, r.seed) for r in runs[2:]] == [(a, s) for s in (0, 1) for a in ARMS]
     for seed in (0, 1):
-        cfgs = {arm: _flat(spec.cell_config(arm, seed, ["rl.steps=7"]).to_dict()) for arm in ARMS}
+        cfgs = {arm: flatten_keys(spec.cell_config(arm, seed, ["rl.steps=7"]).to_dict()) for arm in ARMS}
         for a in ARMS:
             for b in ARMS:
                 differ = {k for k in cfgs[a] if cfgs[a][k] != cfgs[b][k]}
@@ -105,7 +98,7 @@ def test_arms_differ_only_in_what_they_name(tmp_path):
             assert cfg["seed"] == seed and cfg["rl.steps"] == 7 and cfg["sft.steps"] == 0
             assert cfg["model.init_from"] == os.path.join(spec.cold_start_dir(seed), "checkpoint.pt")
             assert cfg["checkpoint.resume"] == "auto"
-    cold = _flat(spec.cold_start_config(0, ["rl.steps=7"]).to_dict())
+    cold = flatten_keys(spec.cold_start_config(0, ["rl.steps=7"]).to_dict())
     assert cold["rl.steps"] == 0 and cold["sft.steps"] == 250 and cold["seed"] == 0
 
 

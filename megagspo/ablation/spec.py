@@ -26,7 +26,8 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from megagspo.config import Config, ConfigError, deferred_path_checks, load_config, read_yaml_mapping
+from megagspo.config import (Config, ConfigError, deferred_path_checks, flatten_keys, load_config,
+                             read_yaml_mapping)
 
 COLD_START_MODES = ("sft", "recipe")
 # Keys the harness sets itself, per run.
@@ -35,16 +36,6 @@ _HARNESS_KEYS = ("seed", "name", "log.out_dir", "model.init_from", "checkpoint.r
 _SHARED_PREFIXES = ("model.", "data.", "sft.", "parallel.", "threads")
 _ARM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _SPEC_KEYS = ("name", "base", "seeds", "cold_start", "common", "arms", "out_dir")
-
-
-def _flatten(prefix: str, value) -> Dict[str, object]:
-    """{'rl': {'loss': 'grpo'}} or {'rl.loss': 'grpo'} -> {'rl.loss': 'grpo'}."""
-    if isinstance(value, dict):
-        out: Dict[str, object] = {}
-        for key, sub in value.items():
-            out.update(_flatten(f"{prefix}.{key}" if prefix else str(key), sub))
-        return out
-    return {prefix: value}
 
 
 def _override_list(flat: Dict[str, object]) -> List[str]:
@@ -175,13 +166,13 @@ def load_ablation(path: str, out_dir: Optional[str] = None, seeds: Optional[List
     for arm, overrides in arms_raw.items():
         if overrides is not None and not isinstance(overrides, dict):
             raise ConfigError(f"ablation arm {arm!r} must map keys to values (e.g. rl.loss: grpo), got {overrides!r}")
-        arms_flat[str(arm)] = _flatten("", overrides or {})
+        arms_flat[str(arm)] = flatten_keys(overrides or {})
     common = raw.get("common") or {}
     if not isinstance(common, dict):
         raise ConfigError(f"ablation common must be a mapping of overrides, got {common!r}")
     base = os.path.normpath(os.path.join(os.path.dirname(path), str(raw["base"])))
     spec = AblationSpec(name=str(raw["name"]), base=base, arms=arms_flat, seeds=list(raw.get("seeds", [0])),
-                        cold_start=str(raw.get("cold_start", "sft")), common=_flatten("", common),
+                        cold_start=str(raw.get("cold_start", "sft")), common=flatten_keys(common),
                         out_dir=out_dir or str(raw.get("out_dir") or ""))
     if seeds is not None:
         bad = [s for s in seeds if s not in spec.seeds]

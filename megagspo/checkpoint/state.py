@@ -149,20 +149,11 @@ IMPLEMENTATION_KEYS = ("model.experts", "model.attention", "model.recompute", "m
 
 def defining_differences(saved: dict, now: dict) -> list:
     """['rl.loss: gspo in the checkpoint, grpo now', ...] over DEFINING_KEYS (dotted, flattened)."""
-    def flat(tree, prefix=""):
-        out = {}
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                out.update(flat(value, f"{prefix}{key}."))
-            else:
-                out[f"{prefix}{key}"] = value
-        return out
+    from megagspo.config import Config, flatten_keys
 
-    from megagspo.config import Config
-
-    before, after = flat(saved), flat(now)
+    before, after = flatten_keys(saved), flatten_keys(now)
     # A key the checkpoint predates ran at its default then: a value other than the default now is a change.
-    defaults = flat(_jsonable(Config().to_dict()))
+    defaults = flatten_keys(_jsonable(Config().to_dict()))
     keys = sorted(k for k in set(before) | set(after)
                   if any(k == d or k.startswith(d + ".") for d in DEFINING_KEYS) and k not in IMPLEMENTATION_KEYS)
 
