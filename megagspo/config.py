@@ -629,21 +629,25 @@ class Config:
 
 
 def _recorded_tokenizer(folder: str) -> str:
-    """The tokenizer a megagspo run folder or step checkpoint was trained with ("" when none is recorded)."""
+    """The tokenizer a megagspo run folder (its config.yaml) or step checkpoint (its trainer_state.json) was
+    trained with; "" when none is recorded or the file cannot be read (the run then names what is wrong)."""
     import json
 
-    for path, read in ((os.path.join(folder, "config.yaml"), lambda d: (d.get("data") or {}).get("tokenizer")),
-                       (os.path.join(folder, "trainer_state.json"), lambda d: d.get("tokenizer"))):
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
-                value = read(data) if isinstance(data, dict) else None
-            except (OSError, ValueError, yaml.YAMLError):
-                value = None
-            if isinstance(value, str) and value:
-                return value
-    return ""
+    config_yaml, state_json = os.path.join(folder, "config.yaml"), os.path.join(folder, "trainer_state.json")
+    value = None
+    if os.path.isfile(config_yaml):
+        try:  # the recipe reader: size, depth and duplicate-key guards included
+            value = (read_yaml_mapping(config_yaml, "run config").get("data") or {}).get("tokenizer")
+        except (ConfigError, AttributeError):
+            value = None
+    if not (isinstance(value, str) and value) and os.path.isfile(state_json):
+        try:
+            with open(state_json, encoding="utf-8") as f:
+                state = json.load(f)
+            value = state.get("tokenizer") if isinstance(state, dict) else None
+        except (OSError, ValueError, RecursionError):
+            value = None
+    return value if isinstance(value, str) and value else ""
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
