@@ -3,6 +3,9 @@
 #   make test        install everything, then run the whole test suite
 #   make ablate      GSPO vs GRPO vs GRPO without routing replay, 3 seeds, report (~21 min measured on 2 cores)
 #   make cuda-check  compile every csrc/**/*.cu for sm_90 with nvcc against torch's headers (no GPU needed)
+#   make gpu-wheels  (any networked machine) the cp312 wheels an offline CUDA image with torch lacks, into .gpu-wheels/
+#   make gpu-check   (the GPU host) install them offline, build the CUDA extension, run every GPU stage in 470 s;
+#                    without CUDA: dry mode, the same table with SKIP reasons
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -24,7 +27,7 @@ EXT_STAMP := $(VENV)/.ext-built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 CU_SOURCES := $(shell find csrc -name '*.cu' 2>/dev/null)
 
-.PHONY: install ext train ablate smoke test test-fast cuda-check clean
+.PHONY: install ext train ablate smoke test test-fast cuda-check gpu-wheels gpu-check clean
 
 install: $(INSTALLED) $(EXT_STAMP)
 
@@ -78,6 +81,28 @@ cuda-check: $(INSTALLED)
 	    -D_GLIBCXX_USE_CXX11_ABI=$$abi -Xcompiler -fPIC --expt-relaxed-constexpr; \
 	done; \
 	echo "cuda-check: compiled $(words $(CU_SOURCES)) file(s) for sm_$(CUDA_ARCH)"
+
+# Wheels for an offline GPU host whose image has Python 3.12 + a CUDA torch: downloaded here (no torch, no deps:
+# the image has the rest), refused over 48 MiB (what travels with the repository is bounded). PEERS=1 adds the
+# optional bench peers (Liger, Cut Cross-Entropy).
+GPU_WHEELS ?= .gpu-wheels
+GPU_WHEELS_MAX_MIB ?= 48
+PEERS ?= 1
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d $(GPU_WHEELS) \
+	  -r requirements/gpu-offline.txt $(if $(filter 1,$(PEERS)),-r requirements/gpu-peers.txt)
+	@ls -l $(GPU_WHEELS) | awk 'NR > 1 {print "  " $$5 "  " $$9}'
+	@bytes=$$(du -cb $(GPU_WHEELS)/*.whl | tail -1 | cut -f1); \
+	echo "gpu-wheels: $$(ls $(GPU_WHEELS) | wc -l) wheels, $$bytes bytes in $(GPU_WHEELS)/"; \
+	if [ $$bytes -gt $$(( $(GPU_WHEELS_MAX_MIB) * 1048576 )) ]; then \
+	  echo "gpu-wheels: over $(GPU_WHEELS_MAX_MIB) MiB: refused"; rm -rf $(GPU_WHEELS); exit 1; fi
+
+# No install step of its own: the script installs the wheels offline on the GPU host (see tools/gpu_check.sh).
+gpu-check:
+	bash tools/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf build .cuda-check megagspo/_C*.so *.egg-info

@@ -23,10 +23,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, vocab_parallel_cross_entropy
 
     from moe.architecture import Qwen3MoeArchitecture
     from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+    from moe.device import use_cuda
     from moe.model import build_model, forward_logits
     from moe.optimizer import (
         OptimizerSettings,
@@ -42,14 +43,21 @@ def main(argv=None) -> None:
     init_distributed()
     layout = ParallelLayout(tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
     initialize_model_parallel(layout)
-    initialize_cpu_rng(args.seed)
+    if use_cuda():
+        # weights initialise on the GPU: Megatron's CUDA RNG tracker, as megagspo's setup_parallel seeds it
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
+    else:
+        initialize_cpu_rng(args.seed)
     arch = Qwen3MoeArchitecture(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                 num_experts_per_tok=2, max_position_embeddings=128)
     model = build_model(arch, layout)
     ddp = wrap_data_parallel(model)
     optimizer = build_optimizer(ddp, OptimizerSettings(lr=3e-3))
+    device = next(model.parameters()).device
     tokens_BS = torch.randint(0, arch.vocab_size, (4, 33), generator=torch.Generator().manual_seed(args.seed))
+    tokens_BS = tokens_BS.to(device)  # the model's device: CUDA on a GPU host
     first = last = None
     start = time.perf_counter()
     for step in range(args.steps):

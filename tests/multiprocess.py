@@ -12,8 +12,9 @@
         assert torch.equal(results[0], results[1])
 
 Each child gets MASTER_ADDR/MASTER_PORT (a free port chosen by the parent), RANK, WORLD_SIZE,
-LOCAL_RANK, one intra-op thread (N processes share the CI box's 2 cores), and an initialised gloo
-process group that is destroyed after the body returns. Every child is pinned to the CPU (`CPU_PINNED_ENV`:
+LOCAL_RANK, one intra-op thread (N processes share the CI box's 2 cores), and an initialised process
+group (gloo; `cpu:gloo,cuda:nccl` when the test's `env` asks for CUDA, see `process_group_backend`) that is
+destroyed after the body returns. Every child is pinned to the CPU (`CPU_PINNED_ENV`:
 MEGAGSPO_DEVICE=cpu, see moe/device.py, and no visible GPU), also on a GPU host: the ranks of one test would
 share its GPU and NCCL cannot run two ranks on one GPU, so these tests run gloo + the CPU shim, the
 configuration they were written and measured on. `cpu_pinned_env()` gives the same pinning to tests that
@@ -81,6 +82,14 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def process_group_backend(env: dict) -> str:
+    """The children's backend: gloo, plus NCCL for CUDA tensors when the child runs on CUDA
+    (env MEGAGSPO_DEVICE=cuda). Gloo alone on CUDA tensors is not enough: the distributed optimizer's
+    parameter all-gather runs all_gather_into_tensor in a coalescing manager, and gloo's coalesced all-gather
+    on CUDA tensors segfaults (pytorch/pytorch#152645)."""
+    return "cpu:gloo,cuda:nccl" if env.get("MEGAGSPO_DEVICE", "").strip().lower() == "cuda" else "gloo"
+
+
 def _child(fn, rank, world_size, port, args, kwargs, env, queue):
     os.environ.update(env)
     os.environ.update(
@@ -92,7 +101,10 @@ def _child(fn, rank, world_size, port, args, kwargs, env, queue):
     )
     torch.set_num_threads(1)
     try:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        backend = process_group_backend(env)
+        if backend != "gloo":  # one GPU per rank, bound before NCCL starts (as moe.parallel.init_distributed does)
+            torch.cuda.set_device(rank)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:

@@ -97,3 +97,30 @@ def test_cpu_pinned_env_for_subprocesses():
 
     env = cpu_pinned_env({"PATH": "/bin", "MEGAGSPO_DEVICE": "cuda"}, OMP_NUM_THREADS="1")
     assert env == {"PATH": "/bin", "MEGAGSPO_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+def test_cuda_children_get_nccl_for_cuda_tensors():
+    """A child asked to run on CUDA gets `cpu:gloo,cuda:nccl`: gloo alone on CUDA tensors segfaults in the
+    distributed optimizer's coalesced all-gather (pytorch/pytorch#152645); CPU children keep plain gloo."""
+    from multiprocess import CPU_PINNED_ENV, process_group_backend
+
+    assert process_group_backend(CPU_PINNED_ENV) == "gloo"
+    assert process_group_backend({}) == "gloo"
+    assert process_group_backend({"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "0"}) == "cpu:gloo,cuda:nccl"
+    assert process_group_backend({"MEGAGSPO_DEVICE": " CUDA "}) == "cpu:gloo,cuda:nccl"
+
+
+def _backend_body(rank, world_size):
+    import torch.distributed as dist
+
+    return {"backend": str(dist.get_backend()), "device": torch.cuda.current_device()}
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_cuda_child_runs_nccl_on_its_gpu():
+    import os
+
+    env = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    (report,) = run_distributed(_backend_body, world_size=1, env=env)
+    assert "nccl" in report["backend"] and report["device"] == 0, report
