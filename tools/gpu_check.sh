@@ -222,13 +222,13 @@ XDIST=""
 
 # ---- 3.. the stages, most valuable first ------------------------------------------------------------------
 run_stage t-model 170 40 "cuda deps" "$PYTEST -m gpu tests/test_moe_grouped_experts.py tests/test_moe_sdpa_attention.py tests/test_moe_optimizer_fused.py"
-run_stage t-kernels 120 30 "cuda ext" "$PYTEST tests/test_extension_build.py tests/test_kernel_logprob.py tests/test_kernel_gspo.py tests/test_kernel_linear.py tests/test_kernel_policy_losses.py"
+run_stage t-kernels 120 30 "cuda ext" "$PYTEST tests/test_extension_build.py tests/test_kernel_extension.py tests/test_kernel_logprob.py tests/test_kernel_gspo.py tests/test_kernel_linear.py tests/test_kernel_policy_losses.py"
 run_stage step 170 60 "cuda deps" "$PY benchmarks/bench_train_step.py --micro-batches 4 --json '$OUT/step.json' --profile '$OUT/profile'" step
 run_stage lp-logits 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --tokens 32768 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths fused,fused-inplace --json '$OUT/logits.json'" logits
 run_stage lp-hidden 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths hidden --json '$OUT/hidden.json'" hidden
 run_stage tiny-bf16 180 60 "cuda deps ext" "$PYTEST 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]'"
 run_stage t-policy 150 50 "cuda deps" "$PYTEST -m gpu tests/test_policy_hidden_logprobs.py tests/test_precision.py"
 run_stage tiny-rest 240 90 "cuda deps ext" "$PYTEST $XDIST -m gpu tests/test_gpu_trainer.py --deselect 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]'"
-run_stage gpu-rest 150 40 "cuda deps ext" "$PYTEST $XDIST -m gpu tests --ignore=tests/test_gpu_trainer.py --ignore=tests/test_moe_grouped_experts.py --ignore=tests/test_moe_sdpa_attention.py --ignore=tests/test_moe_optimizer_fused.py --ignore=tests/test_kernel_logprob.py --ignore=tests/test_kernel_gspo.py --ignore=tests/test_kernel_linear.py --ignore=tests/test_kernel_policy_losses.py --ignore=tests/test_policy_hidden_logprobs.py --ignore=tests/test_precision.py --ignore=tests/test_extension_build.py"
+run_stage gpu-rest 150 40 "cuda deps ext" "$PYTEST $XDIST -m gpu tests --ignore=tests/test_gpu_trainer.py --ignore=tests/test_moe_grouped_experts.py --ignore=tests/test_moe_sdpa_attention.py --ignore=tests/test_moe_optimizer_fused.py --ignore=tests/test_kernel_logprob.py --ignore=tests/test_kernel_gspo.py --ignore=tests/test_kernel_linear.py --ignore=tests/test_kernel_policy_losses.py --ignore=tests/test_policy_hidden_logprobs.py --ignore=tests/test_precision.py --ignore=tests/test_extension_build.py --ignore=tests/test_kernel_extension.py"
 run_stage peers 90 45 "cuda ext peers" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 3 --paths liger,cce --json '$OUT/peers.json'" peers
 wait_build
