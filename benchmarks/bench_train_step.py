@@ -59,7 +59,9 @@ are reported too.
 
 Output: a header, a table (whitespace-separated; column 4 is the fwd+bwd model TFLOP/s), then per path
   <path> fwd+bwd: X ms/micro-batch, Y TFLOP/s; optimizer: Z ms/step (share at k=8: P%); step: S ms, W TFLOP/s at k=K; peak M GiB
-and, with --profile, the profile table. --json FILE writes the header facts and every path's dict.
+and, with --profile, the profile table. --json FILE writes the header facts and, under "results", every path's
+dict (fwd_bwd_ms_per_micro_batch, fwd_bwd_tflops, optimizer_ms, optimizer_share_k8, step_ms, step_tflops,
+peak_gib, ...; a path that did not run has "skipped" or "failed" instead).
 """
 
 from __future__ import annotations
@@ -409,18 +411,18 @@ def run_one_path(args) -> dict:
     result = {
         "path": args.one_path,
         "micro_batches": k,
-        "fwdbwd_s_per_step": fwdbwd_s,
-        "fwdbwd_s_per_micro_batch": per_mb,
-        "fwdbwd_tflops": flops_mb / per_mb / 1e12,
-        "fwdbwd_tokens_per_s": tokens_mb / per_mb,
-        "optimizer_s_per_step": opt_s,
-        "optimizer_share_at_k8": optimizer_share(per_mb, opt_s, SHARE_AT_K),
+        "fwd_bwd_ms_per_step": 1e3 * fwdbwd_s,
+        "fwd_bwd_ms_per_micro_batch": 1e3 * per_mb,
+        "fwd_bwd_tflops": flops_mb / per_mb / 1e12,
+        "fwd_bwd_tokens_per_s": tokens_mb / per_mb,
+        "optimizer_ms": 1e3 * opt_s,
+        "optimizer_share_k8": optimizer_share(per_mb, opt_s, SHARE_AT_K),
         "optimizer_share_at_k": optimizer_share(per_mb, opt_s, k),
-        "step_s": step_s,
+        "step_ms": 1e3 * step_s,
         "step_tflops": k * flops_mb / step_s / 1e12,
         "step_tokens_per_s": k * tokens_mb / step_s,
-        "fwdbwd_s_all": fwdbwd,
-        "optimizer_s_all": opt,
+        "fwd_bwd_ms_all": [1e3 * t for t in fwdbwd],
+        "optimizer_ms_all": [1e3 * t for t in opt],
         "peak_bytes": peak,
         "peak_gib": peak / 2**30,
         "peak_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "VmHWM (process peak RSS)",
@@ -483,26 +485,27 @@ def main(argv=None) -> None:
           f"per optimizer step: {k * flops_mb / 1e12:.4g} TFLOP")
     print(f"{'path':18s} {'fb ms/mb':>9s} {'fb tok/s':>10s} {'fb TF/s':>9s} {'opt ms':>9s} {'opt@k8':>7s} "
           f"{'step s':>9s} {'step TF/s':>9s} {'peak GiB':>9s} {'saved GiB':>9s} {'loss':>8s}  device")
-    ok = [r for r in results if "step_s" in r]
+    ok = [r for r in results if "fwd_bwd_tflops" in r]
     for r in results:
-        if "step_s" not in r:
+        if "fwd_bwd_tflops" not in r:
             print(f"{r['path']:18s} {'skipped: ' + r['skipped'] if 'skipped' in r else 'FAILED: ' + ' '.join(r['failed'])}")
             continue
-        print(f"{r['path']:18s} {1e3 * r['fwdbwd_s_per_micro_batch']:9.2f} {r['fwdbwd_tokens_per_s']:10.1f} "
-              f"{r['fwdbwd_tflops']:9.4g} {1e3 * r['optimizer_s_per_step']:9.2f} "
-              f"{100 * r['optimizer_share_at_k8']:6.1f}% {r['step_s']:9.4f} {r['step_tflops']:9.4g} "
-              f"{r['peak_gib']:9.3f} {r['saved_gib']:9.3f} {r['loss']:8.4f}  {r['device']}")
+        print(f"{r['path']:18s} {r['fwd_bwd_ms_per_micro_batch']:9.2f} {r['fwd_bwd_tokens_per_s']:10.1f} "
+              f"{r['fwd_bwd_tflops']:9.4g} {r['optimizer_ms']:9.2f} {100 * r['optimizer_share_k8']:6.1f}% "
+              f"{r['step_ms'] / 1e3:9.4f} {r['step_tflops']:9.4g} {r['peak_gib']:9.3f} {r['saved_gib']:9.3f} "
+              f"{r['loss']:8.4f}  {r['device']}")
     for r in ok:
-        print(f"{r['path']} fwd+bwd: {1e3 * r['fwdbwd_s_per_micro_batch']:.2f} ms/micro-batch, "
-              f"{r['fwdbwd_tflops']:.4g} TFLOP/s; optimizer: {1e3 * r['optimizer_s_per_step']:.2f} ms/step "
-              f"(share at k=8: {100 * r['optimizer_share_at_k8']:.1f}%); step: {1e3 * r['step_s']:.2f} ms, "
+        print(f"{r['path']} fwd+bwd: {r['fwd_bwd_ms_per_micro_batch']:.2f} ms/micro-batch, "
+              f"{r['fwd_bwd_tflops']:.4g} TFLOP/s; optimizer: {r['optimizer_ms']:.2f} ms/step "
+              f"(share at k=8: {100 * r['optimizer_share_k8']:.1f}%); step: {r['step_ms']:.2f} ms, "
               f"{r['step_tflops']:.4g} TFLOP/s at k={k}; peak {r['peak_gib']:.2f} GiB")
     base = ok[0] if ok else None
     for r in ok:
         if r is not base:
-            print(f"{r['path']} vs {base['path']}: fwd+bwd {base['fwdbwd_s_per_micro_batch'] / r['fwdbwd_s_per_micro_batch']:.2f}x "
-                  f"faster, step {base['step_s'] / r['step_s']:.2f}x faster, peak memory "
-                  f"{r['peak_gib'] / base['peak_gib']:.2f}x, saved for backward {r['saved_gib'] / base['saved_gib']:.2f}x")
+            print(f"{r['path']} vs {base['path']}: fwd+bwd "
+                  f"{base['fwd_bwd_ms_per_micro_batch'] / r['fwd_bwd_ms_per_micro_batch']:.2f}x faster, step "
+                  f"{base['step_ms'] / r['step_ms']:.2f}x faster, peak memory {r['peak_gib'] / base['peak_gib']:.2f}x, "
+                  f"saved for backward {r['saved_gib'] / base['saved_gib']:.2f}x")
     for r in ok:
         if "profile" in r:
             print(format_profile(r["path"], r["profile"]))
@@ -522,7 +525,7 @@ def main(argv=None) -> None:
             "warmup": args.warmup, "steps": args.steps, "device_kind": args.device, "device": device_name,
             "torch": torch.__version__, "load_average": os.getloadavg()[0],
             "model_flops_per_micro_batch": flops_mb, "model_flops_per_step": k * flops_mb,
-            "share_at_k": SHARE_AT_K, "paths": results,
+            "share_at_k": SHARE_AT_K, "results": results,
         }
         directory = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(directory, exist_ok=True)
