@@ -7,6 +7,11 @@
 - one process with no process group rebuilds the full TP=EP=1 state dict from the shards;
 - the pickled `.metadata` is read with an allow-list: a file carrying code is refused and the code never runs;
 - the Megatron internals the in-process save relies on are checked and fail loudly when they change.
+
+Marked gpu (tests/devices.py): the EP=1 load runs with the model and optimizer on CUDA (the CPU-written shards
+copied into CUDA parameters and CUDA optimizer state), and a checkpoint saved from CUDA (EP=1, NCCL world of
+one, two optimizer steps) loads on the CPU and on CUDA. Checkpoints hold copies: compared bit for bit on
+every device, no tolerance.
 """
 
 import io
@@ -16,6 +21,7 @@ import pickle
 import pytest
 import torch
 
+from devices import DEVICES, child_env, cuda_env
 from multiprocess import run_distributed
 
 OVERRIDES = ["data.train_size=200", "data.eval_size=20"]
@@ -100,11 +106,22 @@ def test_each_rank_writes_its_own_shard_file(ep2_checkpoint):
         tuple(md.state_dict_metadata[experts].size)
 
 
+def _check_loaded(got_full, got_opt, full, opt_full):
+    assert set(got_full) == set(full) and all(torch.equal(got_full[k], full[k]) for k in full)
+    assert set(got_opt) == set(opt_full) and len(opt_full) == 4 * len(full)
+    for key, value in opt_full.items():
+        assert torch.equal(got_opt[key], value), key
+    for name, weight in full.items():  # fp32 run: the master weights are the weights
+        assert torch.equal(got_opt[f"master/{name}"], weight), name
+
+
 @pytest.mark.multiprocess
-def test_ep2_checkpoint_loads_at_ep1_with_identical_weights_and_moments(ep2_checkpoint):
+@pytest.mark.parametrize("device", DEVICES)
+def test_ep2_checkpoint_loads_at_ep1_with_identical_weights_and_moments(ep2_checkpoint, device):
     directory, full, opt_full, _ = ep2_checkpoint
     got_full, got_opt, decays, changed = run_distributed(_load_body, world_size=1, timeout_s=240,
-                                                         args=(directory,))[0]
+                                                         args=(directory,), env=child_env(device))[0]
+    # the same exact comparisons on CUDA: a load copies the stored bytes (float32 in, float32 out)
     assert set(got_full) == set(full) and all(torch.equal(got_full[k], full[k]) for k in full)
     assert set(got_opt) == set(opt_full) and len(opt_full) == 4 * len(full)
     for key, value in opt_full.items():  # master / exp_avg / exp_avg_sq / step of every parameter, experts 2-3
@@ -117,6 +134,27 @@ def test_ep2_checkpoint_loads_at_ep1_with_identical_weights_and_moments(ep2_chec
     # reported.
     assert decays == [0.2]
     assert changed == ["weight_decay: 0.01 in the checkpoint -> 0.2 now"]
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_checkpoint_saved_from_cuda_loads_on_cpu_and_cuda_bit_for_bit(tmp_path):
+    """dist_checkpointing's save of CUDA shards and of the distributed optimizer's CUDA state (EP=1, one GPU),
+    loaded into a fresh CPU process and a fresh CUDA process: weights, masters, moments and steps exact."""
+    directory = str(tmp_path)
+    full, opt_full, index = run_distributed(_save_body, world_size=1, timeout_s=240, args=(directory,),
+                                            env=cuda_env())[0]
+    assert set(index) == set(full)
+    assert any(key.startswith("exp_avg/") for key in opt_full)
+    for env in (None, cuda_env()):
+        got_full, got_opt, decays, changed = run_distributed(_load_body, world_size=1, timeout_s=240,
+                                                             args=(directory,), env=env)[0]
+        _check_loaded(got_full, got_opt, full, opt_full)
+        assert decays == [0.2] and changed == ["weight_decay: 0.01 in the checkpoint -> 0.2 now"]
+    from moe.dist_checkpoint import read_full_state_dict
+
+    rebuilt = read_full_state_dict(os.path.join(directory, "model"), index)
+    assert set(rebuilt) == set(full) and all(torch.equal(rebuilt[k], full[k]) for k in full)
 
 
 def test_single_process_rebuilds_the_full_state_dict(ep2_checkpoint):

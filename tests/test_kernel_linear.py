@@ -1,6 +1,11 @@
 """Chunked linear log-probs (logits recomputed per token chunk) against the naive full-logits reference.
 
 Legend: T tokens, H hidden, V vocab. Fresh random inputs every run; seeds appear in failure messages.
+
+The first three tests run on the CPU and, marked gpu, on CUDA (`device` = "cuda", tests/devices.py; inputs
+drawn on the CPU then moved, so a seed gives the same inputs on both): the fused path there is the CUDA
+log-prob kernel over cuBLAS chunk GEMMs (TF32 off, torch's default), the reference the same torch ops on the
+GPU. Tolerances on CUDA are stated beside each comparison.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import pytest
 import torch
 
 import megagspo.kernels as K
+from devices import DEVICES
 
 # dtype -> (atol, rtol) of logp / entropy / d hidden / d weight against the float64 reference.
 TOL = {
@@ -24,6 +30,11 @@ LOWP_RATIO, LOWP_FLOOR = 1.5, 1e-3
 LOWP_MAX_REL = 0.1  # and never worse than 10% relative (norm) error, whatever the naive path does
 
 pytestmark = pytest.mark.skipif(not K.fused_available("cpu"), reason="megagspo._C not built (make ext)")
+
+
+def _need(device):
+    if device == "cuda" and not K.fused_available("cuda"):
+        pytest.skip("megagspo._C built without CUDA kernels")
 
 
 def _seed() -> int:
@@ -42,12 +53,17 @@ def _run(fn, hidden, weight, target, g_lp, g_h, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("T,H,V,chunk", [(1, 8, 7, 4), (13, 16, 1001, 4), (9, 32, 4099, 1), (6, 8, 300, 100)])
-def test_matches_naive(T, H, V, chunk, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_naive(T, H, V, chunk, dtype, device):
+    # CUDA: the same TOL / LOWP bounds (against float64, not against the CPU): the CUDA kernel's
+    # --use_fast_math exp/log cost ~2 ulp of float32 (~2.4e-7 relative), well inside float32's 1e-4 rtol, and
+    # do not touch float64; cuBLAS float32 GEMMs without TF32 are as accurate as the CPU's.
+    _need(device)
     seed = _seed()
-    hidden = torch.randn(T, H, dtype=torch.float64).to(dtype)
-    weight = (torch.randn(V, H, dtype=torch.float64) / H**0.5 * 3).to(dtype)
-    target = torch.randint(0, V, (T,))
-    g_lp, g_h = torch.randn(T), torch.randn(T)
+    hidden = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
+    weight = (torch.randn(V, H, dtype=torch.float64) / H**0.5 * 3).to(dtype).to(device)
+    target = torch.randint(0, V, (T,)).to(device)
+    g_lp, g_h = torch.randn(T).to(device), torch.randn(T).to(device)
     fused = _run(K.linear_token_logprobs, hidden, weight, target, g_lp, g_h, chunk_size=chunk, impl="fused")
     ref = _run(K.linear_token_logprobs, hidden.double(), weight.double(), target, g_lp, g_h, impl="reference")
     names = ["logp", "entropy", "d hidden", "d weight"]
@@ -69,20 +85,26 @@ def test_matches_naive(T, H, V, chunk, dtype):
                 f"{err_naive:.3e} (norm of the float64 result {scale:.3e}; seed {seed})")
             assert err_fused <= LOWP_MAX_REL * scale, (
                 f"{name} ({dtype}): relative error {err_fused / scale:.3e} > {LOWP_MAX_REL} (seed {seed})")
+    assert all(t.device.type == device for t in fused)
     assert (fused[0] <= 0).all()
 
 
-def test_chunk_size_invariance_and_fallback_path():
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunk_size_invariance_and_fallback_path(device):
+    _need(device)
     seed = _seed()
     T, H, V = 11, 16, 513
-    hidden, weight = torch.randn(T, H), torch.randn(V, H) / 4
-    target = torch.randint(0, V, (T,))
-    g_lp, g_h = torch.randn(T), torch.randn(T)
+    hidden, weight = torch.randn(T, H).to(device), (torch.randn(V, H) / 4).to(device)
+    target = torch.randint(0, V, (T,)).to(device)
+    g_lp, g_h = torch.randn(T).to(device), torch.randn(T).to(device)
     runs = [_run(K.linear_token_logprobs, hidden, weight, target, g_lp, g_h, chunk_size=c, impl="fused")
             for c in (1, 4, 11, 64)]
+    # CUDA: atol 1e-5 (CPU 1e-6): cuBLAS picks its float32 GEMM algorithm (split-K included) by shape, so
+    # chunks of 1, 4, 11 and 64 rows sum H and the chunks' d weight contributions in different orders.
+    atol = 1e-5 if device == "cuda" else 1e-6
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
-            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), f"chunking changed the result (seed {seed})"
+            assert torch.allclose(a, b, atol=atol, rtol=1e-5), f"chunking changed the result (seed {seed})"
     # the extension-less fallback runs the same chunking over the reference ops
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
@@ -92,12 +114,15 @@ def test_chunk_size_invariance_and_fallback_path():
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), f"reference-backend chunking differs (seed {seed})"
 
 
-def test_gradcheck_float64():
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_float64(device):
+    # CUDA: the same eps / atol (float64 kernels: --use_fast_math changes float32 intrinsics only)
+    _need(device)
     _seed()
     T, H, V = 5, 4, 9
-    hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
-    target = torch.randint(0, V, (T,))
+    hidden = torch.randn(T, H, dtype=torch.float64).to(device).requires_grad_()
+    weight = torch.randn(V, H, dtype=torch.float64).to(device).requires_grad_()
+    target = torch.randint(0, V, (T,)).to(device)
 
     def fn(h, w):
         return K.linear_token_logprobs(h, w, target, chunk_size=2, with_entropy=True, impl="fused")

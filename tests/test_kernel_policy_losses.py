@@ -7,7 +7,10 @@ Legend: B rows (sequences), L positions per row, T = B * L packed tokens.
 
 Tolerance: float32, the kernel and the torch loss sum the same per-token terms in another order: rel 1e-5,
 abs 1e-6 on the loss, metrics and gradient (the gradient is a per-sequence constant times the mask: the
-kernel's s_i / |y_i| against torch's); float64: 1e-12.
+kernel's s_i / |y_i| against torch's); float64: 1e-12. The same tolerances hold on CUDA (the `cuda` variant,
+marked gpu): there both sides run on the GPU; the kernel's --use_fast_math `exp` is ~2 ulp (~2.4e-7 relative)
+off torch's, inside rel 1e-5, and a flipped clip decision needs a sequence ratio within ~3e-7 of a clip bound
+(~3e-6 per random sequence here); float64 math is not affected by --use_fast_math.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import megagspo.kernels as K
+from devices import DEVICES
 from megagspo.algorithm import PackedBatch, get_loss
 from megagspo.kernels.policy_losses import FUSED_LOSSES, fused_loss
 
@@ -52,10 +57,14 @@ def _evaluate(fn, name, cfg, logp, old, mask, adv, ref, entropy, num_global):
 @pytest.mark.parametrize("name", FUSED_LOSSES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("B, L, kl", [(7, 13, False), (5, 1, False), (9, 31, True)])
-def test_fused_loss_equals_the_algorithm(name, dtype, B, L, kl):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_loss_equals_the_algorithm(name, dtype, B, L, kl, device):
+    if device == "cuda" and not K.fused_available("cuda"):
+        pytest.skip("megagspo._C built without CUDA kernels")
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     gen = torch.Generator().manual_seed(seed)
-    inputs = _batch(B, L, dtype, gen, kl)
+    # drawn on the CPU (same values for a seed on either device), then moved: both losses run on `device`
+    inputs = tuple(None if t is None else t.to(device) for t in _batch(B, L, dtype, gen, kl))
     fields = {"clip_low": 0.05, "clip_high": 0.04}
     if kl:
         fields["kl"] = {"coef": 0.1, "estimator": "k3"}
@@ -65,7 +74,8 @@ def test_fused_loss_equals_the_algorithm(name, dtype, B, L, kl):
     ref = _evaluate(torch_loss, name, cfg, *inputs, num_global)
     got = _evaluate(fused_loss(name), name, cfg, *inputs, num_global)
     atol, rtol = TOL[dtype]
-    what = f"{name} {dtype} B={B} L={L} kl={kl} (seed {seed})"
+    what = f"{name} {dtype} B={B} L={L} kl={kl} on {device} (seed {seed})"
+    assert got[0].device.type == device and got[1].device.type == device, what
     torch.testing.assert_close(got[0], ref[0], atol=atol, rtol=rtol, msg=lambda m: f"{what} loss: {m}")
     torch.testing.assert_close(got[1], ref[1], atol=atol, rtol=rtol, msg=lambda m: f"{what} d logp: {m}")
     assert got[2].keys() == ref[2].keys(), what

@@ -29,8 +29,9 @@ def forced_routing(replay, routes_TLK):
 
             def forward(input, padding_mask=None, router=router, l=l):
                 seq_local, batch = input.shape[:2]
-                index_N = router_token_index(batch, seq_local, tp_rank, replay.sequence_parallel, tp_size)
-                idx_NK = routes_TLK[index_N, l].long()
+                index_N = router_token_index(batch, seq_local, tp_rank, replay.sequence_parallel, tp_size,
+                                             device=routes_TLK.device)
+                idx_NK = routes_TLK[index_N, l].long().to(input.device)
                 logits_NE = router.gating(input).view(-1, router.config.num_moe_experts)
                 probs_NK = torch.softmax(logits_NE.gather(1, idx_NK), dim=-1, dtype=torch.float32).type_as(logits_NE)
                 probs_NE = torch.zeros_like(logits_NE).scatter(1, idx_NK, probs_NK)
@@ -80,8 +81,14 @@ def sorted_routes(routes_TLK):
 
 def allow_cpu_recompute() -> None:
     """Megatron's CheckpointFunction saves and restores the CUDA RNG state; on CPU use the CPU state
-    (dropout is 0 in these models, so RNG state does not affect results). Test processes only."""
+    (dropout is 0 in these models, so RNG state does not affect results). Test processes only; nothing in a
+    process whose model runs on CUDA (moe.device.use_cuda), where Megatron's own CUDA RNG handling applies."""
     import megatron.core.tensor_parallel.random as megatron_random
+
+    from moe.device import use_cuda
+
+    if use_cuda():
+        return
 
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: None
@@ -93,6 +100,7 @@ def perturb_routers(full_weights: dict, seed: int, scale: float = 0.5) -> dict:
     out = {}
     for name, tensor in full_weights.items():
         if name.endswith("mlp.router.weight"):
-            tensor = tensor + scale * tensor.std() * torch.randn(tensor.shape, generator=gen)
+            # drawn on the CPU (same perturbation for a seed on every device), added on the tensor's device
+            tensor = tensor + scale * tensor.std() * torch.randn(tensor.shape, generator=gen).to(tensor.device)
         out[name] = tensor.clone()
     return out
