@@ -135,3 +135,162 @@ def test_input_checks():
         K.linear_token_logprobs(torch.randn(3, 4), torch.randn(5, 6), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         K.linear_token_logprobs(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.long), chunk_size=0)
+
+
+# ------------------------------------------------------------------ d weight into Megatron DDP's main_grad
+def _megatron_hook(param, ready):
+    """Megatron-Core 0.16.1's own grad-ready hook (DistributedDataParallel._make_backward_post_hook, called
+    unbound on a stand-in for the DDP object with overlap_grad_reduce=True: it asserts param.grad is not None,
+    adds param.grad into main_grad unless grad_added_to_main_grad (or zero_out_wgrad), drops param.grad and
+    marks the parameter ready for its bucket's reduction), wrapped to record what it saw."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    bucket_group = SimpleNamespace(register_grad_ready=lambda p, force: ready.append(p is param))
+    fake_ddp = SimpleNamespace(param_to_bucket_group={param: bucket_group}, force_all_reduce=False,
+                               ddp_config=SimpleNamespace(overlap_grad_reduce=True))
+    megatron_hook = DistributedDataParallel._make_backward_post_hook(fake_ddp, param)
+    seen = []
+
+    def hook(*unused):
+        grad = param.grad
+        seen.append(None if grad is None else (grad.data_ptr(), tuple(grad.shape), grad.stride()))
+        megatron_hook(*unused)
+
+    grad_acc = param.expand_as(param).grad_fn.next_functions[0][0]  # the node DDP registers on
+    grad_acc.register_hook(hook)
+    return seen, grad_acc
+
+
+def _ddp_param(weight, tied):
+    w = torch.nn.Parameter(weight.clone())
+    w.main_grad = torch.randn(w.shape, dtype=torch.float32)  # what earlier micro-batches left there
+    w.grad_added_to_main_grad = False  # DistributedDataParallel.__init__ sets it on every trained parameter
+    if tied:
+        w.zero_out_wgrad = True  # LanguageModule: embedding shared with the output layer on one stage
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_zero_out_wgrad"])
+def test_weight_grad_buffer_follows_megatron_grad_added_to_main_grad(dtype, tied):
+    """linear_token_logprobs(weight_grad_buffer=weight.main_grad) under Megatron DDP's real grad-ready hook:
+    the hook fires once with a defined gradient (overlap_grad_reduce asserts it) and marks the parameter ready,
+    that gradient is the weight's own storage (no [V, H] tensor allocated or copied: the old stride-0 zero
+    was cloned by AccumulateGrad and then added into main_grad), the weight is untouched, param.grad ends None,
+    and main_grad gains exactly d weight (tolerances against float64 as in test_matches_naive). Tied
+    (zero_out_wgrad): the embedding's gradient, arriving through the same node, is added once as well."""
+    seed = _seed()
+    T, H, V = 13, 16, 301
+    hidden, weight = torch.randn(T, H).to(dtype), (torch.randn(V, H) / 4).to(dtype)
+    target = torch.randint(0, V, (T,))
+    g_lp, g_h = torch.randn(T), torch.randn(T)
+    ref = _run(K.linear_token_logprobs_ref, hidden.double(), weight.double(), target, g_lp.double(),
+               g_h.double())
+    naive = _run(K.linear_token_logprobs_ref, hidden, weight, target, g_lp, g_h)
+
+    w = _ddp_param(weight, tied)
+    held = w.main_grad.clone()
+    ready = []
+    seen, _keep = _megatron_hook(w, ready)
+    h = hidden.clone().requires_grad_()
+    lp, ent = K.linear_token_logprobs(h, w, target, chunk_size=4, with_entropy=True,
+                                      weight_grad_buffer=w.main_grad, impl="fused")
+    loss = (lp * g_lp.to(lp.dtype) + ent * g_h.to(lp.dtype)).sum()
+    lookup_VH = torch.zeros(V, H, dtype=torch.float64).index_add_(0, target, torch.ones(T, H, dtype=torch.float64))
+    if tied:
+        loss = loss + w[target].sum()  # the embedding lookup of the same parameter
+    loss.backward()
+
+    assert ready == [True], f"the grad-ready hook must fire once and mark the weight ready (seed {seed})"
+    assert len(seen) == 1 and seen[0] is not None
+    if tied:  # param.grad was the embedding's gradient alone (the kernel returned None): a fresh tensor
+        assert seen[0][0] != w.data_ptr()
+    else:  # the kernel's placeholder, adopted without a copy: the weight's own storage
+        assert seen[0] == (w.data_ptr(), (V, H), w.stride()), f"a [V, H] gradient was allocated (seed {seed})"
+        assert w.grad_added_to_main_grad is True
+    assert w.grad is None
+    torch.testing.assert_close(w.detach(), weight, atol=0, rtol=0)  # the placeholder was never written
+    d_weight = (w.main_grad - held).double() - (lookup_VH if tied else 0)
+    if dtype == torch.bfloat16:
+        err = (d_weight - ref[3]).norm()
+        naive_err = (naive[3].double() - ref[3]).norm()
+        assert err <= LOWP_RATIO * naive_err + LOWP_FLOOR * ref[3].norm(), f"seed {seed}: {err} vs {naive_err}"
+    else:
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(d_weight, ref[3], atol=max(atol, 1e-6), rtol=rtol,
+                                   msg=lambda m: f"seed {seed}: {m}")
+        torch.testing.assert_close(h.grad.double(), ref[2], atol=atol, rtol=rtol, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_weight_grad_buffer_of_the_caller_gives_autograd_nothing():
+    """A buffer that is not Megatron's main_grad: d weight lands in it and the weight's .grad stays None (the
+    old code handed autograd a stride-0 zero that AccumulateGrad materialised as a [V, H] zero tensor)."""
+    seed = _seed()
+    T, H, V = 7, 8, 97
+    hidden, weight = torch.randn(T, H), torch.randn(V, H) / 4
+    target = torch.randint(0, V, (T,))
+    ones, zeros = torch.ones(T, dtype=torch.float64), torch.zeros(T, dtype=torch.float64)
+    ref = _run(K.linear_token_logprobs_ref, hidden.double(), weight.double(), target, ones, zeros)
+    w = torch.nn.Parameter(weight.clone())
+    buffer = torch.zeros(V, H)
+    lp = K.linear_token_logprobs(hidden, w, target, chunk_size=3, weight_grad_buffer=buffer, impl="fused")
+    lp.sum().backward()
+    assert w.grad is None
+    assert not hasattr(w, "grad_added_to_main_grad")
+    torch.testing.assert_close(buffer.double(), ref[3], atol=2e-5, rtol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_addmm_out_dtype_probe_and_fallback_agree():
+    """The float32 accumulation of bf16 products: torch's addmm(out_dtype=float32) where the probe finds it
+    (CUDA), the block-wise fallback elsewhere (this CPU torch has no CPU kernel for it). Both stay within the
+    bf16 tolerance of the float64 product and never round the accumulator."""
+    seed = _seed()
+    C, V, H = 9, 37, 8
+    g, h = torch.randn(C, V).bfloat16(), torch.randn(C, H).bfloat16()
+    acc = torch.randn(V, H)
+    want = acc.double() + g.double().t() @ h.double()
+    probed = K._addmm_out_dtype_ok(g.device, g.dtype)
+    if g.device.type == "cpu":
+        assert probed in (False, True)  # whatever this torch offers; the result below is what matters
+    K._add_weight_grad(acc, g, h)
+    assert acc.dtype == torch.float32
+    torch.testing.assert_close(acc.double(), want, atol=1e-2, rtol=2.0**-7, msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_zero_out_wgrad"])
+def test_weight_grad_buffer_megatron_protocol_on_cuda(tied):
+    """CUDA: the addmm(out_dtype=float32) accumulation is taken (probe True for bf16) and is at least as
+    accurate as the bf16 naive path; the Megatron hook protocol as on the CPU (the hook fires on the device's
+    backward thread with the weight's own storage as placeholder)."""
+    seed = _seed()
+    T, H, V = 300, 64, 5003
+    dev = torch.device("cuda")
+    hidden, weight = torch.randn(T, H, device=dev).bfloat16(), (torch.randn(V, H, device=dev) / 4).bfloat16()
+    target = torch.randint(0, V, (T,), device=dev)
+    g_lp, g_h = torch.randn(T, device=dev), torch.randn(T, device=dev)
+    assert K._addmm_out_dtype_ok(dev, torch.bfloat16), "torch.addmm(out_dtype=float32) unavailable on CUDA"
+    ref = _run(K.linear_token_logprobs_ref, hidden.double(), weight.double(), target, g_lp.double(), g_h.double())
+    naive = _run(K.linear_token_logprobs_ref, hidden, weight, target, g_lp, g_h)
+    w = _ddp_param(weight, tied)
+    w.main_grad = w.main_grad.to(dev)
+    held = w.main_grad.clone()
+    ready = []
+    seen, _keep = _megatron_hook(w, ready)
+    lp, ent = K.linear_token_logprobs(hidden, w, target, chunk_size=128, with_entropy=True,
+                                      weight_grad_buffer=w.main_grad, impl="auto")
+    loss = (lp * g_lp + ent * g_h).sum()
+    if tied:
+        loss = loss + w[target].float().sum()
+    loss.backward()
+    torch.cuda.synchronize()
+    assert ready == [True] and w.grad is None
+    if not tied:
+        assert seen[0][0] == w.data_ptr()
+    lookup = torch.zeros(V, H, dtype=torch.float64, device=dev).index_add_(
+        0, target, torch.ones(T, H, dtype=torch.float64, device=dev))
+    d_weight = (w.main_grad - held).double() - (lookup if tied else 0)
+    err, naive_err = (d_weight - ref[3]).norm(), (naive[3].double() - ref[3]).norm()
+    assert err <= LOWP_RATIO * naive_err + LOWP_FLOOR * ref[3].norm(), f"seed {seed}: {err} vs {naive_err}"

@@ -315,9 +315,7 @@ class _LinearLogProb(torch.autograd.Function):
                 _add_weight_grad(d_weight_VH, logits_CV, h_CH)
             del logits_CV
         if into is not None:
-            # d weight is in the buffer; autograd gets a zero gradient of the weight's shape (a stride-0 view, no
-            # storage), so hooks on the weight's gradient still fire (Megatron DDP's grad-ready hook adds it, 0)
-            d_weight_VH = torch.zeros((), dtype=weight_VH.dtype, device=weight_VH.device).expand(weight_VH.shape)
+            d_weight_VH = _weight_grad_for_autograd(weight_VH, into)
         elif need_w:
             d_weight_VH = d_weight_VH.to(weight_VH.dtype)
         # d hidden is this vocab shard's share: the caller's communication (Megatron's sequence-parallel
@@ -325,22 +323,84 @@ class _LinearLogProb(torch.autograd.Function):
         return d_hidden_TH, d_weight_VH, None, None, None, None, None, None, None
 
 
-# rows of d weight per low-precision product: bounds its temporary to ~16 M elements (32 MiB in bf16)
+# rows of d weight per low-precision product of the fallback: bounds its temporary to ~16 M elements (32 MiB
+# in bf16)
 _WEIGHT_GRAD_BLOCK_ELEMENTS = 1 << 24
+
+# (device type, operand dtype) -> whether torch.addmm(..., out_dtype=torch.float32, out=<float32 self>)
+# works and accumulates in float32 there (probed once; CUDA in torch >= 2.8 for bf16 / fp16, not the CPU)
+_ADDMM_OUT_DTYPE: dict = {}
+
+
+def _addmm_out_dtype_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch.addmm(acc32, a, b, out_dtype=torch.float32, out=acc32)` with low-precision a, b is
+    supported on this device type (the kernel exists: CUDA's `_addmm_dtype_out_cuda`; the CPU has none in
+    torch 2.13) and accepts a float32 `self` (torch versions differ: some require self in the operands'
+    dtype). Probed once per (device type, dtype) on a 2x3 @ 3x2 product checked against float64: any error
+    or a wrong answer selects the block-wise fallback."""
+    key = (device.type, dtype)
+    ok = _ADDMM_OUT_DTYPE.get(key)
+    if ok is None:
+        ok = False
+        try:
+            a = torch.tensor([[1.0, 2.0, -1.0], [0.5, 3.0, 2.0]], dtype=dtype, device=device)
+            b = torch.tensor([[1.0, -2.0], [0.25, 1.0], [4.0, 0.5]], dtype=dtype, device=device)
+            acc = torch.full((2, 2), 0.125, dtype=torch.float32, device=device)
+            out = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            want = torch.full((2, 2), 0.125, dtype=torch.float64) + a.double().cpu() @ b.double().cpu()
+            ok = bool(out.data_ptr() == acc.data_ptr() and out.dtype == torch.float32
+                      and torch.equal(acc.double().cpu(), want))
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _ADDMM_OUT_DTYPE[key] = ok
+    return ok
 
 
 def _add_weight_grad(d_weight_VH: Tensor, g_CV: Tensor, h_CH: Tensor) -> None:
     """d_weight_VH += g_CV^T h_CH. Same dtype: one in-place addmm. A float32 accumulator of bf16 / fp16
-    operands: the product in the operands' dtype, block by block over V, added into float32 (no [V, H]
-    temporary; the rounding is the same as one product)."""
+    operands: where torch has it (CUDA), ONE GEMM with bf16 operands, float32 accumulation and a float32
+    output (`addmm(..., out_dtype=torch.float32)`, beta = 1 into the accumulator itself: no temporary, the
+    products never rounded to bf16); elsewhere (the CPU) the product in the operands' dtype, block by block
+    over V, added into float32 (no [V, H] temporary; each product rounded to bf16 once before the add)."""
     if d_weight_VH.dtype == g_CV.dtype:
         d_weight_VH.addmm_(g_CV.t(), h_CH)
+        return
+    if d_weight_VH.dtype == torch.float32 and _addmm_out_dtype_ok(g_CV.device, g_CV.dtype):
+        torch.addmm(d_weight_VH, g_CV.t(), h_CH, out_dtype=torch.float32, out=d_weight_VH)
         return
     V, H = d_weight_VH.shape
     block = max(1, _WEIGHT_GRAD_BLOCK_ELEMENTS // max(H, 1))
     for v0 in range(0, V, block):
         v1 = min(v0 + block, V)
         d_weight_VH[v0:v1].add_(g_CV[:, v0:v1].t() @ h_CH)
+
+
+def _weight_grad_for_autograd(weight_VH: Tensor, buffer_VH: Tensor) -> Optional[Tensor]:
+    """What backward hands autograd for the weight once d weight is in `buffer_VH`: never a [V, H] tensor
+    that costs an allocation or a pass over memory.
+
+    - Megatron DDP's own buffer (`buffer_VH is weight.main_grad`, the parameter carries DDP's
+      `grad_added_to_main_grad`): Megatron's protocol (megatron-core 0.16.1 distributed_data_parallel.py,
+      `_make_backward_post_hook`; as its fused-wgrad linear and TE do): set `weight.grad_added_to_main_grad`,
+      so the grad-ready hook on the weight's AccumulateGrad node does not add `param.grad` into main_grad
+      again, and return a defined gradient, because that hook asserts `param.grad is not None` under
+      overlap_grad_reduce before it marks the parameter ready for its bucket's reduction (and a defined CUDA
+      gradient keeps the hook on the device's backward thread, in order with the other parameters'). Its
+      values are never read, so it is an alias of the weight's own storage (detached; Megatron and TE use an
+      uninitialised torch.empty): AccumulateGrad adopts it as `param.grad` without a copy (same strides) and
+      the hook sets `param.grad = None` right after.
+      Exception: `zero_out_wgrad` (Megatron sets it on the embedding shared with the output layer on one
+      pipeline stage): that hook adds `param.grad` whatever the flag says, and the embedding's own gradient
+      arrives through the same node, so this kernel returns None: `param.grad` is the embedding's gradient
+      alone, added once, and ours is already in main_grad.
+    - Any other buffer (the caller's own accumulator, no DDP hook): None; the weight's `.grad` receives
+      nothing from this call (other uses of the weight still accumulate theirs)."""
+    if buffer_VH is getattr(weight_VH, "main_grad", None) and hasattr(weight_VH, "grad_added_to_main_grad"):
+        if getattr(weight_VH, "zero_out_wgrad", False):
+            return None
+        weight_VH.grad_added_to_main_grad = True
+        return weight_VH.detach()
+    return None
 
 
 def _linear_forward_local(hidden_TH, weight_VH, target_T, chunk_size, with_entropy, backend, acc):
@@ -387,8 +447,12 @@ def linear_token_logprobs(
         all-gather does, in its backward reduce-scatter; see moe.output_hidden). Backward communicates nothing.
     weight_grad_buffer: a [V, H] tensor (float32, or the weight's dtype) that backward ADDS d weight into,
         e.g. Megatron DDP's float32 `main_grad` of the LM head: no [V, H] gradient is allocated (for bf16
-        weights not even a float32 accumulator), and autograd receives a zero gradient for `weight_VH` (a
-        stride-0 view), so gradient hooks still run. The buffer must not be read before backward finishes.
+        weights not even a float32 accumulator; on CUDA one bf16 GEMM per chunk accumulates in float32
+        straight into it). What autograd then receives for `weight_VH` (see _weight_grad_for_autograd):
+        for the buffer `weight_VH.main_grad` of a Megatron DDP parameter, Megatron's protocol
+        (`grad_added_to_main_grad` set, a free placeholder gradient its hook drops; None with
+        `zero_out_wgrad`); for any other buffer, None (the weight's .grad gets nothing from this call).
+        The buffer must not be read before backward finishes.
     """
     if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
         raise ValueError(f"megagspo.kernels.linear_token_logprobs: expected hidden [T, H] and weight [V, H]; got "
