@@ -48,3 +48,46 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
     proc = _run(tmp_path, "--budget", "soon")
     assert proc.returncode == 2 and "--budget" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _write(out, name, doc):
+    out.mkdir(exist_ok=True)
+    (out / name).write_text(json.dumps(doc))
+
+
+def test_goal_verdicts_read_the_benchmarks_json(tmp_path):
+    out = tmp_path / "o"
+    _write(out, "step.json", {"micro_batches": 4, "results": [
+        {"path": "grouped+sdpa", "micro_batches": 4, "fwd_bwd_tflops": 251.0, "fwd_bwd_ms_per_micro_batch": 59.3,
+         "peak_gib": 41.0, "optimizer_ms": 80.0, "optimizer_share_k8": 0.144}]})
+    _write(out, "logits.json", {"results": [
+        {"path": "fused", "fwd_x_read": 1.02, "bwd_x_read_write": 1.41},
+        {"path": "fused-inplace", "fwd_x_read": 1.01, "bwd_x_read_write": 1.12}],
+        "gspo": {"ratio": 2.5, "kernel_ms": 0.05, "trivial_ms": 0.02}})
+    _write(out, "hidden.json", {"results": [{"path": "hidden", "tflops": 500.0, "extra_gib": 0.9, "max_rel_err": 3e-3}]})
+    step = gpu_goals.verdict_step(str(out))
+    assert step["step"][1] == "met" and "251 TF/s" in step["step"][0]
+    assert "14.4% of a k=8 step" in step["optimizer"][0]
+    logits = gpu_goals.verdict_logits(str(out))
+    assert logits["logits-fwd"][1] == "met" and logits["logits-bwd"][1] == "met"  # the better of the two paths
+    assert logits["gspo"][1] == "missed by 1.25x"
+    hidden = gpu_goals.verdict_hidden(str(out))["hidden"]
+    assert hidden[1].startswith("missed: memory 1.38x the cap") and "speed" not in hidden[1]
+    text = gpu_goals.summary(str(out), 470, 12, False)
+    assert "step       met" in text and json.load(open(out / "summary.json"))["goals"]["gspo"]["verdict"] == "missed by 1.25x"
+    # the thresholds: < 200 TF/s is "not done", >= 277 the stretch
+    _write(out, "step.json", {"results": [{"path": "grouped+sdpa", "fwd_bwd_tflops": 190.0}]})
+    assert gpu_goals.verdict_step(str(out))["step"][1] == "missed (< 200: not done)"
+    _write(out, "step.json", {"results": [{"path": "grouped+sdpa", "fwd_bwd_tflops": 280.0}]})
+    assert gpu_goals.verdict_step(str(out))["step"][1] == "met (stretch)"
+
+
+def test_a_missing_or_broken_result_costs_its_verdict_not_the_table(tmp_path):
+    out = tmp_path / "o"
+    _write(out, "hidden.json", {"results": [{"path": "hidden"}]})
+    (out / "logits.json").write_text("{not json")
+    text = gpu_goals.summary(str(out), 470, 3, False)
+    for stage in gpu_goals.STAGES:
+        assert f"\n{stage} " in text
+    goals = json.load(open(out / "summary.json"))["goals"]
+    assert goals["hidden"]["verdict"] == "missing" and goals["logits"]["verdict"] == "missing"
