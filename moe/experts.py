@@ -7,10 +7,35 @@ F fc1 output width (2 I with SwiGLU: [gate; up]), I expert FFN width on this exp
 (`local_experts.{e}.linear_fc1.weight` [F, H], `local_experts.{e}.linear_fc2.weight` [H, I]), their tensor-
 and expert-parallel attributes and `sharded_state_dict` are Megatron's own, so checkpoints, HF conversion,
 the weight sync and Megatron's DDP / distributed optimizer see exactly what they saw with SequentialMLP.
-The forward stacks the per-expert weights into [E, F, H] / [E, H, I] (a transient copy of the local expert
-weights, made again in backward, never kept between the two: `GroupedLinear`) and runs
-`torch.nn.functional.grouped_mm` on CPU and CUDA alike. On CUDA,
-torch runs its grouped GEMM kernel for bf16 on sm90+; other dtypes (fp32) take torch's per-group fallback.
+The forward runs `torch.nn.functional.grouped_mm` on CPU and CUDA alike. On CUDA, torch runs its grouped
+GEMM kernel for bf16 on sm90+; other dtypes (fp32) take torch's per-group fallback.
+
+The [E, N, K] weight operand without a copy (`expert_weights_ENK`). Megatron's DistributedDataParallel with
+the distributed optimizer (`moe.optimizer.wrap_data_parallel`) re-points every `param.data` at a slice of one
+contiguous parameter buffer per (dtype, dense / expert) group, walking the parameters in REVERSE
+`named_parameters` order (megatron-core 0.16.1 `_ParamAndGradBuffer.__init__`: `for param in params[::-1]`),
+each start padded to 64 elements, a bucket's end padded to lcm(DP, 128) elements. For SequentialMLP's order
+(expert 0 fc1, expert 0 fc2, expert 1 fc1, ...) that puts expert e+1 BELOW expert e: descending addresses,
+which no strided view can read in ascending expert order (strides cannot be negative). So this module
+registers its experts from the last to the first (`_ExpertList`: `named_parameters`, `state_dict` and the
+module tree's children list expert E-1 first, while indexing, iteration, names and `sharded_state_dict` stay
+0..E-1): DDP's reversed walk then lays expert e's fc1 at base1 + e S and its fc2 at base2 + e S, S = the padded
+size of one expert's fc1 + fc2, and `torch.as_strided` reads all local experts' fc1 (or fc2) as one
+[E, N, K] tensor with an expert stride of S, at no cost. `grouped_mm` takes any expert stride (its CUDA kernel
+computes group g's pointer as base + g * stride(0); the check here also asks for 16-byte aligned groups).
+Where the weights are not laid out that way (a model not wrapped in DDP, or with a bucket boundary that adds
+padding between two experts) the forward stacks a transient copy, counted in `STACK_FALLBACKS` and logged once
+per kind (a warning for trained weights, info for a frozen model such as the KL reference), and backward
+stacks again rather than keeping the copy alive until then.
+Why not stack once and save it for backward: that halves the copies but keeps an [E, F, H] + [E, H, I] copy
+of every MoE layer alive from forward to backward (1.2 GB per layer at Qwen3-30B-A3B width and EP=1, 58 GB
+for 48 layers); the view costs nothing and reads the very weights the optimizer updates. Measured on the
+2-core CPU box (bf16, E = 32 experts at Qwen3-30B-A3B width, 302 MB): stacking fc1 + fc2 once 564 ms, the
+checked view 0.08 ms. At those widths every expert tensor is a multiple of 128 elements, so DDP's padding adds no
+gap at bucket boundaries for DP in {1, 2, 4, 8, ...} and the view holds across buckets.
+
+Gradients: the weight-gradient GEMM returns [E, N, K], unbound into per-expert gradients; autograd hands each
+to its parameter's AccumulateGrad, whose Megatron DDP hook adds it into `param.main_grad`, as before.
 
 Expert-TP needs no communication here: Megatron's expert linears are "explicit expert comm" layers whose
 forward is a local matmul on this rank's weight shard (the token dispatcher gathers and reduce-scatters),
@@ -19,14 +44,102 @@ and a local grouped matmul on the same shards computes the same.
 
 from __future__ import annotations
 
+import collections
+import logging
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from moe.implementation import ImplementationError
 
-# torch's grouped GEMM wants every row stride of its operands to be a multiple of 16 bytes
+logger = logging.getLogger(__name__)
+
+# torch's grouped GEMM wants every row stride of its operands, and each group's start, at a multiple of 16 bytes
 _GROUPED_MM_ALIGN_BYTES = 16
+
+# why the forward / backward stacked the expert weights instead of viewing them -> how many times (per process)
+STACK_FALLBACKS: collections.Counter = collections.Counter()
+
+
+class _ExpertList(torch.nn.ModuleList):
+    """The local experts, indexed and iterated 0..E-1 like a ModuleList, but registered last to first, so
+    that `named_parameters` (which Megatron's DDP lays out in reverse) lists expert E-1 first. See the module
+    docstring. Names (`local_experts.{e}.`) are unchanged; only the order of the registration dict differs."""
+
+    def __init__(self, experts):
+        super().__init__()
+        experts = list(experts)
+        for e in reversed(range(len(experts))):
+            self.add_module(str(e), experts[e])
+
+    def __iter__(self):
+        return iter([self._modules[str(e)] for e in range(len(self))])
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return torch.nn.ModuleList(list(self)[idx])
+        return super().__getitem__(idx)
+
+    def append(self, module):  # ModuleList.append/extend/insert assume insertion order == index order
+        raise TypeError("the local experts of GroupedGemmExperts are fixed at construction")
+
+    extend = insert = append
+
+
+def expert_weights_ENK(weights_NK) -> torch.Tensor | None:
+    """The per-expert weights [N, K] as one [E, N, K] view when they are equally spaced, ascending, 16-byte
+    aligned row-major slices of one storage (Megatron DDP's parameter buffer, see the module docstring);
+    None otherwise. No copy; checks E data pointers (~10 us at E = 128) and the first and last tensor's
+    storage, shape, layout and dtype (a tensor between two of one live storage lies in that storage)."""
+    first, last = weights_NK[0], weights_NK[-1]
+    n, k = first.shape
+    num = len(weights_NK)
+    item = first.element_size()
+    step = weights_NK[1].data_ptr() - first.data_ptr() if num > 1 else n * k * item
+    if step < n * k * item or step % _GROUPED_MM_ALIGN_BYTES or first.data_ptr() % _GROUPED_MM_ALIGN_BYTES:
+        return None
+    start = first.data_ptr()
+    if [w.data_ptr() for w in weights_NK] != list(range(start, start + num * step, step)):
+        return None
+    for w in (first, last):
+        if (w.shape != (n, k) or w.stride() != (k, 1) or w.dtype != first.dtype or w.device != first.device
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+    return first.detach().as_strided((num, n, k), (step // item, k, 1), first.storage_offset())
+
+
+def _stacked_ENK(weights_NK, where: str) -> torch.Tensor:
+    """The [E, N, K] operand: the zero-copy view when the layout allows, else a stacked copy (counted, logged
+    once per `where`)."""
+    view = expert_weights_ENK(weights_NK)
+    if view is not None:
+        return view
+    trained = any(w.requires_grad for w in weights_NK)
+    key = f"{where}, {'trained' if trained else 'frozen'}"
+    if not STACK_FALLBACKS[key]:
+        # a frozen model (the KL reference: no DDP, forward only) is expected here; a trained one is not
+        logger.log(logging.WARNING if trained else logging.INFO,
+                   "moe.experts: the local expert weights are not equally spaced ascending views of one buffer "
+                   "(%s; e.g. a model not wrapped in Megatron DDP with the distributed optimizer, or a gradient-"
+                   "bucket boundary between two experts): stacking a copy of them per call", key)
+    STACK_FALLBACKS[key] += 1
+    return torch.stack(weights_NK)
+
+
+def expert_offsets(tokens_per_expert_E, device: torch.device) -> torch.Tensor:
+    """offs[e] = end row of expert e (int32, on `device`); an expert with no token has an empty group.
+
+    Megatron's dispatchers hand the counts over on the host (the alltoall dispatcher copies them to the CPU at
+    its sync point, the allgather one calls `.cpu()`), so on CUDA the cumulative sum is made on the host and
+    sent from pinned memory without blocking (a pageable tensor's `.to(cuda)` would wait for the stream);
+    counts already on the device stay there."""
+    if torch.is_tensor(tokens_per_expert_E) and tokens_per_expert_E.device == torch.device(device):
+        return torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
+    offs_E = torch.cumsum(torch.as_tensor(tokens_per_expert_E).cpu(), 0).to(torch.int32)
+    if torch.device(device).type != "cuda":
+        return offs_E.to(device)
+    return offs_E.pin_memory().to(device, non_blocking=True)
 
 
 class GroupedGemmExperts(SequentialMLP):
@@ -57,6 +170,8 @@ class GroupedGemmExperts(SequentialMLP):
                     f"model.experts=grouped: torch grouped_mm needs rows of a multiple of "
                     f"{_GROUPED_MM_ALIGN_BYTES} bytes, but the {what} is {width} x {item} B; use widths that "
                     f"are multiples of {_GROUPED_MM_ALIGN_BYTES // item} or model.experts=sequential")
+        # before DDP exists (it is built around the finished model): registration order = buffer order
+        self.local_experts = _ExpertList(self.local_experts)
 
     def _activation(self, fc1_TF: torch.Tensor) -> torch.Tensor:
         """Megatron MLP's unfused activation: SwiGLU act(gate) * up on [gate; up], else act(fc1)."""
@@ -71,27 +186,26 @@ class GroupedGemmExperts(SequentialMLP):
                 raise ImplementationError("moe_apply_probs_on_input needs moe_router_topk = 1")
             hidden_TH = (probs_T.unsqueeze(-1) * hidden_TH).to(hidden_TH.dtype)
             probs_T = torch.ones_like(probs_T)
-        # offs[e] = end row of expert e; an expert with no token has an empty group (offs[e] == offs[e-1])
-        offs_E = torch.cumsum(torch.as_tensor(tokens_per_expert_E), 0).to(device=hidden_TH.device,
-                                                                          dtype=torch.int32)
-        fc1_TF = GroupedLinear.apply(hidden_TH, offs_E, *(e.linear_fc1.weight for e in self.local_experts))
+        offs_E = expert_offsets(tokens_per_expert_E, hidden_TH.device)
+        experts = list(self.local_experts)
+        fc1_TF = GroupedLinear.apply(hidden_TH, offs_E, *(e.linear_fc1.weight for e in experts))
         act_TI = self._activation(fc1_TF)
         # the router weight in the router's dtype (fp32), cast back, as Megatron's MLP does
         act_TI = (act_TI * probs_T.unsqueeze(-1)).to(fc1_TF.dtype)
-        out_TH = GroupedLinear.apply(act_TI, offs_E, *(e.linear_fc2.weight for e in self.local_experts))
+        out_TH = GroupedLinear.apply(act_TI, offs_E, *(e.linear_fc2.weight for e in experts))
         return out_TH, None
 
 
 class GroupedLinear(torch.autograd.Function):
     """y[rows of expert e] = x[rows of expert e] @ W_e^T for per-expert weights W_e [N, K] (legend: N output,
-    K input features), on one grouped GEMM. The weights are stacked into [E, N, K] for the GEMM and stacked
-    again in backward rather than saved: autograd through `torch.stack` would keep that copy of every local
-    expert weight alive from each MoE layer's forward to its backward."""
+    K input features), on one grouped GEMM. The weights enter as separate tensors (each keeps its own
+    AccumulateGrad and DDP hook); the [E, N, K] operand is a view of them where the layout allows
+    (`expert_weights_ENK`), else a stacked copy made in forward and again in backward rather than saved."""
 
     @staticmethod
     def forward(ctx, x_TK, offs_E, *weights_NK):
         ctx.save_for_backward(x_TK, offs_E, *weights_NK)
-        return F.grouped_mm(x_TK, torch.stack(weights_NK).transpose(1, 2), offs=offs_E)
+        return F.grouped_mm(x_TK, _stacked_ENK(weights_NK, "forward").transpose(1, 2), offs=offs_E)
 
     @staticmethod
     def backward(ctx, dy_TN):
@@ -99,7 +213,7 @@ class GroupedLinear(torch.autograd.Function):
         dy_TN = dy_TN.contiguous()
         dx_TK = None
         if ctx.needs_input_grad[0]:
-            dx_TK = F.grouped_mm(dy_TN, torch.stack(weights_NK), offs=offs_E)
+            dx_TK = F.grouped_mm(dy_TN, _stacked_ENK(weights_NK, "backward"), offs=offs_E)
         dweights = [None] * len(weights_NK)
         if any(ctx.needs_input_grad[2:]):
             # dW_e = dy_e^T x_e: both operands split along the token dimension; an empty expert gets zeros

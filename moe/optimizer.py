@@ -17,6 +17,17 @@ Scaling: Megatron's DDP scales each gradient by 1 / DP before summing (it assume
 RL and SFT losses here are normalised by GLOBAL counts and must be summed over ranks, so callers multiply
 each backpropagated loss by `DistributedDataParallel`'s data-parallel size (`loss_scale_for_sum`).
 
+Fused AdamW on CUDA (`fused_adamw`, entered by `build_optimizer`): without Transformer Engine or apex,
+megatron-core 0.16.1 builds torch's AdamW with no `fused=` (`_get_megatron_optimizer_based_on_param_groups`:
+`adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam`), i.e. the foreach
+kernels: several passes over the fp32 master weights and both moments per step. Around building the
+optimizer, on CUDA parameters only, that function sees a `torch` whose `optim.AdamW` is torch's own class built
+with `fused=True` (one fused kernel per dtype/device group); nothing else changes, nothing outside the block.
+The patched function's signature and the line it is for are checked first (`verify_fused_adamw_target`, raising
+`OptimizerPatchError`), the change is logged once. On the CPU the path stays as it was: torch's fused CPU AdamW
+exists but differs from the for-loop path in the last bits (measured with torch 2.13), which would move the
+golden metrics.
+
 On a CUDA-less host the CPU shim (`moe.cpu_shim`: device='cuda' literals in the optimizer modules, the
 gradient-norm helper, and `cuda_tensor_types` entered here around the optimizer's type checks) lets this
 exact code run, so the CPU tests exercise the production optimizer.
@@ -26,16 +37,26 @@ Legend: DP data-parallel ranks of the dense parameters.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class OptimizerSetupError(ValueError):
     """An optimizer or precision setting is invalid; the message names it."""
+
+
+class OptimizerPatchError(RuntimeError):
+    """The Megatron-Core or torch symbol the fused-AdamW patch is for is missing or changed: review
+    moe/optimizer.py (`fused_adamw`)."""
 
 
 def params_dtype(precision: str) -> torch.dtype:
@@ -71,6 +92,96 @@ def _optimizer_scope():
     return cuda_tensor_types()
 
 
+# The function of megatron.core.optimizer (megatron-core 0.16.1) that picks the Adam class, its signature and the
+# line that picks torch's AdamW when Transformer Engine and apex are absent (USING_PYTORCH_OPTIMIZER).
+FUSED_ADAMW_MODULE = "megatron.core.optimizer"
+FUSED_ADAMW_FUNCTION = "_get_megatron_optimizer_based_on_param_groups"
+FUSED_ADAMW_SIGNATURE = (
+    "(config: megatron.core.optimizer.optimizer_config.OptimizerConfig, model_chunks: List[megatron.core."
+    "transformer.module.MegatronModule], param_groups: List, per_model_buffers: Optional[Dict[int, List[megatron."
+    "core.distributed.param_and_grad_buffer._ParamAndGradBuffer]]] = None, model_parallel_group: Optional[torch."
+    "distributed.distributed_c10d.ProcessGroup] = None, data_parallel_group: Optional[torch.distributed."
+    "distributed_c10d.ProcessGroup] = None, data_parallel_group_gloo: Optional[torch.distributed.distributed_c10d."
+    "ProcessGroup] = None, data_parallel_group_idx: Optional[int] = None, intra_dist_opt_group: Optional[torch."
+    "distributed.distributed_c10d.ProcessGroup] = None, distributed_optimizer_instance_id: Optional[int] = 0, "
+    "pg_collection: Optional[megatron.core.process_groups_config.ProcessGroupCollection] = None) -> megatron.core."
+    "optimizer.optimizer.MegatronOptimizer")
+FUSED_ADAMW_SOURCE = "adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam"
+_FUSED_ADAMW_LOGGED = [False]
+
+
+def verify_fused_adamw_target() -> None:
+    """Raise OptimizerPatchError unless Megatron's Adam picker has the signature and the AdamW line the patch was
+    written for, its module the `torch` and `USING_PYTORCH_OPTIMIZER` globals it swaps / reads, and torch's AdamW a
+    keyword `fused` argument (checked by name only: the GPU host's torch differs from the CPU pin)."""
+    import importlib
+
+    module = importlib.import_module(FUSED_ADAMW_MODULE)
+    where = f"{FUSED_ADAMW_MODULE}.{FUSED_ADAMW_FUNCTION}"
+    function = getattr(module, FUSED_ADAMW_FUNCTION, None)
+    if function is None:
+        raise OptimizerPatchError(f"fused AdamW patch: {where} no longer exists — review moe/optimizer.py")
+    actual = str(inspect.signature(function))
+    if actual != FUSED_ADAMW_SIGNATURE:
+        raise OptimizerPatchError(f"fused AdamW patch: {where} changed signature:\n  expected {FUSED_ADAMW_SIGNATURE}"
+                                  f"\n  found    {actual}\nreview moe/optimizer.py")
+    if FUSED_ADAMW_SOURCE not in inspect.getsource(function):
+        raise OptimizerPatchError(f"fused AdamW patch: {where} no longer picks the Adam class with "
+                                  f"{FUSED_ADAMW_SOURCE!r} — review moe/optimizer.py")
+    if getattr(module, "torch", None) is not torch or not hasattr(module, "USING_PYTORCH_OPTIMIZER"):
+        raise OptimizerPatchError(f"fused AdamW patch: {FUSED_ADAMW_MODULE} no longer has the module globals torch "
+                                  "and USING_PYTORCH_OPTIMIZER — review moe/optimizer.py")
+    fused = inspect.signature(torch.optim.AdamW.__init__).parameters.get("fused")
+    if fused is None or fused.kind not in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        raise OptimizerPatchError(f"fused AdamW patch: torch {torch.__version__}'s AdamW has no keyword argument "
+                                  "'fused' — review moe/optimizer.py")
+
+
+class _FusedAdamWOptim:
+    """torch.optim as Megatron's Adam picker sees it inside `fused_adamw`: AdamW is built with fused=True."""
+
+    def __getattr__(self, name):
+        return getattr(torch.optim, name)
+
+    @staticmethod
+    def AdamW(*args, **kwargs):  # noqa: N802 (torch's name)
+        kwargs.setdefault("fused", True)
+        return torch.optim.AdamW(*args, **kwargs)
+
+
+class _FusedAdamWTorch:
+    """torch as megatron.core.optimizer sees it inside `fused_adamw`: `optim` is `_FusedAdamWOptim`; every other
+    name is torch's own."""
+
+    optim = _FusedAdamWOptim()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def fused_adamw(enabled: bool):
+    """Within the block, when `enabled` and Megatron uses torch's optimizers (no TE / apex), Megatron's Adam
+    picker builds `torch.optim.AdamW(..., fused=True)`; restored on exit. Yields whether it patched. Checks
+    the target first (`verify_fused_adamw_target`); logs the change once per process."""
+    import megatron.core.optimizer as megatron_optimizer
+
+    if not enabled or not getattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False):
+        yield False
+        return
+    verify_fused_adamw_target()
+    if not _FUSED_ADAMW_LOGGED[0]:
+        logger.warning("megagspo optimizer: Megatron's torch AdamW (Transformer Engine / apex absent) is built with "
+                       "fused=True (%s.%s sees torch.optim.AdamW with fused=True while the optimizer is built)",
+                       FUSED_ADAMW_MODULE, FUSED_ADAMW_FUNCTION)
+        _FUSED_ADAMW_LOGGED[0] = True
+    megatron_optimizer.torch = _FusedAdamWTorch()
+    try:
+        yield True
+    finally:
+        megatron_optimizer.torch = torch
+
+
 def wrap_data_parallel(model, *, bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False):
     """Megatron-Core DistributedDataParallel around `model` (fp32 gradient buffers, distributed optimizer
     layout). `overlap_grad_reduce=True` starts each bucket's reduction during backward; the caller then runs
@@ -88,18 +199,24 @@ def loss_scale_for_sum(ddp_model) -> float:
     return float(ddp_model.dp_cp_group.size()) if hasattr(ddp_model, "dp_cp_group") else 1.0
 
 
-def build_optimizer(ddp_model, settings: OptimizerSettings):
+def build_optimizer(ddp_model, settings: OptimizerSettings, fused: Optional[bool] = None):
     """Megatron-Core's distributed optimizer over `ddp_model`'s parameters (fp32 master weights for bf16
-    parameters; moments and master weights sharded over data parallelism)."""
+    parameters; moments and master weights sharded over data parallelism). `fused`: torch's fused AdamW
+    (`fused_adamw`); None = where the parameters are on CUDA."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    dtype = next(ddp_model.module.parameters()).dtype
+    param = next(ddp_model.module.parameters())
+    dtype = param.dtype
+    if fused is None:
+        fused = param.is_cuda
     config = OptimizerConfig(
         optimizer="adam", lr=settings.lr, weight_decay=settings.weight_decay,
         adam_beta1=settings.beta1, adam_beta2=settings.beta2, adam_eps=settings.eps,
         bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype, clip_grad=settings.clip_grad,
         use_distributed_optimizer=True)
-    with _optimizer_scope():
+    if not config.decoupled_weight_decay:  # the patch replaces AdamW only
+        raise OptimizerSetupError("the optimizer is AdamW: OptimizerConfig.decoupled_weight_decay must stay True")
+    with _optimizer_scope(), fused_adamw(fused):
         return get_megatron_optimizer(config, [ddp_model])
 
 

@@ -1,7 +1,9 @@
 """Grouped-GEMM experts (moe.experts.GroupedGemmExperts, `model.experts=grouped`) compute what Megatron's
 SequentialMLP computes: forward and every gradient (tokens, router weights, each expert's fc1 / fc2), with
 uneven and empty experts, in one process, at EP=2 and at expert-TP=2; same parameter names, so the same
-checkpoints load.
+checkpoints load. In Megatron's DDP (distributed-optimizer buffers) the per-expert weights are read as one
+[E, N, K] view of the parameter buffer with no stack / cat copy, and the main_grads the DDP hooks accumulate
+equal SequentialMLP's.
 
 Tolerances. float32: both paths are float32 GEMMs over the same rows, differing only in summation order:
 rtol 1e-5, atol 2e-6 * max|reference| + 1e-7 (as tests/test_megatron_cpu.py). bfloat16: the error of each
@@ -11,6 +13,7 @@ path against the float32 reference on the same (bf16-rounded) weights; the group
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -220,10 +223,14 @@ def _parallel_body(rank, world_size, layout_kwargs, seed):
     experts_type = type(model.decoder.layers[0].mlp.experts).__name__
     rows = 4 // ps.get_data_parallel_world_size()
     start = ps.get_data_parallel_rank() * rows
+    import moe.experts as experts_module
+
+    experts_module.STACK_FALLBACKS.clear()
     loss, grads = _loss_and_grads(model, tokens_BS[start:start + rows], num_tokens, dp_group_reduce=True)
     expected = local_view_of_full(model, ref_grads)
     destroy_model_parallel()
-    return experts_type, (loss, ref_loss), {n: (g, expected[n]) for n, g in grads.items()}
+    return (experts_type, dict(experts_module.STACK_FALLBACKS)), (loss, ref_loss), {
+        n: (g, expected[n]) for n, g in grads.items()}
 
 
 @pytest.mark.multiprocess
@@ -231,9 +238,10 @@ def _parallel_body(rank, world_size, layout_kwargs, seed):
                          ids=["ep2", "tp2_etp2"])
 def test_grouped_experts_in_parallel_layouts_equal_single_process_sequential(layout):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    for rank, (experts_type, (loss, ref_loss), grads) in enumerate(
+    for rank, ((experts_type, stack_fallbacks), (loss, ref_loss), grads) in enumerate(
             run_distributed(_parallel_body, world_size=2, args=(layout, seed), timeout_s=240)):
         assert experts_type == "GroupedGemmExperts"
+        assert stack_fallbacks == {}  # in DDP: the [E, N, K] views of the parameter buffer, no stacked copy
         _close(loss, ref_loss, f"seed {seed} rank {rank} loss")
         assert any("local_experts" in n for n in grads)
         for name, (grad, expected) in grads.items():
@@ -250,3 +258,196 @@ def test_grouped_experts_equal_sequential_on_cuda():
     test_grouped_experts_bf16_error_is_within_twice_sequential(result)
     test_whole_model_grouped_equals_sequential(result)
     test_misaligned_expert_width_is_refused_naming_the_key(result)
+
+
+# ---- the expert weights as one [E, N, K] view of Megatron DDP's parameter buffer (no stacked copy) ----------------
+
+
+def _count_stack_ops():
+    """A dispatch mode recording every stack / cat whose result has the shape of stacked expert weights
+    [E, N, K] (SwiGLU's chunk backward is a cat too, of activations: [T, F])."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__ if hasattr(func, "__name__") else str(func)
+            result = func(*args, **(kwargs or {}))
+            if name.split(".")[0] in ("stack", "cat", "_cat") and result.dim() == 3 \
+                    and result.shape[0] == ARCH["num_experts"]:
+                self.copies.append((str(func), tuple(result.shape)))
+            return result
+
+    return _Recorder()
+
+
+def _ddp_body(rank, world_size, seed):
+    """Sequential and grouped experts, both in Megatron's DDP (distributed optimizer layout), float32 and
+    bfloat16: outputs, token / router-weight gradients and every expert's main_grad (what the DDP hooks
+    accumulated), plus what the grouped path did with the weights."""
+    import moe.experts as experts_module
+    from moe.architecture import Qwen3MoeArchitecture
+    from moe.cpu_shim import apply_cpu_shim
+    from moe.implementation import ModelImplementation
+    from moe.model import build_model as build_any_model
+    from moe.optimizer import wrap_data_parallel
+    from moe.parallel import ParallelLayout, initialize_model_parallel
+    from moe.sharding import load_full_state_dict
+
+    apply_cpu_shim()  # does nothing on a GPU host
+    initialize_model_parallel(ParallelLayout())
+    _seed(seed)
+    arch = Qwen3MoeArchitecture(**ARCH)
+    gen = torch.Generator().manual_seed(seed)
+    build = lambda impl, dtype=torch.float32: build_any_model(  # noqa: E731
+        arch, params_dtype=dtype, implementation=ModelImplementation(experts=impl), use_transformer_engine=False)
+    full = {n: p.detach().clone() for n, p in build("sequential").named_parameters()}
+    full_bf16 = {n: t.bfloat16() for n, t in full.items()}
+    models = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for impl in ("sequential", "grouped"):
+            model = build(impl, dtype)
+            load_full_state_dict(model, full if dtype == torch.float32 else full_bf16)
+            models[(impl, dtype)] = (model, wrap_data_parallel(model))
+    reference_bf16 = build("sequential")  # fp32 math on the bf16-rounded weights
+    load_full_state_dict(reference_bf16, {n: t.float() for n, t in full_bf16.items()})
+    reference_bf16_ddp = wrap_data_parallel(reference_bf16)
+
+    grouped = models[("grouped", torch.float32)][0]
+    out = {"registration": [n for n, _ in grouped.decoder.layers[0].mlp.experts.named_parameters()],
+           "iteration": [id(e) for e in grouped.decoder.layers[0].mlp.experts.local_experts],
+           "indexing": [id(grouped.decoder.layers[0].mlp.experts.local_experts[e])
+                        for e in range(ARCH["num_experts"])],
+           "views": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        for layer in models[("grouped", dtype)][0].decoder.layers:
+            experts = list(layer.mlp.experts.local_experts)
+            for fc in ("linear_fc1", "linear_fc2"):
+                weights = [getattr(e, fc).weight for e in experts]
+                view = experts_module.expert_weights_ENK(weights)
+                out["views"][(str(dtype), layer.layer_number, fc)] = (
+                    view is not None and view.data_ptr() == weights[0].data_ptr()
+                    and all(torch.equal(view[e], w) for e, w in enumerate(weights)))
+
+    num_tokens = sum(TOKENS_PER_EXPERT)
+    hidden_TH = torch.randn(num_tokens, arch.hidden_size, generator=gen)
+    probs_T = torch.rand(num_tokens, generator=gen)
+    grad_TH = torch.randn(num_tokens, arch.hidden_size, generator=gen)
+
+    def call(model, ddp, dtype, record=None):
+        experts = model.decoder.layers[0].mlp.experts
+        device = next(experts.parameters()).device
+        h = hidden_TH.to(device, dtype).clone().requires_grad_(True)
+        p = probs_T.to(device).clone().requires_grad_(True)
+        ddp.zero_grad_buffer()
+        with record if record is not None else contextlib.nullcontext():
+            out_TH, _ = experts(h, torch.tensor(TOKENS_PER_EXPERT), p)
+            (out_TH.float() * grad_TH.to(device)).sum().backward()
+        grads = {"tokens": h.grad, "probs": p.grad}
+        grads.update({n: prm.main_grad.clone() for n, prm in experts.named_parameters()})
+        assert all(prm.grad is None for prm in experts.parameters())  # the DDP hooks moved them into main_grad
+        return out_TH.detach(), grads
+
+    experts_module.STACK_FALLBACKS.clear()
+    recorder = _count_stack_ops()
+    for key, (model, ddp) in models.items():
+        out[key] = call(model, ddp, key[1], recorder if key[0] == "grouped" else None)
+    out["reference_bf16"] = call(reference_bf16, reference_bf16_ddp, torch.float32)
+    out["stack_fallbacks"] = dict(experts_module.STACK_FALLBACKS)
+    out["copies"] = recorder.copies
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_process():
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    return seed, run_distributed(_ddp_body, world_size=1, args=(seed,), timeout_s=240)[0]
+
+
+def test_experts_register_last_to_first_but_index_and_iterate_in_order(ddp_process):
+    _, out = ddp_process
+    e = ARCH["num_experts"]
+    assert out["registration"][:2] == [f"local_experts.{e - 1}.linear_fc1.weight",
+                                       f"local_experts.{e - 1}.linear_fc2.weight"]
+    assert out["registration"][-1] == "local_experts.0.linear_fc2.weight"
+    assert out["iteration"] == out["indexing"]
+
+
+def test_ddp_wrapped_expert_weights_are_one_zero_copy_view(ddp_process):
+    """After Megatron's DDP re-points the parameters into its buffer, every MoE layer's fc1 and fc2 weights
+    are read as one [E, N, K] view starting at expert 0's data: no stack fallback, no stack / cat op in the
+    grouped experts' forward + backward (the stacking code made 4 per call)."""
+    _, out = ddp_process
+    assert out["views"] and all(out["views"].values()), out["views"]
+    assert out["stack_fallbacks"] == {}
+    assert out["copies"] == []
+
+
+def test_ddp_wrapped_grouped_experts_equal_sequential_float32(ddp_process):
+    seed, out = ddp_process
+    ref_out, ref_grads = out[("sequential", torch.float32)]
+    got_out, got_grads = out[("grouped", torch.float32)]
+    _close(got_out, ref_out, f"seed {seed} experts output")
+    assert set(got_grads) == set(ref_grads) and len(ref_grads) == 2 + 2 * len(TOKENS_PER_EXPERT)
+    for name, expected in ref_grads.items():
+        _close(got_grads[name], expected, f"seed {seed} main_grad {name}")
+    for e, count in enumerate(TOKENS_PER_EXPERT):  # an empty expert's main_grad stays exactly zero
+        assert (got_grads[f"local_experts.{e}.linear_fc1.weight"].abs().max() == 0) == (count == 0), (e, count)
+
+
+def test_ddp_wrapped_grouped_experts_bf16_error_is_within_twice_sequential(ddp_process):
+    seed, out = ddp_process
+    ref_out, ref_grads = out["reference_bf16"]
+    seq_out, seq_grads = out[("sequential", torch.bfloat16)]
+    got_out, got_grads = out[("grouped", torch.bfloat16)]
+    pairs = [("output", got_out, seq_out, ref_out)] + [
+        (name, got_grads[name], seq_grads[name], ref_grads[name]) for name in ref_grads]
+    for name, got, seq, ref in pairs:
+        ulp = 2.0**-8 * float(ref.abs().max())
+        got_err = float((got.float() - ref.float()).abs().max())
+        seq_err = float((seq.float() - ref.float()).abs().max())
+        assert got_err <= 2 * seq_err + ulp, f"seed {seed} {name}: grouped {got_err:.3g} vs sequential {seq_err:.3g}"
+
+
+def test_expert_weight_view_needs_equal_ascending_aligned_spacing():
+    from moe.experts import expert_weights_ENK
+
+    buffer = torch.randn(1000)
+    ascending = [buffer[10 * 0 + 8 + 40 * e:8 + 40 * e + 24].view(4, 6) for e in range(3)]  # stride 40 = 160 B
+    view = expert_weights_ENK(ascending)
+    assert view is not None and view.data_ptr() == ascending[0].data_ptr()
+    assert torch.equal(view, torch.stack(ascending))
+    assert expert_weights_ENK(ascending[::-1]) is None  # descending: no strided view can read it
+    assert expert_weights_ENK([ascending[0], ascending[1], buffer[100:124].view(4, 6)]) is None  # unequal
+    assert expert_weights_ENK([buffer[1 + 40 * e:1 + 40 * e + 24].view(4, 6) for e in range(3)]) is None  # 4 B off
+    assert expert_weights_ENK([buffer[8 + 20 * e:8 + 20 * e + 24].view(4, 6) for e in range(3)]) is None  # overlap
+    assert expert_weights_ENK([torch.randn(4, 6) for _ in range(3)]) is None  # separate tensors
+    assert expert_weights_ENK([t.t() for t in (buffer[:24].view(6, 4),)]) is None  # not row-major
+
+
+def test_expert_offsets_are_int32_cumulative_ends_on_the_device():
+    from moe.experts import expert_offsets
+
+    expected = torch.tensor([0, 5, 8, 8, 9, 16], dtype=torch.int32)
+    for counts in (TOKENS_PER_EXPERT, torch.tensor(TOKENS_PER_EXPERT), torch.tensor(TOKENS_PER_EXPERT).numpy()):
+        offs = expert_offsets(counts, torch.device("cpu"))
+        assert offs.dtype == torch.int32 and torch.equal(offs, expected)
+    if torch.cuda.is_available():
+        for counts in (TOKENS_PER_EXPERT, torch.tensor(TOKENS_PER_EXPERT), torch.tensor(TOKENS_PER_EXPERT).cuda()):
+            offs = expert_offsets(counts, torch.device("cuda", torch.cuda.current_device()))
+            assert offs.is_cuda and offs.dtype == torch.int32 and torch.equal(offs.cpu(), expected)
+
+
+@pytest.mark.gpu
+def test_ddp_wrapped_grouped_experts_on_cuda():
+    """The DDP checks on a GPU: the bf16 grouped GEMM kernel (sm90+) reads the strided [E, N, K] view of the
+    parameter buffer (an expert stride larger than N K); fp32 its per-group fallback."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    result = (seed, run_distributed(_ddp_body, world_size=1, args=(seed,), timeout_s=300, env=CUDA_ENV)[0])
+    test_experts_register_last_to_first_but_index_and_iterate_in_order(result)
+    test_ddp_wrapped_expert_weights_are_one_zero_copy_view(result)
+    test_ddp_wrapped_grouped_experts_equal_sequential_float32(result)
+    test_ddp_wrapped_grouped_experts_bf16_error_is_within_twice_sequential(result)
