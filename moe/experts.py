@@ -31,7 +31,8 @@ Why not stack once and save it for backward: that halves the copies but keeps an
 of every MoE layer alive from forward to backward (1.2 GB per layer at Qwen3-30B-A3B width and EP=1, 58 GB
 for 48 layers); the view costs nothing and reads the very weights the optimizer updates. Measured on the
 2-core CPU box (bf16, E = 32 experts at Qwen3-30B-A3B width, 302 MB): stacking fc1 + fc2 once 564 ms, the
-checked view 0.08 ms. At those widths every expert tensor is a multiple of 128 elements, so DDP's padding adds no
+checked view 0.08 ms. On an H200 (torch 2.11, bf16, E = 32, 8,192 tokens, 2026-11-26): the fc1 forward took
+0.189 ms with the stack, 0.091 ms on the view, bit-identical outputs. At those widths every expert tensor is a multiple of 128 elements, so DDP's padding adds no
 gap at bucket boundaries for DP in {1, 2, 4, 8, ...} and the view holds across buckets.
 
 Gradients: the weight-gradient GEMM returns [E, N, K], unbound into per-expert gradients; autograd hands each
