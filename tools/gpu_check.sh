@@ -35,7 +35,7 @@ while (($#)); do
     esac
 done
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget must be whole seconds, got $BUDGET" >&2; exit 2; }
-STAGES="env install build t-model t-kernels step lp-logits lp-hidden tiny-bf16 t-policy tiny-rest gpu-rest peers"
+STAGES="env install build t-model t-kernels step lp-logits lp-hidden tiny-bf16 gpu-tests peers"
 if ((LIST)); then echo "$STAGES"; exit 0; fi
 for s in ${ONLY//,/ }; do
     [[ " $STAGES " == *" $s "* ]] || { echo "gpu_check: --only: unknown stage $s; stages: $STAGES" >&2; exit 2; }
@@ -218,7 +218,7 @@ fi
 
 PYTEST="$PY -m pytest -q -p no:cacheprovider -o addopts= -ra"
 XDIST=""
-"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 4"
+"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 6"
 
 # ---- 3.. the stages, most valuable first ------------------------------------------------------------------
 run_stage t-model 170 40 "cuda deps" "$PYTEST -m gpu tests/test_moe_grouped_experts.py tests/test_moe_sdpa_attention.py tests/test_moe_optimizer_fused.py"
@@ -227,8 +227,8 @@ run_stage step 170 60 "cuda deps" "$PY benchmarks/bench_train_step.py --micro-ba
 run_stage lp-logits 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --tokens 32768 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths fused,fused-inplace --json '$OUT/logits.json'" logits
 run_stage lp-hidden 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths hidden --json '$OUT/hidden.json'" hidden
 run_stage tiny-bf16 180 60 "cuda deps ext" "$PYTEST 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]'"
-run_stage t-policy 150 50 "cuda deps" "$PYTEST -m gpu tests/test_policy_hidden_logprobs.py tests/test_precision.py"
-run_stage tiny-rest 240 90 "cuda deps ext" "$PYTEST $XDIST -m gpu tests/test_gpu_trainer.py --deselect 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]'"
-run_stage gpu-rest 150 40 "cuda deps ext" "$PYTEST $XDIST -m gpu tests --ignore=tests/test_gpu_trainer.py --ignore=tests/test_moe_grouped_experts.py --ignore=tests/test_moe_sdpa_attention.py --ignore=tests/test_moe_optimizer_fused.py --ignore=tests/test_kernel_logprob.py --ignore=tests/test_kernel_gspo.py --ignore=tests/test_kernel_linear.py --ignore=tests/test_kernel_policy_losses.py --ignore=tests/test_policy_hidden_logprobs.py --ignore=tests/test_precision.py --ignore=tests/test_extension_build.py --ignore=tests/test_kernel_extension.py"
+# everything else marked gpu in one pytest over several workers (the GPU has room for them): the policy and
+# precision tests, the other end-to-end cases (fp32, fused GSPO loss, GRPO-R2, resume) and the CUDA variants
+run_stage gpu-tests 300 60 "cuda deps ext" "$PYTEST $XDIST -m gpu tests --durations=12 --deselect 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]' --ignore=tests/test_moe_grouped_experts.py --ignore=tests/test_moe_sdpa_attention.py --ignore=tests/test_moe_optimizer_fused.py --ignore=tests/test_kernel_logprob.py --ignore=tests/test_kernel_gspo.py --ignore=tests/test_kernel_linear.py --ignore=tests/test_kernel_policy_losses.py --ignore=tests/test_extension_build.py --ignore=tests/test_kernel_extension.py"
 run_stage peers 90 45 "cuda ext peers" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 3 --paths liger,cce --json '$OUT/peers.json'" peers
 wait_build
