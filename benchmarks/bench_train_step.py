@@ -43,8 +43,8 @@ FFN width, V vocabulary.
 
 --profile DIR (the grouped+sdpa path only): after the timed steps, one more optimizer step (k micro-batches)
 runs under torch.profiler (CPU + CUDA activities on CUDA, CPU only on the CPU); the chrome trace goes to
-DIR/trace_grouped+sdpa.json.gz (gzip; dropped, and said so, when the gzip is over 20 MB), the table to
-DIR/profile_grouped+sdpa.txt and into the JSON. On CUDA the table ranks kernels (every device event: kernels,
+DIR/trace_grouped_sdpa.json.gz (gzip; dropped, and said so, when the gzip is over 20 MB), the table to
+DIR/profile_grouped_sdpa.txt and into the JSON. On CUDA the table ranks kernels (every device event: kernels,
 memcpy, memset; GPU user-annotation ranges, recognised by their activity type or by bearing a CPU event's name,
 left out) by device time summed per name; on the CPU it ranks operators by self CPU time. Each name is put in
 one class, by its lower-cased name, first rule that matches:
@@ -293,7 +293,7 @@ def format_profile(path: str, prof: dict) -> str:
 
 def export_trace(prof, directory: str, path: str) -> dict:
     """The chrome trace, gzipped, into directory; dropped (and said so) when over TRACE_LIMIT_BYTES."""
-    raw = os.path.join(directory, f"trace_{path}.json")
+    raw = os.path.join(directory, f"trace_{path.replace('+', '_')}.json")
     packed = raw + ".gz"
     try:
         prof.export_chrome_trace(raw)
@@ -313,6 +313,14 @@ def export_trace(prof, directory: str, path: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- one path
+
+def _expert_stack_fallbacks() -> dict:
+    try:
+        from moe.experts import STACK_FALLBACKS
+    except ImportError:
+        return {}
+    return dict(STACK_FALLBACKS)
+
 
 def run_one_path(args) -> dict:
     """Build, warm up and time one path in this process; the result as a dict (printed as JSON)."""
@@ -427,6 +435,8 @@ def run_one_path(args) -> dict:
         "peak_gib": peak / 2**30,
         "peak_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "VmHWM (process peak RSS)",
         "loss": loss,
+        # the grouped experts' [E, N, K] operand: a zero-copy view of DDP's buffer, or a stacked copy (counted)
+        "expert_stack_fallbacks": dict(_expert_stack_fallbacks()),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"cpu ({torch.get_num_threads()} threads)",
     }
@@ -440,7 +450,7 @@ def run_one_path(args) -> dict:
                 step(n_steps - 1, annotate=True)
             summary = summarize_profile(prof.events(), on_device=device.type == "cuda")
             summary.update(export_trace(prof, args.profile, args.one_path))
-            table = os.path.join(args.profile, f"profile_{args.one_path}.txt")
+            table = os.path.join(args.profile, f"profile_{args.one_path.replace('+', '_')}.txt")
             with open(table, "w") as f:
                 f.write(format_profile(args.one_path, summary) + "\n")
             summary["table"] = table
@@ -499,6 +509,8 @@ def main(argv=None) -> None:
               f"{r['fwd_bwd_tflops']:.4g} TFLOP/s; optimizer: {r['optimizer_ms']:.2f} ms/step "
               f"(share at k=8: {100 * r['optimizer_share_k8']:.1f}%); step: {r['step_ms']:.2f} ms, "
               f"{r['step_tflops']:.4g} TFLOP/s at k={k}; peak {r['peak_gib']:.2f} GiB")
+        if r.get("expert_stack_fallbacks"):
+            print(f"{r['path']}: expert weights STACKED instead of viewed: {r['expert_stack_fallbacks']}")
     base = ok[0] if ok else None
     for r in ok:
         if r is not base:

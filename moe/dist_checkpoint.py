@@ -563,14 +563,20 @@ def _saved_step(groups: list, directory: str) -> float:
     return steps.pop()
 
 
+# Param-group entries that choose torch's implementation of the same update, not a hyper-parameter: a run
+# saved on the CPU (fused None) and resumed on a GPU (fused AdamW, moe.optimizer) has not changed its optimizer.
+_IMPLEMENTATION_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
 def _changed_hyper_parameters(saved_groups: list, live: list) -> list:
     """["key: saved -> now", ...] for each hyper-parameter whose values over the param groups differ between
-    the checkpoint and the live optimizer (compared as sets: the two may group the parameters differently)."""
+    the checkpoint and the live optimizer (compared as sets: the two may group the parameters differently).
+    Implementation switches (`_IMPLEMENTATION_KEYS`) are not hyper-parameters and are never reported."""
     def values(groups, key):
         return {tuple(g[key]) if isinstance(g[key], (list, tuple)) else g[key] for g in groups if key in g}
 
     changed = []
-    for key in sorted({k for g in live for k in g}):
+    for key in sorted({k for g in live for k in g} - _IMPLEMENTATION_KEYS):
         was, now = values(saved_groups, key), values(live, key)
         if was and was != now:
             show = lambda vs: repr(next(iter(vs))) if len(vs) == 1 else repr(sorted(vs, key=repr))  # noqa: E731

@@ -82,7 +82,9 @@ def seed_megatron(seed: int) -> None:
 
         assert_no_tf32()
         torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        # the ranks given: these children are one process (rank 0 of every group), and a body may seed before
+        # it initialises model parallelism (or re-initialise it per model, as the weight-sync body does)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
     else:
         initialize_cpu_rng(seed)
 

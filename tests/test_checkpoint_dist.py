@@ -247,3 +247,17 @@ def _save_fails_body(rank, world_size, directory):
 def test_a_failed_shard_write_is_a_catchable_save_error(tmp_path):
     outcome = run_distributed(_save_fails_body, world_size=1, timeout_s=240, args=(str(tmp_path),))[0]
     assert outcome != "no error" and "No space left on device" in outcome, outcome
+
+
+def test_implementation_switches_are_not_reported_as_changed_hyper_parameters():
+    """A checkpoint written by the CPU's AdamW (fused None) resumed on a GPU, where moe.optimizer builds torch's
+    fused AdamW: the optimizer's hyper-parameters are the same, and only real changes are reported (the CUDA
+    resume test reported 'fused: None in the checkpoint -> True now' before)."""
+    from moe.dist_checkpoint import _changed_hyper_parameters
+
+    saved = [{"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "fused": None, "foreach": None},
+             {"lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999), "fused": None, "foreach": None}]
+    live = [dict(g, fused=True, foreach=False) for g in saved]
+    assert _changed_hyper_parameters(saved, live) == []
+    live[0]["weight_decay"] = 0.2
+    assert _changed_hyper_parameters(saved, live) == ["weight_decay: [0.0, 0.01] in the checkpoint -> [0.0, 0.2] now"]

@@ -349,6 +349,7 @@ def _ddp_body(rank, world_size, seed):
         grads = {"tokens": h.grad, "probs": p.grad}
         grads.update({n: prm.main_grad.clone() for n, prm in experts.named_parameters()})
         assert all(prm.grad is None for prm in experts.parameters())  # the DDP hooks moved them into main_grad
+        grads["added_flags"] = {n: bool(prm.grad_added_to_main_grad) for n, prm in experts.named_parameters()}
         return out_TH.detach(), grads
 
     experts_module.STACK_FALLBACKS.clear()
@@ -356,6 +357,15 @@ def _ddp_body(rank, world_size, seed):
     for key, (model, ddp) in models.items():
         out[key] = call(model, ddp, key[1], recorder if key[0] == "grouped" else None)
     out["reference_bf16"] = call(reference_bf16, reference_bf16_ddp, torch.float32)
+    # a second micro-batch without zeroing: the one-add path accumulates like the hooks do (2 x the first)
+    model, ddp = models[("grouped", torch.float32)]
+    experts = model.decoder.layers[0].mlp.experts
+    h = hidden_TH.clone().requires_grad_(True)
+    ddp.zero_grad_buffer()
+    for _ in range(2):
+        o, _ = experts(h, torch.tensor(TOKENS_PER_EXPERT), probs_T.clone())
+        (o * grad_TH).sum().backward()
+    out["twice"] = {n: prm.main_grad.clone() for n, prm in experts.named_parameters()}
     out["stack_fallbacks"] = dict(experts_module.STACK_FALLBACKS)
     out["copies"] = recorder.copies
     return out
@@ -391,11 +401,24 @@ def test_ddp_wrapped_grouped_experts_equal_sequential_float32(ddp_process):
     ref_out, ref_grads = out[("sequential", torch.float32)]
     got_out, got_grads = out[("grouped", torch.float32)]
     _close(got_out, ref_out, f"seed {seed} experts output")
-    assert set(got_grads) == set(ref_grads) and len(ref_grads) == 2 + 2 * len(TOKENS_PER_EXPERT)
+    assert set(got_grads) == set(ref_grads) and len(ref_grads) == 3 + 2 * len(TOKENS_PER_EXPERT)
+    ref_grads, got_grads = dict(ref_grads), dict(got_grads)
+    assert not any(ref_grads.pop("added_flags").values())  # SequentialMLP: every gradient through the hooks
+    # grouped: all experts' gradients added into main_grad by one add; the hooks were told so (no double add)
+    assert all(got_grads.pop("added_flags").values())
     for name, expected in ref_grads.items():
         _close(got_grads[name], expected, f"seed {seed} main_grad {name}")
     for e, count in enumerate(TOKENS_PER_EXPERT):  # an empty expert's main_grad stays exactly zero
         assert (got_grads[f"local_experts.{e}.linear_fc1.weight"].abs().max() == 0) == (count == 0), (e, count)
+
+
+def test_ddp_wrapped_grouped_experts_accumulate_micro_batches_in_main_grad(ddp_process):
+    """Two micro-batches without zeroing the buffer: main_grad holds twice one micro-batch's gradient (exactly:
+    the same bits added twice), as Megatron's hooks would have accumulated it."""
+    seed, out = ddp_process
+    _, once = out[("grouped", torch.float32)]
+    for name, twice in out["twice"].items():
+        assert torch.equal(twice, 2 * once[name]), (seed, name)
 
 
 def test_ddp_wrapped_grouped_experts_bf16_error_is_within_twice_sequential(ddp_process):
@@ -404,7 +427,7 @@ def test_ddp_wrapped_grouped_experts_bf16_error_is_within_twice_sequential(ddp_p
     seq_out, seq_grads = out[("sequential", torch.bfloat16)]
     got_out, got_grads = out[("grouped", torch.bfloat16)]
     pairs = [("output", got_out, seq_out, ref_out)] + [
-        (name, got_grads[name], seq_grads[name], ref_grads[name]) for name in ref_grads]
+        (name, got_grads[name], seq_grads[name], ref_grads[name]) for name in ref_grads if name != "added_flags"]
     for name, got, seq, ref in pairs:
         ulp = 2.0**-8 * float(ref.abs().max())
         got_err = float((got.float() - ref.float()).abs().max())
