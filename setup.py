@@ -27,6 +27,29 @@ except ImportError as exc:  # pragma: no cover - install-order error, not a runt
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _import_runtime_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("extension_runtime", os.path.join(HERE, "tools",
+                                                                                     "extension_runtime.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _BuildExtension(BuildExtension):
+    """torch's BuildExtension, then a check of what was built: an extension that carries its own copy of
+    the C++ exception runtime (a toolchain that links libstdc++ statically) crashes on its first failed
+    input check, so that build is refused with the fix (tools/extension_runtime.py)."""
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        problem = _import_runtime_check().private_runtime_problem(
+            self.get_ext_fullpath(ext.name), compiler=os.environ.get("CXX", "c++"))
+        if problem:
+            raise SystemExit(f"megagspo: {problem}")
+
+
 def _cuda_wanted() -> bool:
     mode = os.environ.get("MEGAGSPO_CUDA", "auto").strip().lower()
     if mode not in ("auto", "1", "0"):
@@ -87,6 +110,6 @@ setup(
     # MEGAGSPO_NO_EXT=1: metadata-only install; the Makefile then builds the extension once, in place,
     # with `setup.py build_ext --inplace` so that later csrc/ edits rebuild incrementally with ninja.
     ext_modules=[] if os.environ.get("MEGAGSPO_NO_EXT") == "1" else [_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
     entry_points={"console_scripts": ["megagspo=megagspo.cli:main"]},
 )

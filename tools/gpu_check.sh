@@ -190,7 +190,10 @@ export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRAN
 export MEGAGSPO_REQUIRE_CUDA_KERNELS=1 PYTHONFAULTHANDLER=1
 
 # ---- 2 build (background): a prebuilt _C*.so if it has the CUDA kernels, else MEGAGSPO_CUDA=1 build ------
-EXT_OK="import torch, megagspo._C as C, megagspo.kernels as K; assert C.built_with_cuda() and K.fused_available('cuda'), 'megagspo._C has no CUDA kernels'; print('megagspo._C with CUDA kernels:', C.__file__)"
+EXT_OK="import sys, torch, megagspo._C as C, megagspo.kernels as K; sys.path.insert(0, 'tools'); import extension_runtime as R
+assert C.built_with_cuda() and K.fused_available('cuda'), 'megagspo._C has no CUDA kernels'
+problem = R.private_runtime_problem(C.__file__); assert problem is None, problem
+print('megagspo._C with CUDA kernels:', C.__file__)"
 if selected build || selected t-kernels || selected lp-logits || selected lp-hidden || selected peers; then
     if ((DRY)); then
         record build SKIP 0 "dry mode: no CUDA device here"
@@ -204,6 +207,10 @@ if selected build || selected t-kernels || selected lp-logits || selected lp-hid
                     rc=0
                 else
                     rm -f megagspo/_C*.so
+                    # the system compiler: the CUDA image's $CXX (/opt/gcc/bin/g++) links libstdc++ statically,
+                    # which makes every failed input check of the extension a segfault (tools/extension_runtime.py)
+                    if [[ -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++; fi
+                    echo "compiler: ${CXX:-c++} ($("${CXX:-c++}" --version | head -1))"
                     MEGAGSPO_CUDA=1 MEGAGSPO_CUDA_ARCH=${CUDA_ARCH:-90} MAX_JOBS=${MAX_JOBS:-$(nproc)} \
                         timeout -k 5 240 "$PY" setup.py -q build_ext --inplace && "$PY" -c "$EXT_OK"
                     rc=$?
@@ -222,7 +229,7 @@ XDIST=""
 
 # ---- 3.. the stages, most valuable first ------------------------------------------------------------------
 run_stage t-model 170 40 "cuda deps" "$PYTEST -m gpu tests/test_moe_grouped_experts.py tests/test_moe_sdpa_attention.py tests/test_moe_optimizer_fused.py"
-run_stage t-kernels 120 30 "cuda ext" "$PYTEST tests/test_extension_build.py tests/test_kernel_extension.py tests/test_kernel_logprob.py tests/test_kernel_gspo.py tests/test_kernel_linear.py tests/test_kernel_policy_losses.py"
+run_stage t-kernels 120 30 "cuda ext" "$PYTEST $XDIST tests/test_extension_build.py tests/test_kernel_extension.py tests/test_kernel_logprob.py tests/test_kernel_gspo.py tests/test_kernel_linear.py tests/test_kernel_policy_losses.py"
 run_stage step 170 60 "cuda deps" "$PY benchmarks/bench_train_step.py --micro-batches 4 --json '$OUT/step.json' --profile '$OUT/profile'" step
 run_stage lp-logits 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --tokens 32768 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths fused,fused-inplace --json '$OUT/logits.json'" logits
 run_stage lp-hidden 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths hidden --json '$OUT/hidden.json'" hidden
