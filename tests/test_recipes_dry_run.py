@@ -107,6 +107,37 @@ def test_plan_refuses_a_layout_that_does_not_divide():
     assert "num_experts=128 is not divisible by parallel.expert_parallel=3" in proc.stderr, proc.stderr
 
 
+def test_layout_is_checked_against_the_init_from_folders_architecture(tmp_path):
+    """No model.arch_file: the experts, heads, layers and vocabulary that TP / EP / PP must divide are those of
+    model.init_from's config.json (what the model is built from), not the recipe's defaults (4 experts)."""
+    from megagspo.config import ConfigError, load_config
+    from megagspo.dry_run import dry_run
+    from megagspo.tools.tiny_hf_model import TinyHFSpec, build_tiny_hf_model
+
+    def recipe(kit, *extra):
+        return load_config(os.path.join(REPO, "configs/tiny_hf_cpu.yaml"), [
+            f"model.init_from={kit['model']}", f"data.train_path={kit['train']}", f"data.eval_path={kit['eval']}",
+            "parallel.world_size=8", "rl.prompts_per_step=8", *extra])
+
+    eight = build_tiny_hf_model(str(tmp_path / "eight"), TinyHFSpec(num_experts=8, train_rows=8, eval_rows=2))
+    report = dry_run(recipe(eight, "parallel.expert_parallel=8"))
+    assert report.world_size == 8
+    six = build_tiny_hf_model(str(tmp_path / "six"), TinyHFSpec(num_experts=6, train_rows=8, eval_rows=2))
+    with pytest.raises(ConfigError) as err:
+        dry_run(recipe(six, "parallel.expert_parallel=8"))
+    assert f"model.init_from = {six['model']!r} (its config.json): num_experts=6 is not divisible by " \
+           "parallel.expert_parallel=8" in str(err.value), err.value
+    # EP=2 divides 4 (the recipe's default) and 6 alike; EP=4 divides the default but not the folder's 6
+    dry_run(recipe(six, "parallel.expert_parallel=2"))
+    with pytest.raises(ConfigError, match="num_experts=6 is not divisible by parallel.expert_parallel=4"):
+        dry_run(recipe(six, "parallel.expert_parallel=4"))
+    # the trainer's own preflight shares the check (world 8, no process started)
+    from megagspo.trainer.layout import check_layout
+
+    with pytest.raises(ConfigError, match="num_experts=6 is not divisible by parallel.expert_parallel=4"):
+        check_layout(recipe(six, "parallel.expert_parallel=4"), 8)
+
+
 def test_dry_run_reports_cluster_paths_it_cannot_see():
     proc = _megagspo("train", "--dry-run", "--config", "configs/qwen3_30b_a3b_gspo.yaml")
     assert "not on this machine (checked when the run starts): data.train_path = /data/gsm8k/main/train-00000-of-00001.parquet" in proc.stdout

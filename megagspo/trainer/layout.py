@@ -12,8 +12,10 @@ def world_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_layout(cfg: Config, world: int) -> int:
-    """Batch sizes against ranks and mini-batches, before any compute. -> data-parallel size."""
+def check_layout(cfg: Config, world: int, arch=None) -> int:
+    """Batch sizes against ranks and mini-batches, and the model's sizes against TP / EP / PP (check_model_sizes),
+    before any compute. -> data-parallel size. `arch`: the architecture the model is built from (the preflight
+    passes it); None reads it from the recipe the same way, without the tokenizer's vocabulary."""
     tp = cfg.parallel.tensor_parallel
     ep = cfg.parallel.expert_parallel
     pp = cfg.parallel.pipeline_parallel
@@ -23,13 +25,7 @@ def check_layout(cfg: Config, world: int) -> int:
         raise ConfigError(f"{world} processes do not divide into parallel.tensor_parallel={tp} x "
                           f"parallel.pipeline_parallel={pp} (and parallel.expert_parallel={ep} x "
                           f"parallel.pipeline_parallel={pp})")
-    num_experts = cfg.model.num_experts
-    if cfg.model.arch_file:
-        from moe.hf_config import architecture_from_hf_config
-
-        num_experts = architecture_from_hf_config(cfg.model.arch_file).num_experts
-    if num_experts % ep:
-        raise ConfigError(f"model.num_experts={num_experts} is not divisible by parallel.expert_parallel={ep}")
+    check_model_sizes(cfg, arch)
     dp = world // (tp * pp)  # the TP x PP ranks of one data-parallel rank share its prompts, rollouts and batches
     rl = cfg.rl
     if rl.prompts_per_step % dp:
@@ -55,6 +51,49 @@ def check_layout(cfg: Config, world: int) -> int:
             f"SFT batch on each data-parallel rank (sft.batch_size {cfg.sft.batch_size} / {dp} ranks); valid "
             f"values: 0 (whole batch) or {', '.join(str(d) for d in _divisors(sft_local))}")
     return dp
+
+
+def architecture_source(model_cfg) -> str:
+    """Where the model's sizes come from, as an error message names it: model.arch_file, model.init_from's
+    config.json (a Hugging Face folder, when no arch_file is set) or the recipe's model.* fields."""
+    if model_cfg.arch_file:
+        return f"model.arch_file = {model_cfg.arch_file!r}"
+    if model_cfg.init_from_hf():
+        return f"model.init_from = {model_cfg.init_from!r} (its config.json)"
+    return "model"
+
+
+def check_model_sizes(cfg: Config, arch=None) -> None:
+    """Experts over EP, attention heads and vocabulary over TP, layers over PP, with the sizes the model is built
+    from: `arch` (moe.architecture.Qwen3MoeArchitecture), else model.arch_file / model.init_from's config.json /
+    the model.* fields, as ModelConfig.architecture chooses (the vocabulary is then checked only when it is
+    known without the tokenizer). ConfigError names the source and the value that does not divide."""
+    from moe.parallel import LayoutError, ParallelLayout
+
+    model = cfg.model
+    source = architecture_source(model)
+    if arch is None:
+        if source == "model":
+            arch = model
+        else:
+            from moe.hf_config import architecture_from_hf_config
+
+            try:
+                arch = architecture_from_hf_config(model.arch_file or model.init_from)
+            except ValueError as exc:
+                raise ConfigError(f"{source}: {exc}") from None
+    vocab = arch.vocab_size or 0  # 0: the tokenizer's, unknown here (divides everything)
+    try:
+        ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
+                       pipeline_parallel=cfg.parallel.pipeline_parallel
+                       ).check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
+                                     arch.num_key_value_heads, vocab)
+    except LayoutError as exc:
+        # "num_experts=6 is not divisible by expert_parallel=8" -> the recipe's key names on both sides
+        text = str(exc).replace(" by ", " by parallel.", 1)
+        where = f"model.{text}" if source == "model" else f"{source}: {text}"
+        raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel / parallel.pipeline_parallel do "
+                          f"not fit the model: {where}") from None
 
 
 def _divisors(n: int) -> list:

@@ -25,21 +25,13 @@ class Preflight:
 def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bool = True) -> Preflight:
     """Raise ConfigError (naming the key) for the first thing that cannot work; `vocab_size` is the
     tokenizer's (0 when it is not on this machine)."""
-    data_parallel = check_layout(cfg, world)
     arch = cfg.model.architecture(vocab_size)
+    # batch sizes over the ranks, and the sizes the model is built from (arch_file / init_from's config.json /
+    # the recipe) over TP / EP / PP
+    data_parallel = check_layout(cfg, world, arch)
     need = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
     if need > arch.max_position_embeddings:
         raise ConfigError(f"data.max_prompt_tokens + data.max_response_tokens = {need} exceeds "
                           f"model.max_position_embeddings = {arch.max_position_embeddings}")
-    from moe.parallel import LayoutError, ParallelLayout
-
-    try:
-        ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
-                       pipeline_parallel=cfg.parallel.pipeline_parallel
-                       ).check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
-                                     arch.num_key_value_heads, arch.vocab_size)
-    except LayoutError as exc:
-        raise ConfigError(f"parallel.tensor_parallel / parallel.expert_parallel / parallel.pipeline_parallel do "
-                          f"not fit the model: {exc}") from None
     init_source = preflight_init_from(cfg.model, arch) if init_from_present else None
     return Preflight(data_parallel, arch, init_source)
