@@ -247,7 +247,8 @@ class DataConfig:
     task: str = "addition"          # addition | file
     num_digits: int = 2             # addition: operands in [0, 10^num_digits)
     train_size: int = 4000          # addition: distinct train problems
-    eval_size: int = 300            # held-out problems (addition: disjoint from train)
+    eval_size: int = 300            # held-out problems (addition: disjoint from train; an eval_path file: a
+    #                                 fixed subset of this many rows drawn with data.seed, all rows when fewer)
     train_path: str = ""            # file: .jsonl or .parquet
     eval_path: str = ""             # file: held-out set; "" = split eval_size rows off the train file
     prompt_key: str = "prompt"

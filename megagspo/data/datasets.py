@@ -121,11 +121,13 @@ def load_examples(path: str, prompt_key: str = "prompt", answer_key: str = "answ
 
 
 def encode_examples(pairs, tokenizer, max_prompt_tokens: int, drop_long: bool, where: str,
-                    already_long: int = 0) -> tuple[list, int]:
+                    already_long: int = 0, rows=None) -> tuple[list, int]:
     """-> (examples, number of prompts over the limit). Too-long prompts raise unless drop_long; the error
-    counts them together with `already_long` found in the other split(s)."""
+    counts them together with `already_long` found in the other split(s). `rows`: each pair's row in its file
+    (for messages; default 0, 1, ...)."""
     out, too_long = [], []
-    for i, (prompt, answer) in enumerate(pairs):
+    rows = range(len(pairs)) if rows is None else rows
+    for i, (prompt, answer) in zip(rows, pairs):
         try:
             ids = tuple(tokenizer.prompt_ids(prompt))
         except ValueError as exc:
@@ -144,7 +146,9 @@ def encode_examples(pairs, tokenizer, max_prompt_tokens: int, drop_long: bool, w
             f"included): {shown}{' ...' if len(too_long) > 5 else ''}; raise the limit or "
             "set data.drop_long_prompts=true to drop them")
     if not out:
-        raise DataError(f"{where}: no usable prompts")
+        why = (f"all {len(too_long)} prompts are longer than data.max_prompt_tokens = {max_prompt_tokens} and "
+               "data.drop_long_prompts=true dropped them; raise the limit") if too_long else "it holds no prompts"
+        raise DataError(f"{where}: no usable prompts: {why}")
     return out, len(too_long)
 
 
@@ -179,9 +183,52 @@ class PromptDataset:
         self._order = list(state["order"])
 
 
-def build_datasets(data_cfg, tokenizer=None):
-    """-> (tokenizer, train examples, held-out examples, stats). Everything is validated here."""
+# Rewards that score the response as a whole against the answer (not an answer found in free text): an
+# answer longer than data.max_response_tokens could never earn the full score.
+WHOLE_ANSWER_REWARDS = ("exact_match", "digit_match")
+RESPONSE_CHECKS = (None, "sft", "reward")
+
+
+def response_check_for(sft_steps: int, reward_name: str):
+    """Which answers data.max_response_tokens limits: "sft" (cold-start SFT trains on prompt -> answer + eos
+    demonstrations of the training split), "reward" (no SFT, a reward in WHOLE_ANSWER_REWARDS: the response
+    must be the answer, train and held-out), or None (no SFT, a reward that reads a final answer out of free
+    text: the gold answer's length limits nothing)."""
+    if sft_steps:
+        return "sft"
+    return "reward" if reward_name in WHOLE_ANSWER_REWARDS else None
+
+
+def check_response_lengths(examples, tokenizer, max_response_tokens: int, where: str, check: str) -> None:
+    """Every answer that `check` limits (response_check_for) against data.max_response_tokens: all rows, not a
+    sample. DataError counts the answers over the limit and shows the longest."""
+    if check not in RESPONSE_CHECKS:
+        raise ValueError(f"response check must be one of {RESPONSE_CHECKS}, got {check!r}")
+    if check is None:
+        return
+    extra = 1 if check == "sft" else 0  # a demonstration ends with the eos token
+    over = []
+    for ex in examples:
+        n = len(tokenizer.encode(ex.answer)) + extra
+        if n > max_response_tokens:
+            over.append((n, ex.answer))
+    if over:
+        n, answer = max(over, key=lambda item: item[0])
+        what = "SFT demonstrations (answer + eos; sft.steps > 0)" if check == "sft" else \
+            f"responses the reward compares whole ({', '.join(WHOLE_ANSWER_REWARDS)})"
+        raise DataError(f"{where}: {len(over)} of {len(examples)} answers are longer than data.max_response_tokens "
+                        f"= {max_response_tokens} tokens as {what}; the longest, {_shorten(answer)}, needs {n}: "
+                        "raise data.max_response_tokens or leave these rows out")
+
+
+def build_datasets(data_cfg, tokenizer=None, response_check="sft"):
+    """-> (tokenizer, train examples, held-out examples, stats). Everything is validated here. `response_check`
+    (response_check_for): which answers data.max_response_tokens must hold; "sft" checks the training split's.
+    An eval file longer than data.eval_size is cut to a fixed subset: data.eval_size rows drawn with data.seed,
+    in file order (set data.eval_size to the file's row count to evaluate on all of it)."""
     tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer, data_cfg.prompt_format, data_cfg.chat_template_kwargs)
+    eval_rows = None  # the held-out pairs' rows in their file, where they are a subset of it
+    stats_extra = {}
     if data_cfg.task == "addition":
         train_pairs, eval_pairs = addition_examples(data_cfg.num_digits, data_cfg.train_size,
                                                     data_cfg.eval_size, data_cfg.seed)
@@ -192,6 +239,12 @@ def build_datasets(data_cfg, tokenizer=None):
         if data_cfg.eval_path:
             eval_pairs = load_examples(data_cfg.eval_path, data_cfg.prompt_key, data_cfg.answer_key)
             where_eval = data_cfg.eval_path
+            stats_extra["eval_file_rows"] = len(eval_pairs)
+            if len(eval_pairs) > data_cfg.eval_size:
+                eval_rows = sorted(random.Random(data_cfg.seed).sample(range(len(eval_pairs)), data_cfg.eval_size))
+                eval_pairs = [eval_pairs[i] for i in eval_rows]
+                where_eval = f"{data_cfg.eval_path} (data.eval_size = {data_cfg.eval_size} of its " \
+                             f"{stats_extra['eval_file_rows']} rows)"
         else:
             if len(train_pairs) <= data_cfg.eval_size:
                 raise DataError(f"{data_cfg.train_path}: {len(train_pairs)} rows cannot give data.eval_size = "
@@ -201,16 +254,16 @@ def build_datasets(data_cfg, tokenizer=None):
             rng.shuffle(train_pairs)
             eval_pairs, train_pairs = train_pairs[:data_cfg.eval_size], train_pairs[data_cfg.eval_size:]
             where_eval = f"{data_cfg.train_path} (held-out split)"
-    held_out, eval_long = encode_examples(eval_pairs, tokenizer, data_cfg.max_prompt_tokens, True, where_eval)
+    held_out, eval_long = encode_examples(eval_pairs, tokenizer, data_cfg.max_prompt_tokens, True, where_eval,
+                                          rows=eval_rows)
     train, train_long = encode_examples(train_pairs, tokenizer, data_cfg.max_prompt_tokens,
                                         data_cfg.drop_long_prompts, where_train, already_long=eval_long)
     if eval_long and not data_cfg.drop_long_prompts:
-        encode_examples(eval_pairs, tokenizer, data_cfg.max_prompt_tokens, False, where_eval, train_long)
-    for ex in train[:50]:
-        n = len(tokenizer.encode(ex.answer)) + 1
-        if n > data_cfg.max_response_tokens:
-            raise DataError(f"{where_train}: answer {ex.answer!r} needs {n} tokens with eos but "
-                            f"data.max_response_tokens = {data_cfg.max_response_tokens}")
+        encode_examples(eval_pairs, tokenizer, data_cfg.max_prompt_tokens, False, where_eval, train_long,
+                        rows=eval_rows)
+    check_response_lengths(train, tokenizer, data_cfg.max_response_tokens, where_train, response_check)
+    if response_check == "reward":
+        check_response_lengths(held_out, tokenizer, data_cfg.max_response_tokens, where_eval, response_check)
     stats = {"train_examples": len(train), "eval_examples": len(held_out),
-             "dropped_long_prompts": train_long + eval_long}
+             "dropped_long_prompts": train_long + eval_long, **stats_extra}
     return tokenizer, train, held_out, stats

@@ -34,6 +34,7 @@ class Trainer:
     def __init__(self, cfg: Config, *, quiet: bool = False) -> None:
         from megagspo.algorithm.registry import LossOptionError, build_loss
         from megagspo.data import build_datasets
+        from megagspo.data.datasets import response_check_for
         from megagspo.rewards import get_reward
         from megagspo.rollout import get_engine_class
 
@@ -41,7 +42,9 @@ class Trainer:
         torch.set_num_threads(cfg.threads)
         # ---- everything that can be wrong with the input is checked before any compute ----
         try:
-            self.tokenizer, train, held_out, self.data_stats = build_datasets(cfg.data)
+            # data.max_response_tokens limits the SFT demonstrations, or the answers a whole-answer reward compares
+            self.tokenizer, train, held_out, self.data_stats = build_datasets(
+                cfg.data, response_check=response_check_for(cfg.sft.steps, cfg.reward.name))
         except UnicodeDecodeError as exc:
             raise ConfigError(f"data: {cfg.data.train_path or cfg.data.eval_path!r} (or data.eval_path) is not "
                               f"UTF-8 text ({exc})") from None
