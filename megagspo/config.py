@@ -554,6 +554,16 @@ class CheckpointConfig:
                               "existing checkpoint or run folder")
 
 
+def _check_run_name(name: Any) -> None:
+    """The run folder is log.out_dir/<name>: a name must be one plain path component, so a run never lands
+    outside log.out_dir (`..`, `../x`, an absolute path) or in log.out_dir itself beside other runs (empty)."""
+    rule = "a run name is one plain folder name: not empty, not '.' or '..', no '/' (so not absolute), no NUL"
+    ok = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name and \
+        (os.sep == "/" or os.sep not in name) and (os.altsep is None or os.altsep not in name)
+    if not ok:
+        raise ConfigError(f"name = {_show(name)}: {rule}")
+
+
 @dataclass
 class Config:
     name: str = "tiny_cpu"
@@ -570,6 +580,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        _check_run_name(self.name)
         _nonneg_int("", "seed", self.seed)
         _pos_int("", "threads", self.threads)
         if self.model.logprob_path == "hidden" and self.rl.logprob_impl == "torch":

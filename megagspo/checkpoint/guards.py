@@ -1,4 +1,4 @@
-"""Safe readers for user-supplied paths and a time limit for verifiers.
+"""Safe readers for user-supplied paths (and, re-exported, the verifier time limit of megagspo.rewards.bounded).
 
 Only safe formats are read from user paths: safetensors, JSON, and `torch.load(..., weights_only=True)`
 (which unpickles tensors and plain containers only, never arbitrary objects).
@@ -7,9 +7,7 @@ Only safe formats are read from user paths: safetensors, JSON, and `torch.load(.
 from __future__ import annotations
 
 import os
-import signal
-import threading
-from typing import Callable, Dict
+from typing import Dict
 
 import torch
 
@@ -38,30 +36,5 @@ def safe_torch_load(path: str):
                               f"(truncated, corrupt, or holds code objects): {type(exc).__name__}: {exc}") from None
 
 
-class VerifierTimeout(Exception):
-    """A verifier ran past reward.timeout_s; score_batch scores it 0 and counts it in reward/errors."""
-
-
-def with_time_limit(fn: Callable[[str, str], float], seconds: float) -> Callable[[str, str], float]:
-    """Wrap a verifier so one call raises VerifierTimeout after `seconds` (SIGALRM; main thread only — off
-    the main thread the call runs unlimited). 0 = no limit."""
-    if not seconds:
-        return fn
-
-    def timed(response: str, answer: str) -> float:
-        if threading.current_thread() is not threading.main_thread():
-            return fn(response, answer)
-
-        def on_alarm(signum, frame):
-            raise VerifierTimeout(f"verifier ran past reward.timeout_s = {seconds} s")
-
-        old = signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
-            return fn(response, answer)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
-
-    timed.__wrapped__ = fn
-    return timed
+# The verifier time limit lives with the rewards (a worker process killed at its deadline); kept importable here.
+from megagspo.rewards.bounded import VerifierTimeout, with_time_limit  # noqa: E402,F401

@@ -47,9 +47,11 @@ class BuiltinTokenizer:
     def encode(self, text: str) -> list[int]:
         try:
             return [self.stoi[c] for c in text]
-        except KeyError as exc:
-            raise ValueError(f"built-in tokenizer cannot encode character {exc.args[0]!r} in {text!r}; "
-                             f"it knows {self.CHARS!r} (use data.tokenizer=<local HF tokenizer folder>)") from None
+        except KeyError as exc:  # the text is shown cut to 200 characters: a prompt may be megabytes long
+            shown = repr(text) if len(text) <= 200 else f"{text[:200]!r}... ({len(text)} characters)"
+            raise ValueError(f"built-in tokenizer cannot encode character {exc.args[0]!r} (first at character "
+                             f"{text.index(exc.args[0])}) in {shown}; it knows {self.CHARS!r} (use "
+                             "data.tokenizer=<local HF tokenizer folder>)") from None
 
     def prompt_ids(self, prompt) -> list[int]:
         if not isinstance(prompt, str):

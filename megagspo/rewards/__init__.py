@@ -1,7 +1,13 @@
 """Reward registry: verifiers `fn(response: str, answer: str) -> float` in [0, 1].
 
 `score_batch` never lets a verifier crash the run: an exception, NaN/inf or non-number scores 0 and is
-counted in `RewardStats.errors`; values outside [0, 1] are clamped and counted in `RewardStats.clamped`.
+counted in `RewardStats.errors`; a call cut off at `reward.timeout_s` (megagspo.rewards.bounded: a worker process
+killed at its deadline) is an error and is also counted in `RewardStats.timeouts`; values outside [0, 1] are
+clamped and counted in `RewardStats.clamped`.
+
+A verifier marked `fn.in_process = True` cannot hang (linear-time pure Python) and runs in the trainer's process;
+every other one (the `math` reward, any user verifier) runs in the bounded worker. `fn.warmup()`, when present,
+runs once in each new worker before its first timed call (imports, caches).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ def exact_match(response: str, answer: str) -> float:
     return float(response.strip() == answer.strip())
 
 
+exact_match.in_process = True
+
+
 @register_reward("digit_match")
 def digit_match(response: str, answer: str) -> float:
     """Partial credit for short numeric answers: 1 for an exact match, else the fraction of answer characters
@@ -56,6 +65,9 @@ def digit_match(response: str, answer: str) -> float:
     return 0.5 * hits / width
 
 
+digit_match.in_process = True
+
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -68,6 +80,9 @@ def last_number(response: str, answer: str) -> float:
     return float(abs(float(found[-1]) - float(answer.replace(",", ""))) < 1e-9)
 
 
+last_number.in_process = True
+
+
 @register_reward("math")
 def math_verified(response: str, answer: str) -> float:
     """1 when the response's final answer equals the answer mathematically (math-verify; GSM8K "####" too)."""
@@ -76,11 +91,22 @@ def math_verified(response: str, answer: str) -> float:
     return math_reward(response, answer)
 
 
+def _math_warmup() -> None:
+    math_verified("\\boxed{1}", "1")  # imports math-verify and sympy in the worker, outside the timed calls
+
+
+math_verified.warmup = _math_warmup
+
+
 @dataclass
 class RewardStats:
     errors: int = 0
     clamped: int = 0
+    timeouts: int = 0      # calls cut off at reward.timeout_s (also counted in errors)
     first_error: str = ""
+
+
+_ERROR_CHARS = 300  # a verifier's message may quote its input (a 10 MB response): the first line is cut to this
 
 
 def score_batch(fn: Callable[[str, str], float], responses, answers, stats: RewardStats | None = None) -> list:
@@ -90,8 +116,14 @@ def score_batch(fn: Callable[[str, str], float], responses, answers, stats: Rewa
         try:
             value = float(fn(response, answer))
         except Exception as exc:  # noqa: BLE001 - a verifier failure scores 0 and is counted
+            from .bounded import VerifierTimeout
+
             stats.errors += 1
-            stats.first_error = stats.first_error or f"{type(exc).__name__}: {exc}"
+            stats.timeouts += isinstance(exc, VerifierTimeout)
+            if not stats.first_error:
+                text = f"{type(exc).__name__}: {exc}"
+                stats.first_error = text if len(text) <= _ERROR_CHARS else \
+                    f"{text[:_ERROR_CHARS]}… ({len(text)} characters)"
             out.append(0.0)
             continue
         if not _math.isfinite(value):

@@ -265,7 +265,7 @@ def summarize(trainer, rollouts: Rollouts, scores: Scores, batch: UpdateBatch, u
         "clip_seq_low": m["seq/clip_low_frac"], "clip_seq_high": m["seq/clip_high_frac"],
         "kl_old": m["kl/approx_old"], "entropy": m.get("entropy/mean", 0.0), "ratio": m["ratio/mean"],
         "loss": m["loss"], "nonzero_adv": float((scores.advantages_R != 0).sum()),
-        "reward_clamped": float(scores.stats.clamped),
+        "reward_clamped": float(scores.stats.clamped), "reward_timeouts": float(scores.stats.timeouts),
     }
     if trainer.reference is not None:
         local.update({"kl_ref": m["kl/ref"], "loss_kl": m["loss/kl"]})
@@ -274,6 +274,7 @@ def summarize(trainer, rollouts: Rollouts, scores: Scores, batch: UpdateBatch, u
     row = {
         "reward/mean": total["reward"] / rows, "reward/accuracy": total["correct"] / rows,
         "reward/errors": total["reward_errors"], "reward/clamped": total["reward_clamped"],
+        "reward/timeouts": total["reward_timeouts"],  # cut off at reward.timeout_s (also in reward/errors)
         "reward/nonzero_adv_frac": total["nonzero_adv"] / rows,
         "response/length_mean": total["response_tokens"] / rows,
         "moe/expert_volatility": VolatilityTally.fraction(total["vol_changed"], total["vol_total"]),

@@ -50,8 +50,9 @@ class Trainer:
                               f"UTF-8 text ({exc})") from None
         checked = preflight(cfg, world_from_env(), self.tokenizer.vocab_size)
         self.dp, arch, init_source = checked.data_parallel, checked.arch, checked.init_source
-        from megagspo.checkpoint import with_time_limit
+        from megagspo.rewards.bounded import with_time_limit
 
+        # a worker process killed at reward.timeout_s (C-level loops included); started at the first call
         self.reward_fn = with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
         try:  # every rl.* loss option through the loss registry (torch, or the fused kernel when asked)
             self.loss_fn, self.loss_cfg = build_loss(cfg.rl)
@@ -340,6 +341,7 @@ class Trainer:
         finally:
             self.stop.uninstall()
             self.run_lock.release()
+            getattr(self.reward_fn, "close", lambda: None)()  # the verifier's worker, if any
 
     def _train(self, rl: bool) -> dict:
         t0 = time.perf_counter()
