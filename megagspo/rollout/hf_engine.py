@@ -2,13 +2,19 @@
 weights exported from Megatron after every update, bucket by bucket (weight_sync.HFParamWriter).
 
 Prompts are generated in groups of equal length, so no left padding (and no position-id ambiguity) is
-ever needed. Legend as in base.py.
+ever needed. Legend as in base.py; V the model's vocabulary.
+
+Rollout log-probs are taken step by step (`_StepLogProbs`): each decoding step's logits for the last position
+([R, V], the model's dtype) are kept from the model's forward until `generate` has sampled that step's token,
+then turned into that token's log-prob (fp32 log-softmax over V, the same formula on the same logits as
+`generate`'s `output_logits` gave the former path) and dropped. Extra memory: one step's [R, V], never the
+[R, T, V] of all steps (3.1 GiB at 4 x 400 tokens at Qwen3's V = 151,936; docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -16,22 +22,93 @@ from .base import RolloutEngine, RolloutOutput, SamplingParams, drain, register_
 from .weight_sync import HFParamWriter
 
 
-def hf_config_for(arch, tokenizer):
+def hf_config_for(arch, tokenizer, dtype: torch.dtype = torch.float32):
     """transformers.Qwen3MoeConfig for a moe.architecture.Qwen3MoeArchitecture (moe.hf_config's mapping)."""
     from transformers import Qwen3MoeConfig
 
     from moe.hf_config import hf_config_from_architecture
 
-    config = Qwen3MoeConfig(**hf_config_from_architecture(arch, dtype="float32"))
+    config = Qwen3MoeConfig(**hf_config_from_architecture(arch, dtype=str(dtype).removeprefix("torch.")))
     config.pad_token_id = tokenizer.pad_id
     config.eos_token_id = list(tokenizer.eos_ids) if len(tokenizer.eos_ids) > 1 else tokenizer.eos_id
     config.bos_token_id = tokenizer.bos_id
     return config
 
 
+class _StepLogProbs:
+    """The log-prob of each sampled token, one decoding step at a time, without keeping any step's logits.
+
+    `generate` runs, per step: the model's forward (logits of the last position) -> logits processors ->
+    sampling -> the stopping criteria, which see input_ids with the new token appended. A forward hook on the
+    model keeps that step's logits_RV (a view, the model's dtype); `criterion` (a StoppingCriteria that never
+    stops anything) then gathers log_softmax(logits_RV in fp32)[sampled] and lets the logits go. These are the
+    raw logits `generate` itself would return as `output_logits` (it upcasts them to fp32 the same way), so
+    the numbers equal the former log_softmax over the stacked [R, T, V]: the same per-row fp32 reduction.
+    Holds one step's [R, V] logits plus an fp32 [R, V] transient; T lists of R floats accumulate."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self._logits_RV: Optional[torch.Tensor] = None
+        self.steps: List[torch.Tensor] = []  # T tensors of R fp32 log-probs, in step order
+
+    def start(self) -> None:
+        self.active, self._logits_RV, self.steps = True, None, []
+
+    def stop(self) -> None:
+        self.active, self._logits_RV = False, None
+
+    def hook(self, module, inputs, output) -> None:
+        if self.active:
+            self._logits_RV = output.logits[:, -1]
+
+    def on_token(self, input_ids_RP: torch.Tensor) -> None:
+        if self._logits_RV is None:
+            raise RuntimeError("HF engine: a token was sampled without a forward pass seen by the log-prob hook "
+                               "(a transformers decoding path this engine does not know)")
+        token_R1 = input_ids_RP[:, -1:].to(self._logits_RV.device)
+        logp_RV = torch.log_softmax(self._logits_RV.float(), dim=-1)
+        self._logits_RV = None
+        self.steps.append(logp_RV.gather(-1, token_R1).squeeze(-1))
+        del logp_RV
+
+    def logp_RT(self, steps: int) -> torch.Tensor:
+        """[R, steps] fp32 on the CPU (a deferred stop check may have run steps `generate` then undid)."""
+        if len(self.steps) < steps:
+            raise RuntimeError(f"HF engine: {len(self.steps)} log-prob steps recorded for {steps} tokens")
+        return torch.stack(self.steps[:steps], dim=1).cpu()
+
+    def criteria(self):
+        """A StoppingCriteriaList for `generate`: records each step's log-probs, never stops a row."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        recorder = self
+
+        class _RecordLogProbs(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                recorder.on_token(input_ids)
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        return StoppingCriteriaList([_RecordLogProbs()])
+
+
+def engine_dtype(dtype, device: torch.device) -> torch.dtype:
+    """The embedded engine's parameter dtype: the policy's (`dtype`: a torch dtype or "fp32"/"bf16", None =
+    fp32) on a GPU; always fp32 on the CPU, where bf16 matmuls are slow and the golden CPU numbers are fp32."""
+    if dtype is None or device.type != "cuda":
+        return torch.float32
+    named = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    resolved = named.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"HF engine dtype {dtype!r} is not valid; valid values: fp32, bf16 (or those torch dtypes)")
+    return resolved
+
+
 @register_engine("hf")
 class HFRolloutEngine(RolloutEngine):
-    def __init__(self, arch, tokenizer, record_routes: bool = True) -> None:
+    """`dtype`: the policy's parameter precision; the engine's model takes it on a GPU (bf16 policy -> bf16
+    engine) and stays fp32 on the CPU (`engine_dtype`). Default fp32."""
+
+    def __init__(self, arch, tokenizer, record_routes: bool = True, dtype=None) -> None:
         from transformers import Qwen3MoeForCausalLM
 
         self.arch = arch
@@ -40,7 +117,11 @@ class HFRolloutEngine(RolloutEngine):
 
         # the trainer's device: this process's GPU when the policy runs on CUDA (MEGAGSPO_DEVICE), else the CPU
         self.device = model_device()
-        self.model = Qwen3MoeForCausalLM(hf_config_for(arch, tokenizer)).eval().to(self.device)
+        self.dtype = engine_dtype(dtype, self.device)
+        config = hf_config_for(arch, tokenizer, self.dtype)
+        self.model = Qwen3MoeForCausalLM(config).eval().to(self.device, self.dtype)
+        self._logp = _StepLogProbs()
+        self.model.register_forward_hook(self._logp.hook)
         self.record_routes = record_routes
         self._routes: Dict[int, list] = defaultdict(list)
         self._gates = []
@@ -99,7 +180,7 @@ class HFRolloutEngine(RolloutEngine):
             temperature=sampling.temperature if not sampling.greedy else None,
             top_p=sampling.top_p if not sampling.greedy else None, top_k=None,
             pad_token_id=tok.pad_id, eos_token_id=list(tok.eos_ids), bos_token_id=tok.bos_id,
-            output_logits=True, return_dict_in_generate=True,
+            return_dict_in_generate=True,
         )
         by_len: Dict[int, list] = defaultdict(list)
         for i, p in enumerate(prompts):
@@ -110,16 +191,17 @@ class HFRolloutEngine(RolloutEngine):
                                      device=self.device)
             self._routes.clear()
             self._recording = routes is not None
+            self._logp.start()
             try:
                 out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                          generation_config=gen_cfg)
+                                          generation_config=gen_cfg, stopping_criteria=self._logp.criteria())
             finally:
                 self._recording = False
+                self._logp.stop()
             new_RT = out.sequences[:, plen:]
             steps = new_RT.shape[1]
-            logits_RTV = torch.stack(out.logits, dim=1).float()
-            lp_RT = torch.log_softmax(logits_RTV, dim=-1).gather(-1, new_RT[..., None]).squeeze(-1).cpu()
-            del logits_RTV
+            lp_RT = self._logp.logp_RT(steps)
+            self._logp.steps = []
             new_RT = new_RT.cpu()  # the rollout's tensors go back to the trainer on the CPU
             is_eos = torch.isin(new_RT, torch.tensor(tok.eos_ids, dtype=new_RT.dtype))
             # a token is part of the response up to and including the first eos (any of the stop tokens)
