@@ -88,7 +88,9 @@ class Trainer:
         self.stop = StopRequest()
         self.arch = arch
         self._build_models(cfg, arch, init_source)
-        engine_kwargs = {"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang" else {}
+        # the embedded engine takes the policy's precision on a GPU (bf16 -> bf16), fp32 on the CPU (hf_engine)
+        engine_kwargs = ({"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang"
+                         else {"dtype": cfg.model.precision} if cfg.rollout.engine == "hf" else {})
         self.engine = engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes, **engine_kwargs)
         self.sync_weights()
         self.train_ds = PromptDataset(train, seed=cfg.seed + 17)
