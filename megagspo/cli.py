@@ -85,12 +85,8 @@ def _plan(args) -> int:
 
 
 def _export(args) -> int:
-    import torch
-
-    from megagspo.data import load_tokenizer
-    from megagspo.rollout import HFRolloutEngine
     from megagspo.checkpoint.full_state import load_checkpoint
-    from moe.architecture import Qwen3MoeArchitecture
+    from megagspo.hf_export import export_hf
 
     from megagspo.checkpoint import CheckpointError
     from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
@@ -103,16 +99,7 @@ def _export(args) -> int:
     try:
         if lock is not None:
             lock.acquire()
-        ckpt = load_checkpoint(args.checkpoint)
-        arch = Qwen3MoeArchitecture(**ckpt["arch"])
-        tokenizer = load_tokenizer(ckpt["tokenizer"])
-        engine = HFRolloutEngine(arch, tokenizer, record_routes=False)
-        engine.update_weights(ckpt["state"])
-        engine.model.save_pretrained(out)
-        if ckpt["tokenizer"] != "builtin":
-            tokenizer.tok.save_pretrained(out)
-        torch.save({"vocab": tokenizer.itos} if ckpt["tokenizer"] == "builtin" else {},
-                   os.path.join(out, "megagspo_vocab.pt"))
+        notes = export_hf(load_checkpoint(args.checkpoint), out)
     except (RunFolderBusy, CheckpointError, ValueError) as exc:
         print(f"megagspo export: error: {exc}", file=sys.stderr)
         return 2
@@ -122,6 +109,8 @@ def _export(args) -> int:
     finally:
         if lock is not None:
             lock.release()
+    for note in notes:
+        print(f"  {note}")
     print(f"exported Hugging Face Qwen3MoeForCausalLM to {out}")
     return 0
 

@@ -155,6 +155,66 @@ def test_gspo_from_hf_folder_then_export_loads_in_transformers(kit, tmp_path):
     assert moved > 0.0
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _non_weight_files(folder) -> dict:
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))
+            if os.path.isfile(os.path.join(folder, name)) and not name.startswith("model-")
+            and name not in WEIGHT_FILES}
+
+
+@pytest.mark.slow
+def test_export_of_an_hf_initialised_run_is_its_source_but_the_weights(kit, tmp_path):
+    """model.init_from = an HF folder, GSPO steps, `megagspo export`: every file but the weights is the source's,
+    byte for byte (tokenizer files, generation_config.json with its sampling defaults and stop tokens,
+    config.json with its bos/eos/pad ids); no megagspo-private file; the weights are the trained ones. The one
+    config.json field training can change, the weights' dtype, stays here (float32 folder, float32 run)."""
+    source = tmp_path / "source"
+    shutil.copytree(kit["model"], source)
+    for name in ("math_train.jsonl", "math_eval.jsonl"):  # the kit's data, not part of a model folder
+        os.remove(source / name)
+    # Qwen's folder has sampling defaults and no bos; a re-serialising loader would drop or rewrite them
+    gen = json.loads((source / "generation_config.json").read_text())
+    gen.update(do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
+    (source / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    source_config = json.loads((source / "config.json").read_text())
+    assert source_config.get("bos_token_id") is None
+    run_args = ["--config", "configs/tiny_hf_cpu.yaml", f"model.init_from={source}", f"data.train_path={kit['train']}",
+                f"data.eval_path={kit['eval']}", f"log.out_dir={tmp_path}", *FAST, "rl.steps=1", "rl.eval_every=1",
+                "name=run"]
+    _cli("train", *run_args)
+    proc = _cli("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "exported"))
+    assert "config.json:" in proc.stdout and "unchanged" in proc.stdout, proc.stdout
+    exported, original = _non_weight_files(tmp_path / "exported"), _non_weight_files(source)
+    assert sorted(exported) == sorted(original), (sorted(exported), sorted(original))
+    for name, data in original.items():
+        assert exported[name] == data, name
+    assert not os.path.exists(tmp_path / "exported" / "megagspo_vocab.pt")
+    from megagspo.data import load_tokenizer
+
+    tok = load_tokenizer(str(tmp_path / "exported"))
+    assert tok.bos_id is None and tok.bos_id == load_tokenizer(str(source)).bos_id
+    from safetensors.torch import load_file
+
+    new, old = load_file(tmp_path / "exported" / "model.safetensors"), load_file(source / "model.safetensors")
+    assert new.keys() == old.keys() and all(new[k].dtype == old[k].dtype for k in new)
+    assert any(not torch.equal(new[k], old[k]) for k in new)  # trained
+
+
+def test_export_dtype_and_config_rewrite():
+    """The weights' dtype is the one config.json field an export may change: written in the source's dtype
+    where that holds the trained values exactly, else float32, with only that value's bytes replaced."""
+    from megagspo.hf_export import config_with_dtype, export_dtype
+
+    assert export_dtype("float32", "bf16") == "float32" and export_dtype("bfloat16", "bf16") == "bfloat16"
+    assert export_dtype("bfloat16", "fp32") == "float32" and export_dtype("float16", "bf16") == "float32"
+    text = '{\n  "architectures": ["Qwen3MoeForCausalLM"],\n  "bos_token_id": null,\n  "dtype": "bfloat16",\n' \
+           '  "eos_token_id": 151645\n}\n'
+    assert config_with_dtype(text, "dtype", "bfloat16", "float32") == text.replace('"bfloat16"', '"float32"')
+    assert config_with_dtype(text, "dtype", "bfloat16", "bfloat16") == text
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sharded_hf_folder_starts_an_expert_parallel_run(tmp_path):

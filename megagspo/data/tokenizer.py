@@ -1,10 +1,10 @@
 """Tokenizers: a built-in character-level one for the synthetic task, or a local HF tokenizer folder.
 
-Both expose: vocab_size, pad_id, bos_id, eos_id (the token that ends a demonstration), eos_ids (every token
-that ends a generated response: the tokenizer's eos plus `generation_config.json`'s eos_token_id list),
-prompt_format ("chat" or "plain"), prompt_ids(prompt) -> the model's input ids for one prompt (a string, or
-a chat message list under the chat format), encode(str) -> list[int] (no special tokens) and
-decode(list[int]) -> str (stops at the first of eos_ids, skips special tokens).
+Both expose: vocab_size, pad_id, bos_id (None where the tokenizer has none, as Qwen3's), eos_id (the token
+that ends a demonstration), eos_ids (every token that ends a generated response: the tokenizer's eos plus
+`generation_config.json`'s eos_token_id list), prompt_format ("chat" or "plain"), prompt_ids(prompt) -> the
+model's input ids for one prompt (a string, or a chat message list under the chat format), encode(str) ->
+list[int] (no special tokens) and decode(list[int]) -> str (stops at the first of eos_ids, skips special tokens).
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ class HFTokenizer:
         gen_pad = _token_ids(gen.get("pad_token_id"), f"{gen_file}: pad_token_id")
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else \
             (gen_pad[0] if gen_pad else self.eos_id)
-        # bos_id is what the rollout engine's config names; prompts carry a bos only where the tokenizer's own
-        # special-token rule or chat template adds one (Qwen3 has none).
-        self.bos_id = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.eos_id
+        # bos_id is what the rollout engine's config names: the tokenizer's own, None when it has none (Qwen3);
+        # prompts carry a bos only where the tokenizer's special-token rule or chat template adds one.
+        self.bos_id = self.tok.bos_token_id
         has_template = bool(getattr(self.tok, "chat_template", None))
         if prompt_format == "chat" and not has_template:
             raise ValueError(f"data.prompt_format = 'chat' but tokenizer {path!r} has no chat template")
