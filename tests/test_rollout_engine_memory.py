@@ -11,6 +11,9 @@ V = 151,936. It now turns each step's logits into the sampled token's log-prob a
 * at the real vocabulary, V = 151,936, with a random Qwen3-MoE written by `save_pretrained` and an offline
   300-token BPE tokenizer (the model's vocabulary exceeds the tokenizer's, as Qwen3's does;
   megagspo.tools.tiny_hf_model), the same equality on a few responses;
+* `megagspo train` (2 GSPO steps, pi_old = the engine's log-probs) and `megagspo export` from that folder: the
+  engine's log-probs agree with Megatron's at V = 151,936 (KL and ratio of a policy with the engine's weights)
+  and the export reloads and generates;
 * the extra resident memory during `generate` at V = 151,936 (Linux VmHWM, reset before) stays below a few [R, V] fp32 steps, while the reference holds at least T of them;
 * the engine's parameters are the policy's dtype on a GPU (bf16 policy -> bf16 engine) and fp32 on the CPU.
 
@@ -47,8 +50,14 @@ def _arch(vocab: int):
 
 @pytest.fixture
 def on_cpu(monkeypatch):
-    """The engine on the CPU also on a GPU host: the bit-exact comparisons are CPU claims."""
+    """The engine on the CPU also on a GPU host: the bit-exact comparisons are CPU claims. One thread: the
+    tiny model's ops are too small to split, and on a shared 2-core box two threads per process wait on each
+    other (10x slower measured under load)."""
     monkeypatch.setenv("MEGAGSPO_DEVICE", "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @torch.no_grad()
@@ -205,6 +214,51 @@ def test_real_vocabulary_logprobs_equal_the_stacked_reference(on_cpu, qwen_vocab
     assert int(new.response_mask_RL.sum()) >= 4
     # a random model at this vocabulary: log-probs around -log V, far from the 320-token kit's
     assert float(new.logp_RL[new.response_mask_RL].mean()) < -10.0
+
+
+@pytest.mark.slow
+def test_gspo_steps_and_export_at_the_real_vocabulary(qwen_vocab_kit, tmp_path):
+    """`megagspo train` from the V = 151,936 folder, 2 GSPO steps with pi_old = the engine's log-probs
+    (rl.old_logp=rollout) and one mini-batch per step, so that each step's policy has exactly the weights the
+    engine generated with: its KL to pi_old and its ratio check the engine's streamed log-probs against
+    Megatron's at that vocabulary (measured: KL 1.7e-13, ratio 1.0). Then `megagspo export`, which reloads in
+    transformers at that vocabulary and generates. About 30 s of CPU."""
+    import subprocess
+    import sys
+
+    from multiprocess import cpu_pinned_env
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = cpu_pinned_env()
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    kit = qwen_vocab_kit
+
+    def cli(*args):
+        proc = subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{args}: {proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+    cli("train", "--config", "configs/tiny_hf_cpu.yaml", f"model.init_from={kit['model']}",
+        f"data.train_path={kit['train']}", f"data.eval_path={kit['eval']}", f"log.out_dir={tmp_path}",
+        "threads=1", "log.progress=false", "log.plots=false", "log.tensorboard=false", "rl.steps=2",
+        "rl.eval_every=2", "rl.old_logp=rollout", "rl.mini_batches=1", "name=v152k")
+    rows = [json.loads(line) for line in open(tmp_path / "v152k" / "metrics.jsonl")]
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert len(rl) == 2 and all(r["reward/errors"] == 0 for r in rl)
+    # sampling over the whole 151,936-token vocabulary of a random model: entropy near log V = 11.93
+    assert all(r["entropy/mean"] > 11.0 for r in rl)
+    # fp32 weights just synced, one mini-batch: pi_theta = the engine's policy, so pi_theta / pi_old = 1 up to
+    # the two implementations' fp32 rounding (a shifted token or a wrong vocabulary would give nats)
+    for r in rl:
+        assert r["kl/approx_old"] < 1e-9 and abs(r["ratio/mean"] - 1.0) < 1e-5, r
+    cli("export", "--checkpoint", str(tmp_path / "v152k"), "--out", str(tmp_path / "exported"))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).eval()
+    assert model.config.vocab_size == QWEN3_VOCAB
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 7)
 
 
 def _rss_kib(field: str) -> int:
