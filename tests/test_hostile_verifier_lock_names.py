@@ -20,13 +20,14 @@ TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=1", "rl.prompts_per_step=2"
 
 
 # ------------------------------------------------------------------------------------- §1 verifier bounded
-@pytest.mark.timeout(90)  # the hard outer limit: today's SIGALRM limit hangs here for good
+@pytest.mark.timeout(90, method="thread")  # a hard outer limit (ends the session): SIGALRM cannot stop C code
 @pytest.mark.parametrize("gold", ["10^{10^{10^{10}}}", "9^{9^{9}}"])
 def test_math_reward_hanging_in_c_is_cut_off_at_timeout_and_counted(gold):
+    from megagspo.checkpoint import VerifierTimeout, with_time_limit  # the trainer's wrapper (kept importable)
     from megagspo.rewards import RewardStats, get_reward, score_batch
-    from megagspo.rewards.bounded import VerifierTimeout, with_time_limit
 
     limit = 1.0
+    get_reward("math")("\\boxed{3}", "3")  # math-verify imported here too: an in-process limit must not count that
     verifier = with_time_limit(get_reward("math"), limit)
     try:
         assert verifier("\\boxed{3}", "3") == 1.0  # starts (and warms) the worker outside the timed call
@@ -41,7 +42,7 @@ def test_math_reward_hanging_in_c_is_cut_off_at_timeout_and_counted(gold):
         # the next call gets a new worker and the right verdict
         assert score_batch(verifier, ["so 70 + 2 = 72"], ["72"], stats) == [1.0] and stats.errors == 1
     finally:
-        verifier.close()
+        getattr(verifier, "close", lambda: None)()
 
 
 @pytest.mark.timeout(120)
@@ -173,15 +174,15 @@ def _cli(capsys, *args):
     return rc, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["..", "../../x", "/tmp/abs_run", "", ".", "a/b"])
+@pytest.mark.parametrize("name", ["..", "../../x", "<absolute>", "", ".", "a/b"])
 def test_run_name_that_is_not_one_folder_name_is_refused(tmp_path, capsys, name):
     out = tmp_path / "deep" / "out"
     out.mkdir(parents=True)
+    name = str(tmp_path / "abs_run") if name == "<absolute>" else name
     rc, err = _cli(capsys, f"name={name}", f"log.out_dir={out}")
     assert rc == 2 and "Traceback" not in err
     assert "a run name is one plain folder name: not empty, not '.' or '..', no '/'" in err
-    assert os.listdir(out) == [] and sorted(os.listdir(tmp_path)) == ["deep"]
-    assert not os.path.exists("/tmp/abs_run") or name != "/tmp/abs_run"
+    assert os.listdir(out) == [] and sorted(os.listdir(tmp_path)) == ["deep"]  # nothing written anywhere
 
 
 def test_plain_run_names_pass():
