@@ -20,29 +20,42 @@ TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=1", "rl.prompts_per_step=2"
 
 
 # ------------------------------------------------------------------------------------- §1 verifier bounded
-@pytest.mark.timeout(90, method="thread")  # a hard outer limit (ends the session): SIGALRM cannot stop C code
+# Scored in a child process under subprocess.run's timeout: the hard outer limit. In-process limits (SIGALRM,
+# pytest-timeout's signal or thread method) cannot stop a C-level loop that holds the GIL, which is the bug.
+HANG_SCRIPT = r"""
+import json, sys, time
+from megagspo.checkpoint import with_time_limit  # the trainer's wrapper (kept importable there)
+from megagspo.rewards import RewardStats, get_reward, score_batch
+
+gold, limit = sys.argv[1], float(sys.argv[2])
+get_reward("math")("\\boxed{3}", "3")  # math-verify imported here too: an in-process limit must not count that
+verifier = with_time_limit(get_reward("math"), limit)
+first = verifier("\\boxed{3}", "3")  # starts (and warms) a worker outside the timed call
+stats = RewardStats()
+t0 = time.perf_counter()
+scores = score_batch(verifier, ["\\boxed{3}"], [gold], stats)
+took = time.perf_counter() - t0
+after = score_batch(verifier, ["so 70 + 2 = 72"], ["72"], stats)  # a new worker, the right verdict
+print(json.dumps({"first": first, "scores": scores, "after": after, "took": took, "errors": stats.errors,
+                  "timeouts": getattr(stats, "timeouts", None), "first_error": stats.first_error}))
+"""
+
+
 @pytest.mark.parametrize("gold", ["10^{10^{10^{10}}}", "9^{9^{9}}"])
 def test_math_reward_hanging_in_c_is_cut_off_at_timeout_and_counted(gold):
-    from megagspo.checkpoint import VerifierTimeout, with_time_limit  # the trainer's wrapper (kept importable)
-    from megagspo.rewards import RewardStats, get_reward, score_batch
-
+    env = cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     limit = 1.0
-    get_reward("math")("\\boxed{3}", "3")  # math-verify imported here too: an in-process limit must not count that
-    verifier = with_time_limit(get_reward("math"), limit)
     try:
-        assert verifier("\\boxed{3}", "3") == 1.0  # starts (and warms) the worker outside the timed call
-        stats = RewardStats()
-        t0 = time.perf_counter()
-        scores = score_batch(verifier, ["\\boxed{3}"], [gold], stats)
-        took = time.perf_counter() - t0
-        assert scores == [0.0] and stats.errors == 1 and stats.timeouts == 1
-        assert stats.first_error.startswith(VerifierTimeout.__name__)
-        assert "reward.timeout_s = 1" in stats.first_error
-        assert took < limit + 1.0, f"the cut-off call took {took:.2f} s (limit {limit} s)"
-        # the next call gets a new worker and the right verdict
-        assert score_batch(verifier, ["so 70 + 2 = 72"], ["72"], stats) == [1.0] and stats.errors == 1
-    finally:
-        getattr(verifier, "close", lambda: None)()
+        proc = subprocess.run([sys.executable, "-c", HANG_SCRIPT, gold, str(limit)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"scoring the reference {gold!r} with reward.timeout_s = {limit} ran past 120 s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["first"] == 1.0 and got["scores"] == [0.0] and got["after"] == [1.0]
+    assert got["errors"] == 1 and got["timeouts"] == 1
+    assert got["first_error"].startswith("VerifierTimeout") and "reward.timeout_s = 1" in got["first_error"]
+    assert got["took"] < limit + 1.0, f"the cut-off call took {got['took']:.2f} s (limit {limit} s)"
 
 
 @pytest.mark.timeout(120)
