@@ -9,6 +9,7 @@ log-prob path (today's engine) beside the former stacked path, in one run (issue
         (megagspo/rollout/hf_engine.py, `_StepLogProbs`)
   old   the former generate, kept as the reference in tests/test_rollout_engine_memory.py
         (`_stacked_reference`): `output_logits` of every step, stacked to [R, T, V] fp32, log-softmax over V
+  bare  transformers' `generate` alone, no log-probs (--paths bare): the floor both paths stand on
 
 The model is a random Qwen3-MoE of tiny width (--hidden, 2 layers, 4 experts top-2) at --vocab, so the
 vocabulary-sized tensors dominate as they do in a real rollout's extra memory; one prompt of 8 tokens, sampled
@@ -17,7 +18,10 @@ fresh subprocess, so its peak is its own: on the CPU, the peak resident set (VmH
 /proc/self/clear_refs once the model exists and has generated 2 warm-up tokens) minus the resident set just
 before the call; on CUDA (--device cuda), torch.cuda.max_memory_allocated minus the memory allocated before
 (the model in --dtype; the engine's bf16-on-GPU path). "extra" therefore counts everything the call allocates
-beyond the model: KV cache, activations and the log-prob path's tensors.
+beyond the model: KV cache, activations and the log-prob path's tensors, and, on the CPU, heap the allocator
+keeps: glibc raises its mmap threshold after the first freed [R, V] block (up to 32 MiB), so later step-sized
+blocks come from the heap, which fragments as the KV cache grows and is not given back. Run with
+MALLOC_MMAP_THRESHOLD_=131072 (a fixed threshold) to see the live tensors alone (slower: every block mmapped).
 The acceptance line of issue 29: new < 1 GiB extra at V = 151,936, 8 x 512 (the old path: about 8 GiB).
 """
 
@@ -51,7 +55,7 @@ def _run_one(args) -> dict:
     if args.device == "cpu":
         os.environ["MEGAGSPO_DEVICE"] = "cpu"
     from moe.architecture import Qwen3MoeArchitecture
-    from megagspo.rollout import HFRolloutEngine, SamplingParams
+    from megagspo.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
     from test_rollout_engine_memory import _stacked_reference
 
     torch.set_num_threads(args.threads)
@@ -62,7 +66,17 @@ def _run_one(args) -> dict:
                                 max_position_embeddings=args.tokens + 16, intermediate_size=2 * args.hidden)
     engine = HFRolloutEngine(arch, _Tok(), record_routes=False, dtype=args.dtype)
     prompt = [list(range(3, 11))]
-    call = {"new": engine.generate, "old": lambda *a: _stacked_reference(engine, *a)}[args.one]
+    def bare(prompts, n, sampling):
+        from transformers import GenerationConfig
+
+        ids = torch.tensor(prompts * n, device=engine.device)
+        seq = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=(
+            GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=True, top_k=None,
+                             pad_token_id=0, eos_token_id=[1])))
+        mask = torch.ones(seq[:, len(prompts[0]):].shape, dtype=torch.bool)
+        return RolloutOutput([], seq, mask, torch.zeros(mask.shape))
+
+    call = {"new": engine.generate, "old": lambda *a: _stacked_reference(engine, *a), "bare": bare}[args.one]
     call(prompt, args.responses, SamplingParams(max_new_tokens=2))  # warm-up: thread pools, first touches
     sampling = SamplingParams(max_new_tokens=args.tokens)
     torch.manual_seed(1)
@@ -93,7 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--responses", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--paths", nargs="+", default=["new", "old"], choices=["new", "old"])
+    parser.add_argument("--paths", nargs="+", default=["new", "old"], choices=["new", "old", "bare"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                         help="the policy's precision; the engine takes it on CUDA, stays fp32 on the CPU")
@@ -122,8 +136,9 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{path:<5} {row['extra_bytes'] / 2**30:>10.3f} {row['seconds']:>9.2f} {row['tokens']:>7} "
               f"{row['tokens'] / row['seconds']:>9.1f}  {row['device']}/{row['dtype']}  {row['logp_sum']:.6f}")
-    if len(rows) == 2 and rows[0]["tokens"] == rows[1]["tokens"]:
-        same = rows[0]["logp_sum"] == rows[1]["logp_sum"]
+    pair = [r for r in rows if r["path"] in ("new", "old")]
+    if len(pair) == 2 and pair[0]["tokens"] == pair[1]["tokens"]:
+        same = pair[0]["logp_sum"] == pair[1]["logp_sum"]
         print(f"same seed, same tokens: log-prob sums {'equal' if same else 'DIFFER'}")
     if args.json:
         with open(args.json, "w") as f:

@@ -14,7 +14,7 @@ then turned into that token's log-prob (fp32 log-softmax over V, the same formul
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
@@ -40,19 +40,24 @@ class _StepLogProbs:
 
     `generate` runs, per step: the model's forward (logits of the last position) -> logits processors ->
     sampling -> the stopping criteria, which see input_ids with the new token appended. A forward hook on the
-    model keeps that step's logits_RV (a view, the model's dtype); `criterion` (a StoppingCriteria that never
+    model keeps that step's logits_RV (a view, the model's dtype); `criteria` (a StoppingCriteria that never
     stops anything) then gathers log_softmax(logits_RV in fp32)[sampled] and lets the logits go. These are the
     raw logits `generate` itself would return as `output_logits` (it upcasts them to fp32 the same way), so
     the numbers equal the former log_softmax over the stacked [R, T, V]: the same per-row fp32 reduction.
-    Holds one step's [R, V] logits plus an fp32 [R, V] transient; T lists of R floats accumulate."""
+    Holds one step's [R, V] logits plus an fp32 [R, V] transient, and the [R, T] fp32 log-probs."""
 
     def __init__(self) -> None:
         self.active = False
         self._logits_RV: Optional[torch.Tensor] = None
-        self.steps: List[torch.Tensor] = []  # T tensors of R fp32 log-probs, in step order
+        self._logp_RT: Optional[torch.Tensor] = None  # fp32, written one column per step
+        self.steps = 0
 
-    def start(self) -> None:
-        self.active, self._logits_RV, self.steps = True, None, []
+    def start(self, rows: int, max_steps: int, device) -> None:
+        """Before `generate`: one preallocated [R, T] buffer (no per-step tensor outlives its step: on the CPU,
+        small long-lived blocks between the step-sized ones fragment the heap, measured +0.5 GiB RSS at 8 x 512
+        tokens, V = 151,936)."""
+        self.active, self._logits_RV, self.steps = True, None, 0
+        self._logp_RT = torch.zeros((rows, max_steps + 1), dtype=torch.float32, device=device)
 
     def stop(self) -> None:
         self.active, self._logits_RV = False, None
@@ -68,14 +73,19 @@ class _StepLogProbs:
         token_R1 = input_ids_RP[:, -1:].to(self._logits_RV.device)
         logp_RV = torch.log_softmax(self._logits_RV.float(), dim=-1)
         self._logits_RV = None
-        self.steps.append(logp_RV.gather(-1, token_R1).squeeze(-1))
+        if self.steps == self._logp_RT.shape[1]:  # a deferred stop check ran past the planned steps
+            self._logp_RT = torch.cat([self._logp_RT, torch.zeros_like(self._logp_RT[:, :8])], dim=1)
+        torch.gather(logp_RV, -1, token_R1, out=self._logp_RT[:, self.steps:self.steps + 1])
+        self.steps += 1
         del logp_RV
 
     def logp_RT(self, steps: int) -> torch.Tensor:
         """[R, steps] fp32 on the CPU (a deferred stop check may have run steps `generate` then undid)."""
-        if len(self.steps) < steps:
-            raise RuntimeError(f"HF engine: {len(self.steps)} log-prob steps recorded for {steps} tokens")
-        return torch.stack(self.steps[:steps], dim=1).cpu()
+        if self.steps < steps:
+            raise RuntimeError(f"HF engine: {self.steps} log-prob steps recorded for {steps} tokens")
+        out = self._logp_RT[:, :steps].cpu()
+        self._logp_RT = None
+        return out
 
     def criteria(self):
         """A StoppingCriteriaList for `generate`: records each step's log-probs, never stops a row."""
@@ -191,7 +201,7 @@ class HFRolloutEngine(RolloutEngine):
                                      device=self.device)
             self._routes.clear()
             self._recording = routes is not None
-            self._logp.start()
+            self._logp.start(len(rows), max_new, self.device)
             try:
                 out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                           generation_config=gen_cfg, stopping_criteria=self._logp.criteria())
@@ -201,7 +211,6 @@ class HFRolloutEngine(RolloutEngine):
             new_RT = out.sequences[:, plen:]
             steps = new_RT.shape[1]
             lp_RT = self._logp.logp_RT(steps)
-            self._logp.steps = []
             new_RT = new_RT.cpu()  # the rollout's tensors go back to the trainer on the CPU
             is_eos = torch.isin(new_RT, torch.tensor(tok.eos_ids, dtype=new_RT.dtype))
             # a token is part of the response up to and including the first eos (any of the stop tokens)
