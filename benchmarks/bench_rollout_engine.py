@@ -64,7 +64,7 @@ def _run_one(args) -> dict:
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4,
                                 moe_intermediate_size=args.hidden, num_experts=4, num_experts_per_tok=2,
                                 max_position_embeddings=args.tokens + 16, intermediate_size=2 * args.hidden)
-    engine = HFRolloutEngine(arch, _Tok(), record_routes=False, dtype=args.dtype)
+    engine = HFRolloutEngine(arch, _Tok(), record_routes=args.routes, dtype=args.dtype)
     prompt = [list(range(3, 11))]
     def bare(prompts, n, sampling):
         from transformers import GenerationConfig
@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                         help="the policy's precision; the engine takes it on CUDA, stays fp32 on the CPU")
+    parser.add_argument("--routes", action="store_true", help="record the routes too (R3, rl.old_logp=rollout)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the tiny model's ops are too small to split)")
     parser.add_argument("--json", default="", help="also write the rows here")
@@ -121,12 +122,12 @@ def main(argv=None) -> int:
         return 0
     rows = []
     print(f"V = {args.vocab:,}, {args.responses} responses x {args.tokens} tokens, hidden {args.hidden}, "
-          f"{args.device}, policy {args.dtype}")
+          f"{args.device}, policy {args.dtype}, routes {'recorded' if args.routes else 'not recorded'}")
     print(f"{'path':<5} {'extra GiB':>10} {'seconds':>9} {'tokens':>7} {'tokens/s':>9}  engine   logp sum")
     for path in args.paths:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", path] + [
             f"--{k}={getattr(args, k)}" for k in ("vocab", "responses", "tokens", "hidden", "device", "dtype",
-                                                  "threads")]
+                                                  "threads")] + (["--routes"] if args.routes else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
