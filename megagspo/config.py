@@ -643,7 +643,6 @@ class Config:
 def _recorded_tokenizer(folder: str) -> str:
     """The tokenizer a megagspo run folder (its config.yaml) or step checkpoint (its trainer_state.json) was
     trained with; "" when none is recorded or the file cannot be read (the run then names what is wrong)."""
-    import json
 
     config_yaml, state_json = os.path.join(folder, "config.yaml"), os.path.join(folder, "trainer_state.json")
     value = None
@@ -654,10 +653,10 @@ def _recorded_tokenizer(folder: str) -> str:
             value = None
     if not (isinstance(value, str) and value) and os.path.isfile(state_json):
         try:
-            with open(state_json, encoding="utf-8") as f:
-                state = json.load(f)
-            value = state.get("tokenizer") if isinstance(state, dict) else None
-        except (OSError, ValueError, RecursionError):
+            from moe.json_files import read_json
+
+            value = read_json(state_json).get("tokenizer")
+        except ValueError:  # JsonFileError: too large, too deep, not JSON, unreadable
             value = None
     return value if isinstance(value, str) and value else ""
 

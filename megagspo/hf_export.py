@@ -20,6 +20,8 @@ import os
 import re
 import shutil
 
+from moe.json_files import loads_bounded
+
 # What a Hugging Face loader reads from a model folder besides the weights and config.json.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
@@ -64,7 +66,7 @@ def config_with_dtype(text: str, key: str, old: str, new: str) -> str:
         return text
     pattern = re.compile(r'("' + key + r'"\s*:\s*)"' + re.escape(old) + '"')
     changed, n = pattern.subn(lambda m: m.group(1) + json.dumps(new), text)
-    before, after = json.loads(text), json.loads(changed) if n else None
+    before, after = loads_bounded(text, CONFIG), loads_bounded(changed, CONFIG) if n else None
     if n != 1 or after != {**before, key: new}:  # an unusual layout: re-serialise as transformers would
         return json.dumps({**before, key: new}, indent=2, sort_keys=True) + "\n"
     return changed
@@ -91,7 +93,7 @@ def export_hf(ckpt: dict, out: str) -> list:
     if source:
         with open(os.path.join(source, CONFIG), encoding="utf-8") as f:
             config_text = f.read()
-        key, old = _source_dtype(json.loads(config_text))
+        key, old = _source_dtype(loads_bounded(config_text, os.path.join(source, CONFIG), want=dict))
         precision = ((ckpt.get("config") or {}).get("model") or {}).get("precision", "fp32")
         dtype = export_dtype(old, precision) if old in _DTYPES else "float32"
         model = model.to(getattr(torch, dtype))

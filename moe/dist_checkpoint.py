@@ -113,14 +113,13 @@ def read_metadata_safely(directory: str):
 def check_folder(directory: str) -> None:
     """Raise DistCheckpointError unless `directory` is a torch_dist folder whose metadata unpickles with the
     allow-list and whose every referenced shard file exists."""
-    import json
+    from moe.json_files import JsonFileError, read_json
 
     cfg_path = os.path.join(directory, BACKEND_CONFIG)
     try:
-        with open(cfg_path) as f:
-            backend = json.load(f).get("sharded_backend")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise DistCheckpointError(f"{cfg_path}: unreadable ({exc})") from None
+        backend = read_json(cfg_path).get("sharded_backend")
+    except JsonFileError as exc:
+        raise DistCheckpointError(f"unreadable: {exc}") from None
     if backend != "torch_dist":
         raise DistCheckpointError(f"{cfg_path}: sharded_backend {backend!r}, expected 'torch_dist'")
     metadata = read_metadata_safely(directory)

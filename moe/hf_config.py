@@ -17,7 +17,6 @@ dropped. `hf_config_from_architecture` is the inverse, used to write the `config
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -155,13 +154,17 @@ def load_config_dict(source: str | os.PathLike | Mapping[str, Any]) -> dict[str,
         path = path / "config.json"
     if not path.is_file():
         raise HfConfigError(f"no Hugging Face config at {path}")
-    text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text)
+        data = yaml.safe_load(path.read_text())
     else:
-        data = json.loads(text)
+        from moe.json_files import JsonFileError, read_json
+
+        try:
+            data = read_json(path, want=None)
+        except JsonFileError as exc:
+            raise HfConfigError(str(exc)) from None
     if not isinstance(data, Mapping):
         raise HfConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
     return dict(data)

@@ -137,7 +137,7 @@ CONFIG_AND_DATA_CASES = [
     ("deep_block_yaml", lambda t: _recipe(t, "seed:\n  " + "- " * 50_000 + "x\n"), "more than 256 deep"),
     ("tabs_and_garbage_yaml", lambda t: _recipe(t, "rl:\n\t- lr: [1\n"), "is not valid YAML"),
     ("deep_json_row", lambda t: _data(t, b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b', "answer": "2"}\n'),
-     "nested too deeply to be a data row"),
+     "JSON nested deeper than 64 levels"),
     ("json_row_with_nul", lambda t: _data(t, b'{"prompt": "1+1=\x00", "answer": "2"}\n' * 60),
      "not valid JSON"),
     ("empty_tokenizer_folder", lambda t: [f"data.tokenizer={_mkdir(t / 'tok_empty')}"], "holds no tokenizer"),

@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Tuple
 
 import yaml
 
+from moe.json_files import loads_bounded, read_json
+
 from megagspo.ablation.spec import AblationSpec
 
 
@@ -64,7 +66,7 @@ def _read_rows(path: str) -> List[dict]:
         for line in f:
             line = line.strip()
             if line:
-                rows.append(json.loads(line))
+                rows.append(loads_bounded(line, path))
     return rows
 
 
@@ -79,8 +81,7 @@ def load_results(spec: AblationSpec) -> Tuple[Dict[str, ArmResult], List[str]]:
             if not all(os.path.isfile(p) for p in paths):
                 missing.append(run_dir)
                 continue
-            with open(paths[0]) as f:
-                summary = json.load(f)
+            summary = read_json(paths[0])
             rows = _read_rows(paths[1])
             with open(paths[2]) as f:
                 config = yaml.safe_load(f)

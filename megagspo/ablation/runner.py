@@ -216,13 +216,12 @@ class AblationRunner:
 
     @staticmethod
     def _result(run: Run) -> str:
-        import json
+        from moe.json_files import read_json
 
         path = os.path.join(run.run_dir, "summary.json")
         try:
-            with open(path) as f:
-                s = json.load(f)
-        except (OSError, ValueError):
+            s = read_json(path)
+        except ValueError:  # JsonFileError: unreadable, too large, too deep, not an object
             return ""
         if run.kind == "cold_start":
             return f"; cold-start held-out accuracy {s.get('cold_start/accuracy', float('nan')):.3f}"

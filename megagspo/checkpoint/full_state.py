@@ -11,7 +11,7 @@ import os
 import torch
 
 from .guards import load_safetensors, safe_torch_load
-from .state import load_run_checkpoint
+from .state import load_run_checkpoint, resolve_checkpoint
 from .store import CheckpointError
 
 
@@ -32,14 +32,28 @@ def save_full_checkpoint(path: str, state: dict, arch, tokenizer: str, config: d
             from None
 
 
-def load_checkpoint(path: str) -> dict:
+def load_checkpoint(path: str, say=print) -> dict:
     """{"state": full Megatron state, "arch", "tokenizer", "config"} from checkpoint.pt (weights-only), a
     verified checkpoint folder step_XXXXXX / checkpoints folder / run folder (sharded), or a bare .safetensors
-    file (state only). Raises CheckpointError naming the path and the problem."""
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "checkpoint.pt")):
-        return load_run_checkpoint(path)
+    file (state only). Raises CheckpointError naming the path and the problem.
+
+    A folder means what --resume makes of it (state.resolve_checkpoint): its newest intact step checkpoint.
+    A run folder's checkpoint.pt is read only when the folder holds no step checkpoint (a run without RL) and
+    was written by the run that wrote config.yaml (every run, fresh or resumed, rewrites config.yaml at its
+    start; a fresh run moves an earlier run's checkpoint.pt aside): an older one is a leftover of an earlier
+    run and is refused."""
     if os.path.isdir(path):
-        path = os.path.join(path, "checkpoint.pt")
+        if resolve_checkpoint(path, say) is not None:
+            return load_run_checkpoint(path, say)
+        full = os.path.join(path, "checkpoint.pt")
+        if not os.path.isfile(full):
+            return load_run_checkpoint(path, say)  # its error names what a folder may hold
+        config_yaml = os.path.join(path, "config.yaml")
+        if os.path.isfile(config_yaml) and os.path.getmtime(full) < os.path.getmtime(config_yaml):
+            raise CheckpointError(f"{full} is older than {config_yaml}: it was left by an earlier run of this "
+                                  "folder, and the run started since has written no checkpoint yet; pass the "
+                                  "file itself to use it anyway")
+        path = full
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path!r}")
     if path.endswith(".safetensors"):

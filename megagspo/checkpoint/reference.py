@@ -17,6 +17,8 @@ from typing import Dict
 
 import torch
 
+from moe.json_files import JsonFileError, read_json
+
 from .guards import load_safetensors
 from .store import CheckpointError, _fsync_path, sha256_file
 
@@ -74,9 +76,10 @@ def verify_reference(run_dir: str, run_id: str) -> str:
                               "missing: they are written at the start of RL; this run cannot be resumed with a KL "
                               "penalty (start a fresh run, or resume with rl.kl_coef=0)")
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = read_json(meta_path)
         want_bytes, want_sha, want_id = int(meta["bytes"]), str(meta["sha256"]), meta.get("run_id")
+    except JsonFileError as exc:
+        raise CheckpointError(str(exc)) from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{meta_path} is unreadable ({type(exc).__name__}: {exc})") from None
     if want_id != run_id:

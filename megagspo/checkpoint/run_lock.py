@@ -21,6 +21,8 @@ import stat
 import sys
 import time
 
+from moe.json_files import loads_bounded
+
 LOCK_FILE = ".megagspo.lock"
 
 
@@ -136,7 +138,7 @@ def describe_owner(lock_path: str) -> str:
     try:
         fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, encoding="utf-8") as f:
-            owner = json.loads(f.read(4096) or "{}")
+            owner = loads_bounded(f.read(4096) or "{}", lock_path)
         return (f"{owner.get('purpose', 'another process')} (pid {owner.get('pid', '?')} on "
                 f"{owner.get('host', '?')}, since {owner.get('since', '?')})")
     except (OSError, ValueError, AttributeError):

@@ -42,6 +42,7 @@ import torch
 from safetensors import SafetensorError
 
 from megagspo.collective import run_on_rank0
+from moe.json_files import JsonFileError, loads_bounded, read_json
 
 from . import store
 from .guards import load_safetensors
@@ -52,6 +53,49 @@ OPTIMIZER_DIR = "optimizer"
 RNG = "rng.safetensors"
 STATE = "trainer_state.json"
 REQUIRED = (f"{MODEL_DIR}/.metadata", f"{MODEL_DIR}/metadata.json", f"{MODEL_DIR}/common.pt", RNG, STATE)
+# What a run folder holds besides its step checkpoints that a later run must never read as its own: a fresh
+# run moves them aside with checkpoints/ (CheckpointManager.retire_previous).
+FULL_STATE_FILES = ("checkpoint.pt", "cold_start.pt", "reference.safetensors", "reference.json")
+MAX_STATE_BYTES = 256 << 20
+
+
+def read_trainer_state(path: str) -> dict:
+    """trainer_state.json of the checkpoint folder `path` through the bounded reader: a dict with an int
+    step, else JsonFileError (a ValueError) naming the file."""
+    state = read_json(os.path.join(path, STATE), max_bytes=MAX_STATE_BYTES)
+    if not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool):
+        raise JsonFileError(f"{os.path.join(path, STATE)}: no integer 'step'")
+    return state
+
+
+def check_run_checkpoint(path: str) -> Optional[str]:
+    """None when the step checkpoint `path` can be used, else why not (one line): the manifest's sizes and
+    checksums (store.verify) and a trainer_state.json that the bounded reader accepts. Whatever the
+    corruption, the caller falls back to the previous checkpoint."""
+    reason = store.verify(path, REQUIRED)
+    if reason:
+        return reason
+    try:
+        read_trainer_state(path)
+    except JsonFileError as exc:
+        return str(exc).replace(os.path.join(path, ""), "", 1)
+    return None
+
+
+def resolve_checkpoint(path: str, say: Callable[[str], None] = print) -> Optional[str]:
+    """The one answer to "which checkpoint does this path hold", shared by --resume / checkpoint.resume=<path>,
+    `megagspo export` and `model.init_from`: a step_XXXXXX folder itself (must be intact), else the newest
+    intact step checkpoint of a checkpoints folder or a run folder (falling back past corrupt ones, skipping
+    ones pruned while being read). None when the path holds no step checkpoint."""
+    if os.path.isfile(os.path.join(path, store.MANIFEST)):
+        reason = check_run_checkpoint(path)
+        if reason:
+            raise CheckpointError(f"checkpoint {path} is corrupt ({reason})")
+        return path
+    for root in (path, os.path.join(path, "checkpoints")):
+        if store.list_checkpoints(root):
+            return store.latest_good(root, REQUIRED, say, check=check_run_checkpoint)
+    return None
 
 
 def _jsonable(obj):
@@ -200,14 +244,11 @@ class CheckpointManager:
     def _resolve(self) -> Optional[str]:
         mode = self.ck.resume
         if mode in ("", "never"):
-            # moved aside by retire_previous(), once the whole run has been validated: a run that fails its
-            # checks leaves the folder resumable
-            self._retire_pending = bool(store.list_checkpoints(self.root))
-            return None
+            return self._fresh()
         if mode == "auto":
-            return store.latest_good(self.root, REQUIRED, self.say)
+            return store.latest_good(self.root, REQUIRED, self.say, check=check_run_checkpoint) or self._fresh()
         if mode == "latest":
-            found = store.latest_good(self.root, REQUIRED, self.say)
+            found = store.latest_good(self.root, REQUIRED, self.say, check=check_run_checkpoint)
             if found is None:
                 raise CheckpointError(f"--resume: no checkpoint under {self.root} to continue; run without --resume "
                                       "to start a fresh run, or pass checkpoint.resume=auto to resume when there is "
@@ -215,15 +256,27 @@ class CheckpointManager:
             return found
         path = mode
         if os.path.isfile(os.path.join(path, store.MANIFEST)):
-            reason = store.verify(path, REQUIRED)
+            reason = check_run_checkpoint(path)
             if reason:
                 raise CheckpointError(f"checkpoint.resume = {path!r} is corrupt ({reason})")
             return path
-        for root in (path, os.path.join(path, "checkpoints")):
-            if store.list_checkpoints(root):
-                return store.latest_good(root, REQUIRED, self.say)
+        found = resolve_checkpoint(path, self.say)
+        if found:
+            return found
         raise CheckpointError(f"checkpoint.resume = {path!r}: no checkpoint there (expected a step_XXXXXX folder, "
                               "a checkpoints folder or a run folder)")
+
+    def _fresh(self) -> None:
+        """A fresh run: whatever an earlier run left (checkpoints/, checkpoint.pt, cold_start.pt, the KL
+        reference) is moved aside by retire_previous(), once the whole run has been validated (a run that
+        fails its checks leaves the folder as it was); nothing of it is read as this run's."""
+        self._retire_pending = bool(self._leftovers())
+        return None
+
+    def _leftovers(self) -> list:
+        run_dir = self.cfg.run_dir()
+        out = [self.root] if os.path.isdir(self.root) and os.listdir(self.root) else []
+        return out + [os.path.join(run_dir, n) for n in FULL_STATE_FILES if os.path.lexists(os.path.join(run_dir, n))]
 
     def find_resume(self, arch, dataset_size: int) -> Optional[dict]:
         """Collective: rank 0 picks and verifies the checkpoint, every rank gets {path, state} or None.
@@ -233,8 +286,7 @@ class CheckpointManager:
                 path = self._resolve()
                 if path is None:
                     return None
-                with open(os.path.join(path, STATE)) as f:
-                    state = json.load(f)
+                state = read_trainer_state(path)
                 self._check_compatible(path, state, arch, dataset_size)
                 return {"path": path, "state": state}
             except (OSError, ValueError) as exc:
@@ -247,16 +299,29 @@ class CheckpointManager:
         return answer
 
     def retire_previous(self) -> None:
-        """Collective: a fresh run over earlier checkpoints moves them to checkpoints.replaced-<time> (never
-        deletes them). Called once everything the run needs has been checked, before its first write."""
+        """Collective: a fresh run over an earlier run's files moves them ALL (checkpoints/ and the full-state
+        files FULL_STATE_FILES) into checkpoints.replaced-<time>/ (never deletes them), so that `megagspo
+        export`, `model.init_from` and --resume of this folder only ever find this run's weights. Called once
+        everything the run needs has been checked, before its first write."""
         def move():
             if not self._retire_pending:
                 return None
             aside = f"{self.root}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-            os.rename(self.root, aside)
+            n = 1
+            while os.path.lexists(aside):
+                aside, n = f"{self.root}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
+            leftovers = self._leftovers()
+            if self.root in leftovers:
+                os.rename(self.root, aside)
+            else:
+                os.makedirs(aside)
+            for path in leftovers:
+                if path != self.root:
+                    os.rename(path, os.path.join(aside, os.path.basename(path)))
             self._retire_pending = False
-            self.say(f"a fresh run (no --resume): earlier checkpoints of {self.cfg.run_dir()} moved to {aside}; "
-                     "pass --resume to continue them instead")
+            names = ", ".join(os.path.basename(p) + ("/" if p == self.root else "") for p in leftovers)
+            self.say(f"a fresh run (no --resume): the earlier run's {names} in {self.cfg.run_dir()} moved to "
+                     f"{aside}; pass --resume to continue them instead")
             return None
 
         run_on_rank0("moving the earlier checkpoints aside", move)
@@ -344,7 +409,7 @@ class CheckpointManager:
                 lines = [line for line in f if line.strip()]
         if len(lines) >= count:
             try:
-                return [json.loads(line) for line in lines[:count]]
+                return [loads_bounded(line, metrics_path) for line in lines[:count]]
             except ValueError:
                 pass
         if len(tail) < count:
@@ -476,28 +541,26 @@ def load_run_checkpoint(path: str, say: Callable[[str], None] = print) -> dict:
     weights-only tensors are read."""
     from moe.dist_checkpoint import DistCheckpointError, read_full_state_dict
 
-    if os.path.isfile(os.path.join(path, store.MANIFEST)):
-        reason = store.verify(path, REQUIRED)
-        if reason:
-            raise CheckpointError(f"checkpoint {path} is corrupt ({reason})")
-        chosen = path
-    else:
-        chosen = None
-        for root in (path, os.path.join(path, "checkpoints")):
-            if store.list_checkpoints(root):
-                chosen = store.latest_good(root, REQUIRED, say)
-                break
+    for _ in range(store._RESCANS):
+        chosen = resolve_checkpoint(path, say)
         if chosen is None:
             raise CheckpointError(f"no checkpoint at {path!r} (expected checkpoint.pt, a step_XXXXXX folder, a "
                                   "checkpoints folder or a run folder)")
-    with open(os.path.join(chosen, STATE)) as f:
-        state = json.load(f)
-    index = state.get("model_index")
-    if not isinstance(index, dict) or not index:
-        raise CheckpointError(f"{chosen}/{STATE} has no model_index (written by another megagspo version?)")
-    try:
-        full = read_full_state_dict(os.path.join(chosen, MODEL_DIR), index)
-    except DistCheckpointError as exc:
-        raise CheckpointError(f"checkpoint {chosen}: {exc}") from None
-    return {"state": full, "arch": state["arch"], "tokenizer": state["tokenizer"], "config": state["config"],
-            "path": chosen}
+        try:
+            state = read_trainer_state(chosen)
+            index = state.get("model_index")
+            if not isinstance(index, dict) or not index:
+                raise CheckpointError(f"{chosen}/{STATE} has no model_index (written by another megagspo version?)")
+            if not isinstance(state.get("arch"), dict) or not isinstance(state.get("tokenizer"), str):
+                raise CheckpointError(f"{chosen}/{STATE} names no model architecture or tokenizer")
+            full = read_full_state_dict(os.path.join(chosen, MODEL_DIR), index)
+            return {"state": full, "arch": state.get("arch"), "tokenizer": state.get("tokenizer"),
+                    "config": state.get("config"), "path": chosen}
+        except (DistCheckpointError, JsonFileError, OSError) as exc:
+            if os.path.isdir(chosen) or chosen == path:
+                raise CheckpointError(f"checkpoint {chosen}: {exc}") from None
+            # pruned between the check and the read by a trainer still writing this run: not corruption
+            say(f"checkpoint {os.path.basename(chosen)} was pruned while being read (a trainer still writes this "
+                "run?); taking the next newest")
+    raise CheckpointError(f"the checkpoints under {path} kept being pruned while being read (is a trainer still "
+                          "writing this run? try again, or export once it has finished)")

@@ -28,9 +28,11 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from moe.checkpoint_errors import CheckpointError  # the one checkpoint error, shared with moe (re-exported)
+from moe.json_files import JsonFileError, read_json
 
 FORMAT = "megagspo-checkpoint/2"  # /2: model and optimizer as dist_checkpointing shards
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # one entry (~120 bytes) per file: half a million files
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _TMP_DIR = re.compile(r"^step_\d{6,}\.tmp-(\d+)$")
 
@@ -174,15 +176,32 @@ def prune(root: str, keep_last: int) -> List[str]:
 
 
 def verify(path: str, required: Tuple[str, ...] = ()) -> Optional[str]:
-    """None when the checkpoint directory is intact, else the reason it is not (one line)."""
+    """None when the checkpoint directory is intact, else the reason it is not (one line). A folder that
+    disappears while it is checked (pruned by a running trainer) gives VANISHED, never an exception."""
+    try:
+        return _verify(path, required)
+    except OSError as exc:
+        if not os.path.isdir(path):
+            return VANISHED
+        return f"a file cannot be read ({type(exc).__name__}: {exc.strerror or exc})"
+
+
+VANISHED = "removed while it was being read (pruned by a running trainer?)"
+
+
+def vanished(path: str, reason: Optional[str]) -> bool:
+    """Whether `reason` (a check of `path` that failed) is only that the folder is gone: not corruption."""
+    return reason == VANISHED or (reason is not None and not os.path.isdir(path))
+
+
+def _verify(path: str, required: Tuple[str, ...]) -> Optional[str]:
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isfile(mpath):
         return "no manifest.json (the write did not finish)"
     try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        return f"manifest.json is unreadable ({exc})"
+        manifest = read_json(mpath, max_bytes=MAX_MANIFEST_BYTES, want=None)
+    except JsonFileError as exc:
+        return f"manifest.json is unreadable ({str(exc).replace(mpath + ': ', '', 1)})"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return f"manifest.json has format {manifest.get('format') if isinstance(manifest, dict) else None!r}, " \
                f"expected {FORMAT!r}"
@@ -211,26 +230,48 @@ def verify(path: str, required: Tuple[str, ...] = ()) -> Optional[str]:
     return None
 
 
-def latest_good(root: str, required: Tuple[str, ...] = (), say: Callable[[str], None] = print) -> Optional[str]:
+def latest_good(root: str, required: Tuple[str, ...] = (), say: Callable[[str], None] = print,
+                check: Optional[Callable[[str], Optional[str]]] = None) -> Optional[str]:
     """The newest checkpoint under root that verifies, or None when root holds no checkpoints.
 
-    Corrupt ones are skipped with "checkpoint step_X is corrupt (<reason>); falling back to step_Y" (said
-    via `say`). Raises CheckpointError when there are checkpoints but none verifies."""
-    found = list_checkpoints(root)
-    if not found:
-        return None
+    `check(path)` (default: `verify(path, required)`) -> None or the reason. Corrupt ones are skipped with
+    "checkpoint step_X is corrupt (<reason>); falling back to step_Y" (said via `say`); one that vanishes while
+    it is checked (a running trainer pruned it) is skipped as pruned, not as corrupt, and the folder is listed
+    again (newer ones may have appeared). Raises CheckpointError when there are checkpoints but none verifies."""
+    check = check or (lambda p: verify(p, required))
     reasons = []
-    for i, (_, path) in enumerate(found):
-        reason = verify(path, required)
-        if reason is None:
-            return path
-        reasons.append(f"{os.path.basename(path)}: {reason}")
-        nxt = os.path.basename(found[i + 1][1]) if i + 1 < len(found) else None
-        say(f"checkpoint {os.path.basename(path)} is corrupt ({reason}); "
-            + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))
+    seen = set()
+    for _ in range(_RESCANS):
+        found = [(s, p) for s, p in list_checkpoints(root) if p not in seen]
+        if not found:
+            break
+        pruned = False
+        for i, (_, path) in enumerate(found):
+            seen.add(path)
+            reason = check(path)
+            if reason is None:
+                return path
+            nxt = os.path.basename(found[i + 1][1]) if i + 1 < len(found) else None
+            if vanished(path, reason):
+                say(f"checkpoint {os.path.basename(path)} was pruned while being read (a trainer still writes "
+                    f"this run?); taking the next newest")
+                pruned = True
+                break
+            reasons.append(f"{os.path.basename(path)}: {reason}")
+            say(f"checkpoint {os.path.basename(path)} is corrupt ({reason}); "
+                + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))
+        if not pruned:
+            break
+    if not reasons and not seen:
+        return None
+    if not reasons:
+        raise CheckpointError(f"every checkpoint under {root} was pruned while being read (is a trainer still "
+                              "writing this run? try again, or export once it has finished)")
     raise CheckpointError(f"no intact checkpoint under {root}: " + "; ".join(reasons))
 
 
+_RESCANS = 5  # listings of a folder whose checkpoints keep vanishing (a trainer pruning) before giving up
+
+
 def read_manifest(path: str) -> dict:
-    with open(os.path.join(path, MANIFEST)) as f:
-        return json.load(f)
+    return read_json(os.path.join(path, MANIFEST), max_bytes=MAX_MANIFEST_BYTES)

@@ -12,10 +12,11 @@ values of the wrong type, and prompts longer than `max_prompt_tokens` (counted; 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass
+
+from moe.json_files import JsonFileError, loads_bounded
 
 from .tasks import addition_examples
 from .tokenizer import load_tokenizer
@@ -53,12 +54,10 @@ def _read_rows(path: str) -> list[dict]:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            except RecursionError:
-                raise DataError(f"{path}:{lineno}: nested too deeply to be a data row") from None
+            try:  # the project's one bounded JSON reader (moe.json_files): depth-limited, one-line errors
+                row = loads_bounded(line, f"{path}:{lineno}")
+            except JsonFileError as exc:
+                raise DataError(str(exc)) from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
             rows.append(row)

@@ -9,7 +9,6 @@ list[int] (no special tokens) and decode(list[int]) -> str (stops at the first o
 
 from __future__ import annotations
 
-import json
 import os
 
 PROMPT_FORMATS = ("auto", "chat", "plain")
@@ -76,14 +75,9 @@ def _generation_config(path: str) -> dict:
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
         return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{file} could not be read: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} must hold a JSON object")
-    return data
+    from moe.json_files import read_json
+
+    return read_json(file)  # a JsonFileError (ValueError) naming the file when it cannot be trusted
 
 
 def _token_ids(value, where: str) -> list[int]:
