@@ -70,13 +70,16 @@ def read_trainer_state(path: str) -> dict:
 
 def check_run_checkpoint(path: str) -> Optional[str]:
     """None when the step checkpoint `path` can be used, else why not (one line): the manifest's sizes and
-    checksums (store.verify) and a trainer_state.json that the bounded reader accepts. Whatever the
-    corruption, the caller falls back to the previous checkpoint."""
+    checksums (store.verify), then every JSON file in it (trainer_state.json, the shards' metadata.json)
+    through the bounded reader. Whatever the corruption, the caller falls back to the previous checkpoint."""
     reason = store.verify(path, REQUIRED)
     if reason:
         return reason
     try:
         read_trainer_state(path)
+        for sub in (MODEL_DIR, OPTIMIZER_DIR):
+            if os.path.isfile(os.path.join(path, sub, "metadata.json")):
+                read_json(os.path.join(path, sub, "metadata.json"))
     except JsonFileError as exc:
         return str(exc).replace(os.path.join(path, ""), "", 1)
     return None

@@ -15,6 +15,9 @@ PROMPT_FORMATS = ("auto", "chat", "plain")
 
 # Files a Hugging Face tokenizer folder holds: tokenizer.json (fast tokenizers), or a tokenizer_config.json
 # with the slow tokenizer's vocabulary files beside it.
+# The JSON files of a model / tokenizer folder that transformers reads when it loads the tokenizer.
+_FOLDER_JSON = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
+                "added_tokens.json", "vocab.json", "generation_config.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
@@ -103,6 +106,11 @@ class HFTokenizer:
                              f"tokenizer_config.json with its vocabulary files ({', '.join(_TOKENIZER_FILES[2:])})")
         from transformers import AutoTokenizer
 
+        from moe.json_files import read_json
+
+        for name in _FOLDER_JSON:  # transformers parses these unbounded: each passes the bounded reader first
+            if os.path.isfile(os.path.join(path, name)):
+                read_json(os.path.join(path, name))  # JsonFileError (a ValueError) naming the file
         try:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - transformers raises many types; each becomes one clear error

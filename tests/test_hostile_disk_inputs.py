@@ -1,0 +1,285 @@
+"""Hostile files on disk (issue 31 items 3, 4; table in docs/robustness.md, "Files read from disk").
+
+- which weights a run folder holds: `megagspo export`, `model.init_from=<run folder>` and --resume give one
+  answer, the current run's newest intact step checkpoint; an earlier run's checkpoint.pt is moved aside by a
+  fresh run and never read as this run's; a checkpoint pruned while it is read is skipped, not called broken;
+- every JSON read from disk goes through one bounded reader (moe/json_files.py): nesting 100,000 deep in an
+  HF folder's config.json, safetensors index or generation_config.json, or in a checkpoint's manifest,
+  trainer_state.json, model/metadata.json or the KL reference record, is a one-line error naming the file, and
+  a corrupt newest checkpoint falls back to the previous one whatever the corruption;
+- a Hugging Face folder holding a NaN or infinite weight is refused when the weights are read, naming the
+  tensor, before anything is trained or written.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from multiprocess import cpu_pinned_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["threads=1", "log.progress=false", "log.plots=false", "log.tensorboard=false"]
+TINY = ["sft.steps=1", "sft.batch_size=4", "rl.prompts_per_step=2", "rl.group_size=2", "rl.mini_batches=1",
+        "data.train_size=50", "data.eval_size=5", "checkpoint.every_steps=1", *FAST]
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _cli(*args, timeout=300):
+    env = cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _train(out_dir, name, *extra):
+    proc = _cli("train", "--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={out_dir}", f"name={name}", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return os.path.join(out_dir, name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A finished 2-step run A (checkpoint.pt + step_000000..2), then a fresh run B (another seed) over the same
+    folder that stops before writing checkpoint.pt (log.save_checkpoint=false: as if interrupted), and an
+    untouched copy of A."""
+    out = tmp_path_factory.mktemp("runs")
+    first = _train(out, "r", "rl.steps=2")
+    shutil.copytree(first, out / "a_only")
+    second = _train(out, "r", "rl.steps=1", "seed=5", "log.save_checkpoint=false")
+    return {"out": out, "run": second, "a_only": str(out / "a_only")}
+
+
+def _same_state(x: dict, y: dict) -> bool:
+    return set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+# --------------------------------------------------------------------- item 3: which weights a folder holds
+@pytest.mark.slow
+def test_a_stale_checkpoint_pt_is_moved_aside_and_never_read(runs):
+    from megagspo.checkpoint.full_state import load_checkpoint
+    from megagspo.checkpoint.guards import safe_torch_load
+    from megagspo.checkpoint.state import load_run_checkpoint, resolve_checkpoint
+
+    run = runs["run"]
+    stale = safe_torch_load(os.path.join(runs["a_only"], "checkpoint.pt"))["state"]
+    # run B's own newest checkpoint, read from its checkpoints folder directly
+    own = load_run_checkpoint(os.path.join(run, "checkpoints", "step_000001"))
+    got = load_checkpoint(run)  # what export and model.init_from read
+    assert got.get("path") == own["path"] == resolve_checkpoint(run), got.get("path")
+    assert _same_state(got["state"], own["state"]) and not _same_state(got["state"], stale)
+    # the earlier run's files went aside together, nothing was deleted
+    assert not os.path.exists(os.path.join(run, "checkpoint.pt"))
+    aside = [n for n in os.listdir(run) if n.startswith("checkpoints.replaced-")]
+    assert len(aside) == 1 and {"checkpoint.pt", "cold_start.pt", "step_000002"} <= set(os.listdir(os.path.join(run, aside[0])))
+
+
+@pytest.mark.slow
+def test_init_from_and_export_of_the_run_folder_take_the_same_checkpoint(runs, tmp_path):
+    from megagspo.config import load_config
+    from megagspo.data.tokenizer import BuiltinTokenizer
+    from megagspo.trainer.init_weights import preflight_init_from
+
+    run = runs["run"]
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), [*TINY, f"model.init_from={run}"])
+    source = preflight_init_from(cfg.model, cfg.model.architecture(BuiltinTokenizer().vocab_size))
+    from megagspo.checkpoint.state import load_run_checkpoint
+
+    assert _same_state(source.full_state, load_run_checkpoint(run)["state"])
+    proc = _cli("export", "--checkpoint", run, "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_pt_older_than_the_current_run_is_refused(runs, tmp_path):
+    """A folder left by the earlier code: a fresh run moved checkpoints/ aside but not checkpoint.pt, and was
+    interrupted before its first checkpoint. checkpoint.pt predates config.yaml (rewritten by every run)."""
+    folder = tmp_path / "legacy"
+    folder.mkdir()
+    shutil.copy2(os.path.join(runs["a_only"], "checkpoint.pt"), folder / "checkpoint.pt")
+    (folder / "config.yaml").write_text(open(os.path.join(runs["a_only"], "config.yaml")).read())
+    proc = _cli("export", "--checkpoint", str(folder), "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 2 and "left by an earlier run" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "hf").exists()
+    # the file itself, named explicitly, is still read
+    proc = _cli("export", "--checkpoint", str(folder / "checkpoint.pt"), "--out", str(tmp_path / "hf2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["verify", "read"])
+def test_a_checkpoint_pruned_while_exported_is_skipped_not_called_broken(runs, tmp_path, monkeypatch, capsys, when):
+    """A trainer still writing the run prunes the checkpoint an export is reading: while its checksums are
+    checked, or after that while its shards are read. The export takes the next newest and says why."""
+    import megagspo.checkpoint.store as store
+    import moe.dist_checkpoint as dist
+    from megagspo.checkpoint.full_state import load_checkpoint
+
+    run = tmp_path / "r"
+    shutil.copytree(runs["a_only"], run)
+    os.remove(run / "checkpoint.pt")
+    newest = str(run / "checkpoints" / "step_000002")
+    if when == "verify":
+        real = store.sha256_file
+
+        def pruning(path, *a, **k):
+            if path.startswith(newest) and os.path.isdir(newest):
+                shutil.rmtree(newest)
+            return real(path, *a, **k)
+
+        monkeypatch.setattr(store, "sha256_file", pruning)
+    else:
+        real = dist.read_full_state_dict
+
+        def pruning(directory, index):
+            if directory.startswith(newest) and os.path.isdir(newest):
+                shutil.rmtree(newest)
+            return real(directory, index)
+
+        monkeypatch.setattr(dist, "read_full_state_dict", pruning)
+    got = load_checkpoint(str(run))
+    said = capsys.readouterr().out
+    assert got["path"].endswith("step_000001"), got.get("path")
+    assert "step_000002 was pruned while being read" in said and "corrupt" not in said, said
+
+
+# ------------------------------------------------------------ item 4: one bounded reader for every JSON file
+def _rewrite_manifest(step_dir: str) -> None:
+    """Re-checksum a checkpoint after a file was changed, as a writer that wrote it that way would have."""
+    from megagspo.checkpoint import store
+
+    manifest = json.load(open(os.path.join(step_dir, store.MANIFEST)))
+    for name in manifest["files"]:
+        path = os.path.join(step_dir, name)
+        manifest["files"][name] = {"bytes": os.path.getsize(path), "sha256": store.sha256_file(path)}
+    with open(os.path.join(step_dir, store.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["manifest.json", "trainer_state.json", "model/metadata.json"])
+def test_a_deeply_nested_file_in_the_newest_checkpoint_falls_back(runs, tmp_path, target):
+    run = tmp_path / "r"
+    shutil.copytree(runs["a_only"], run)
+    os.remove(run / "checkpoint.pt")
+    newest = run / "checkpoints" / "step_000002"
+    (newest / target).write_text(DEEP)
+    if target != "manifest.json":
+        _rewrite_manifest(str(newest))  # checksums agree: only the content is hostile
+    # export, and a resume of the same folder (in the dry run's place: a real resume with a run folder)
+    proc = _cli("export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"))
+    assert "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step_000002 is corrupt" in proc.stdout and "falling back to step_000001" in proc.stdout, proc.stdout
+    proc = _cli("train", "--config", "configs/tiny_cpu.yaml", *TINY, "rl.steps=3", f"log.out_dir={tmp_path}",
+                "name=r", "--resume")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout and "step_000001" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_reader_bounds_size_depth_and_type(tmp_path):
+    from moe.json_files import JsonFileError, read_json
+
+    path = tmp_path / "x.json"
+    for text, needle in ((DEEP, "nested deeper than 64"), ('{"a":' * 70 + "1" + "}" * 70, "nested deeper than 64"),
+                         ("{not json", "not valid JSON"), ("[1]", "expected a JSON object, got list")):
+        path.write_text(text)
+        with pytest.raises(JsonFileError) as err:
+            read_json(path)
+        assert str(path) in str(err.value) and needle in str(err.value) and "\n" not in str(err.value)
+    path.write_text(json.dumps({"a": "x" * 1000}))
+    with pytest.raises(JsonFileError, match="larger than 100 bytes"):
+        read_json(path, max_bytes=100)
+    with pytest.raises(JsonFileError, match="cannot be read"):
+        read_json(tmp_path / "missing.json")
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    from megagspo.tools.tiny_hf_model import build_tiny_hf_model
+
+    return build_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_hf") / "model"))
+
+
+def _hf_args(kit, folder, out_dir):
+    return ["--config", "configs/tiny_hf_cpu.yaml", f"model.init_from={folder}", f"data.train_path={kit['train']}",
+            f"data.eval_path={kit['eval']}", f"log.out_dir={out_dir}", *FAST]
+
+
+def _sharded(kit, dst):
+    """The tiny HF folder as two shards and their index."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(kit["model"], dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    os.remove(os.path.join(dst, "model.safetensors"))
+    keys = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(dst, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return dst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+def test_a_deeply_nested_hf_folder_file_is_named_in_one_line(kit, tmp_path, target):
+    folder = _sharded(kit, tmp_path / "hf") if target.endswith("index.json") else shutil.copytree(kit["model"],
+                                                                                                    tmp_path / "hf")
+    with open(os.path.join(folder, target), "w") as f:
+        f.write(DEEP)
+    proc = _cli("train", "--dry-run", *_hf_args(kit, folder, tmp_path / "runs"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr, proc.stderr[-3000:]
+    assert os.path.join(str(folder), target) in proc.stderr and "nested deeper than" in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_deeply_nested_kl_reference_record_is_a_clear_error(tmp_path):
+    from megagspo.checkpoint import CheckpointError
+    from megagspo.checkpoint.reference import REFERENCE, REFERENCE_META, verify_reference
+
+    (tmp_path / REFERENCE).write_bytes(b"x")
+    (tmp_path / REFERENCE_META).write_text(DEEP)
+    with pytest.raises(CheckpointError, match="nested deeper than"):
+        verify_reference(str(tmp_path), "run")
+
+
+# ------------------------------------------------------------------------------- item 4: non-finite weights
+@pytest.mark.slow
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_hf_weights_are_refused_when_read(kit, tmp_path, value):
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(kit["model"], tmp_path / "hf")
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    key = next(k for k in sorted(tensors) if "experts.1.up_proj" in k or "mlp.experts.gate_up_proj" in k)
+    tensors[key].view(-1)[7] = value
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    proc = _cli("train", *_hf_args(kit, folder, tmp_path / "runs"), "sft.steps=1", "rl.steps=1")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and key in proc.stderr and "NaN or infinite" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not any("step_" in d for _, dirs, _ in os.walk(tmp_path / "runs") for d in dirs)
+
+
+@pytest.mark.slow
+def test_non_finite_weights_in_a_megagspo_state_are_refused_by_the_dry_run(runs, tmp_path):
+    from safetensors.torch import save_file
+
+    from megagspo.checkpoint.state import load_run_checkpoint
+
+    state = {k: v.clone() for k, v in load_run_checkpoint(runs["run"])["state"].items()}
+    key = sorted(state)[3]
+    state[key].view(-1)[0] = float("nan")
+    save_file(state, str(tmp_path / "w.safetensors"))
+    proc = _cli("train", "--dry-run", "--config", "configs/tiny_cpu.yaml", *TINY,
+                f"model.init_from={tmp_path / 'w.safetensors'}", f"log.out_dir={tmp_path / 'runs'}")
+    assert proc.returncode == 2 and key in proc.stderr and "NaN or infinite" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
