@@ -57,13 +57,21 @@ def _put(data):
     return lambda p: open(p, "wb").write(data)
 
 
+def _fake_files(payload) -> dict:
+    """Writers for every file a checkpoint requires: payload(name) bytes, but JSON where the JSON files are
+    read (a checkpoint is intact only when they pass the bounded JSON reader)."""
+    writers = {name: _put(payload(name)) for name in REQUIRED}
+    writers["model/metadata.json"] = _put(json.dumps({"sharded_backend": "torch_dist"}).encode())
+    return writers
+
+
 @pytest.fixture
 def run(tmp_path):
     """A run folder `tmp/r` with an intact (small, synthetic) checkpoint and a metrics.jsonl."""
     run_dir = tmp_path / "r"
     (run_dir).mkdir()
     (run_dir / "metrics.jsonl").write_text(json.dumps({"phase": "rl", "step": 0.0}) + "\n")
-    writers = {name: _put(b"payload " + name.encode()) for name in REQUIRED}
+    writers = _fake_files(lambda name: b"payload " + name.encode())
     writers["trainer_state.json"] = _put(json.dumps(_fake_state()).encode())
     write_checkpoint(str(run_dir / "checkpoints"), 2, writers)
     before = _snapshot(run_dir)
@@ -356,7 +364,7 @@ def test_bad_checkpoints_on_resume_fail_cleanly_and_are_left_alone(run, case):
     tmp, run_dir = run
     target = tmp / "other"
     if case == "other_model":
-        writers = {name: _put(b"x") for name in REQUIRED}
+        writers = _fake_files(lambda name: b"x")
         writers["trainer_state.json"] = _put(json.dumps(_fake_state(hidden_size=64, num_experts=8)).encode())
         write_checkpoint(str(target / "checkpoints"), 4, writers)
         needle = "was written for a different model (hidden_size: 64 in the checkpoint, 128 now"
