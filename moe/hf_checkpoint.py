@@ -505,7 +505,8 @@ def inspect_hf_checkpoint(path: str | os.PathLike, arch: Qwen3MoeArchitecture) -
 
 def all_finite(t: torch.Tensor) -> bool:
     """Whether a tensor holds no NaN / +-inf: min / max propagate NaN and show +-inf, in one reduction with no
-    tensor-sized temporary (torch.isfinite(...).all() on bf16 is 35-50x slower on a CPU: benchmarks/bench_finite_check.py)."""
+    tensor-sized temporary (torch.isfinite(...).all() on bf16 is 35-50x slower on a CPU:
+    benchmarks/bench_finite_check.py)."""
     if not t.is_floating_point() or t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t)
