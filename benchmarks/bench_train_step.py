@@ -314,14 +314,6 @@ def export_trace(prof, directory: str, path: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- one path
 
-def _expert_stack_fallbacks() -> dict:
-    try:
-        from moe.experts import STACK_FALLBACKS
-    except ImportError:
-        return {}
-    return dict(STACK_FALLBACKS)
-
-
 def run_one_path(args) -> dict:
     """Build, warm up and time one path in this process; the result as a dict (printed as JSON)."""
     if args.device == "cpu":
@@ -329,6 +321,7 @@ def run_one_path(args) -> dict:
     import torch
 
     from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+    from moe.experts import STACK_FALLBACKS
     from moe.implementation import ModelImplementation
     from moe.model import build_model, forward_logits, transformer_engine_available
     from moe.optimizer import (OptimizerSettings, build_optimizer, finish_gradients, optimizer_step,
@@ -436,7 +429,7 @@ def run_one_path(args) -> dict:
         "peak_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "VmHWM (process peak RSS)",
         "loss": loss,
         # the grouped experts' [E, N, K] operand: a zero-copy view of DDP's buffer, or a stacked copy (counted)
-        "expert_stack_fallbacks": dict(_expert_stack_fallbacks()),
+        "expert_stack_fallbacks": dict(STACK_FALLBACKS),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
         else f"cpu ({torch.get_num_threads()} threads)",
     }

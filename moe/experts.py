@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from moe.implementation import ImplementationError
+from moe.optimizer import gradient_added_to_main_grad, takes_gradient_in_main_grad
 
 logger = logging.getLogger(__name__)
 
@@ -230,27 +231,15 @@ class GroupedLinear(torch.autograd.Function):
                 # all experts' gradients into DDP's fp32 buffer in one add, instead of one hook add per expert
                 # (1,024 kernels per micro-batch at 4 layers x 128 experts x 2 linears)
                 main_ENK.add_(dw_ENK)
-                dweights = [_grad_added_to_main_grad(w) for w in weights_NK]
+                dweights = [gradient_added_to_main_grad(w) for w in weights_NK]
         return (dx_TK, None, *dweights)
 
 
 def _main_grad_ENK(weights_NK) -> torch.Tensor | None:
     """Megatron DDP's fp32 gradient buffer (`main_grad`) of the experts as one [E, N, K] view, when every
-    weight has one laid out like the weights (DDP's grad buffer mirrors its parameter buffer) and follows
-    Megatron's `grad_added_to_main_grad` protocol; None otherwise (then the per-expert gradients go through
+    weight follows Megatron's `grad_added_to_main_grad` protocol and its buffer is laid out like the weights
+    (DDP's grad buffer mirrors its parameter buffer); None otherwise (then the per-expert gradients go through
     autograd and DDP's hooks, as for any parameter)."""
-    mains = [getattr(w, "main_grad", None) for w in weights_NK]
-    if any(m is None for m in mains) or not all(hasattr(w, "grad_added_to_main_grad") for w in weights_NK):
+    if not all(takes_gradient_in_main_grad(w) for w in weights_NK):
         return None
-    if any(getattr(w, "zero_out_wgrad", False) for w in weights_NK):
-        return None
-    return expert_weights_ENK(mains)
-
-
-def _grad_added_to_main_grad(weight_NK: torch.Tensor) -> torch.Tensor:
-    """Megatron's protocol for a gradient already in `main_grad` (as its fused-wgrad linears do): the flag
-    makes the grad-ready hook skip its add, and the returned gradient only has to exist (the hook asserts
-    `param.grad is not None` under overlap_grad_reduce, then sets it to None). Its values are never read, so it
-    is a detached alias of the weight: AccumulateGrad adopts it without an allocation or a copy."""
-    weight_NK.grad_added_to_main_grad = True
-    return weight_NK.detach()
+    return expert_weights_ENK([w.main_grad for w in weights_NK])

@@ -193,6 +193,28 @@ def wrap_data_parallel(model, *, bucket_size: Optional[int] = None, overlap_grad
     return DistributedDataParallel(model.config, ddp_config, model)
 
 
+def takes_gradient_in_main_grad(param: torch.Tensor) -> bool:
+    """Whether Megatron DDP's grad-ready hook of `param` honours `grad_added_to_main_grad` (megatron-core
+    0.16.1 distributed_data_parallel.py, `_make_backward_post_hook`): the parameter has DDP's fp32 `main_grad`
+    and the flag, and is not `zero_out_wgrad` (Megatron sets that on the embedding shared with the output layer
+    on one pipeline stage; its hook adds `param.grad` whatever the flag says)."""
+    return (getattr(param, "main_grad", None) is not None and hasattr(param, "grad_added_to_main_grad")
+            and not getattr(param, "zero_out_wgrad", False))
+
+
+def gradient_added_to_main_grad(param: torch.Tensor) -> torch.Tensor:
+    """What a backward hands autograd for `param` once it has added the gradient into `param.main_grad`
+    itself (as Megatron's fused-wgrad linears and TE do; only for `takes_gradient_in_main_grad` parameters):
+    the flag makes the grad-ready hook skip its own add, and the returned gradient only has to exist (the hook
+    asserts `param.grad is not None` under overlap_grad_reduce before it marks the parameter ready for its
+    bucket, then sets it to None; a defined CUDA gradient also keeps the hook on the device's backward thread,
+    in order with the other parameters'). Its values are never read, so it is a detached alias of the weight's
+    own storage (Megatron and TE use an uninitialised torch.empty): AccumulateGrad adopts it as `param.grad`
+    without an allocation or a copy."""
+    param.grad_added_to_main_grad = True
+    return param.detach()
+
+
 def loss_scale_for_sum(ddp_model) -> float:
     """What a loss normalised by global counts is multiplied by before backward, so that DDP's 1 / DP scaling
     leaves the SUM of the ranks' gradients."""

@@ -48,7 +48,7 @@ def output_weight_grad_buffer(model):
     """Megatron DDP's float32 gradient buffer of the LM head weight (`main_grad`, the buffer its grad-ready hook
     would add the weight's gradient into), or None where there is none (no DDP wrapper, a frozen model). A
     kernel that adds d weight straight into it spares the [V/TP, H] gradient tensor, and follows Megatron's
-    protocol for it (megagspo.kernels._weight_grad_for_autograd): it sets `grad_added_to_main_grad`, so the
+    protocol for it (moe.optimizer.gradient_added_to_main_grad): it sets `grad_added_to_main_grad`, so the
     grad-ready hook does not add the placeholder gradient it hands to autograd (an alias of the weight,
     no allocation) and still marks the weight ready for its bucket's reduction. With tied embeddings at
     PP = 1 (Megatron's `zero_out_wgrad`) the kernel hands autograd nothing and the embedding's own gradient

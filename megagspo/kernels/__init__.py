@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe.optimizer import gradient_added_to_main_grad, takes_gradient_in_main_grad
+
 from . import reference
 from ._ops import extension_error, has_device_kernel
 from .reference import (
@@ -379,27 +381,17 @@ def _weight_grad_for_autograd(weight_VH: Tensor, buffer_VH: Tensor) -> Optional[
     """What backward hands autograd for the weight once d weight is in `buffer_VH`: never a [V, H] tensor
     that costs an allocation or a pass over memory.
 
-    - Megatron DDP's own buffer (`buffer_VH is weight.main_grad`, the parameter carries DDP's
-      `grad_added_to_main_grad`): Megatron's protocol (megatron-core 0.16.1 distributed_data_parallel.py,
-      `_make_backward_post_hook`; as its fused-wgrad linear and TE do): set `weight.grad_added_to_main_grad`,
-      so the grad-ready hook on the weight's AccumulateGrad node does not add `param.grad` into main_grad
-      again, and return a defined gradient, because that hook asserts `param.grad is not None` under
-      overlap_grad_reduce before it marks the parameter ready for its bucket's reduction (and a defined CUDA
-      gradient keeps the hook on the device's backward thread, in order with the other parameters'). Its
-      values are never read, so it is an alias of the weight's own storage (detached; Megatron and TE use an
-      uninitialised torch.empty): AccumulateGrad adopts it as `param.grad` without a copy (same strides) and
-      the hook sets `param.grad = None` right after.
-      Exception: `zero_out_wgrad` (Megatron sets it on the embedding shared with the output layer on one
-      pipeline stage): that hook adds `param.grad` whatever the flag says, and the embedding's own gradient
-      arrives through the same node, so this kernel returns None: `param.grad` is the embedding's gradient
-      alone, added once, and ours is already in main_grad.
+    - Megatron DDP's own buffer (`buffer_VH is weight.main_grad`) of a weight whose hook honours
+      `grad_added_to_main_grad`: Megatron's protocol, `moe.optimizer.gradient_added_to_main_grad` (the flag
+      set, a detached alias of the weight returned).
+    - `zero_out_wgrad` (the embedding shared with the output layer on one pipeline stage): that hook adds
+      `param.grad` whatever the flag says, and the embedding's own gradient arrives through the same node, so
+      this returns None: `param.grad` is the embedding's gradient alone, added once, and ours is already in
+      main_grad.
     - Any other buffer (the caller's own accumulator, no DDP hook): None; the weight's `.grad` receives
       nothing from this call (other uses of the weight still accumulate theirs)."""
-    if buffer_VH is getattr(weight_VH, "main_grad", None) and hasattr(weight_VH, "grad_added_to_main_grad"):
-        if getattr(weight_VH, "zero_out_wgrad", False):
-            return None
-        weight_VH.grad_added_to_main_grad = True
-        return weight_VH.detach()
+    if buffer_VH is getattr(weight_VH, "main_grad", None) and takes_gradient_in_main_grad(weight_VH):
+        return gradient_added_to_main_grad(weight_VH)
     return None
 
 
