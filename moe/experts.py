@@ -35,12 +35,15 @@ checked view 0.08 ms. On an H200 (torch 2.11, bf16, E = 32, 8,192 tokens, 2026-1
 0.189 ms with the stack, 0.091 ms on the view, bit-identical outputs. At those widths every expert tensor is a multiple of 128 elements, so DDP's padding adds no
 gap at bucket boundaries for DP in {1, 2, 4, 8, ...} and the view holds across buckets.
 
-Gradients: the weight-gradient GEMM returns [E, N, K]. Under Megatron DDP, whose fp32 gradient buffer mirrors
-the parameter buffer, `main_grad` of the local experts is an [E, N, K] view too: the gradient is added into it
-in ONE kernel and each weight is marked `grad_added_to_main_grad` (Megatron's protocol: its grad-ready hook
-then skips its own add; measured on an H200 at Qwen3-30B-A3B width, the per-expert hook adds were 4,152
-kernels and 12% of a 4-micro-batch step's device time). Without such a buffer the gradient is unbound into
-per-expert gradients that go through autograd as for any parameter.
+Gradients: under Megatron DDP every expert weight has an fp32 `main_grad` (a slice of DDP's gradient buffer,
+which mirrors the parameter buffer), and the weight gradient is accumulated into it here, each weight then
+marked `grad_added_to_main_grad` (Megatron's protocol: its grad-ready hook skips its own add; the per-expert
+hook adds were 4,152 kernels and 12% of a 4-micro-batch step's device time on an H200). How (`_WgradPlan`,
+`wgrad_accumulation`): on CUDA one GEMM per expert whose fp32 output IS main_grad, accumulated in place
+(beta = 1; Megatron's gradient_accumulation_fusion, as TE's grouped linear does), so no bf16 gradient is
+written and no add reads it back; on the CPU one grouped GEMM and one add of all experts at once into the
+[E, N, K] view of main_grad. Without DDP's buffer the gradient is unbound into per-expert gradients that go
+through autograd as for any parameter.
 
 Expert-TP needs no communication here: Megatron's expert linears are "explicit expert comm" layers whose
 forward is a local matmul on this rank's weight shard (the token dispatcher gathers and reduce-scatters),
@@ -151,9 +154,13 @@ def expert_offsets(tokens_per_expert_E, device: torch.device) -> torch.Tensor:
 class GroupedGemmExperts(SequentialMLP):
     """Megatron's SequentialMLP parameters, computed with `torch.nn.functional.grouped_mm`."""
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, wgrad_accumulation="auto"):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
         config = self.config
+        if wgrad_accumulation not in WGRAD_ACCUMULATIONS:
+            raise ImplementationError(f"expert weight-gradient accumulation must be one of "
+                                      f"{', '.join(WGRAD_ACCUMULATIONS)}; got {wgrad_accumulation!r}")
+        self.wgrad_accumulation = wgrad_accumulation
         unsupported = {
             "add_bias_linear": config.add_bias_linear,
             "fp8": bool(config.fp8),
@@ -194,11 +201,12 @@ class GroupedGemmExperts(SequentialMLP):
             probs_T = torch.ones_like(probs_T)
         offs_E = expert_offsets(tokens_per_expert_E, hidden_TH.device)
         experts = list(self.local_experts)
-        fc1_TF = GroupedLinear.apply(hidden_TH, offs_E, *(e.linear_fc1.weight for e in experts))
+        wgrad = _WgradPlan(self.wgrad_accumulation, tokens_per_expert_E, hidden_TH.device)
+        fc1_TF = GroupedLinear.apply(hidden_TH, offs_E, wgrad, *(e.linear_fc1.weight for e in experts))
         act_TI = self._activation(fc1_TF)
         # the router weight in the router's dtype (fp32), cast back, as Megatron's MLP does
         act_TI = (act_TI * probs_T.unsqueeze(-1)).to(fc1_TF.dtype)
-        out_TH = GroupedLinear.apply(act_TI, offs_E, *(e.linear_fc2.weight for e in experts))
+        out_TH = GroupedLinear.apply(act_TI, offs_E, wgrad, *(e.linear_fc2.weight for e in experts))
         return out_TH, None
 
 
@@ -206,11 +214,13 @@ class GroupedLinear(torch.autograd.Function):
     """y[rows of expert e] = x[rows of expert e] @ W_e^T for per-expert weights W_e [N, K] (legend: N output,
     K input features), on one grouped GEMM. The weights enter as separate tensors (each keeps its own
     AccumulateGrad and DDP hook); the [E, N, K] operand is a view of them where the layout allows
-    (`expert_weights_ENK`), else a stacked copy made in forward and again in backward rather than saved."""
+    (`expert_weights_ENK`), else a stacked copy made in forward and again in backward rather than saved.
+    `wgrad` (a `_WgradPlan`) says how the weight gradient reaches DDP's fp32 `main_grad`."""
 
     @staticmethod
-    def forward(ctx, x_TK, offs_E, *weights_NK):
+    def forward(ctx, x_TK, offs_E, wgrad, *weights_NK):
         ctx.save_for_backward(x_TK, offs_E, *weights_NK)
+        ctx.wgrad = wgrad
         return F.grouped_mm(x_TK, _stacked_ENK(weights_NK, "forward").transpose(1, 2), offs=offs_E)
 
     @staticmethod
@@ -221,25 +231,67 @@ class GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx_TK = F.grouped_mm(dy_TN, _stacked_ENK(weights_NK, "backward"), offs=offs_E)
         dweights = [None] * len(weights_NK)
-        if any(ctx.needs_input_grad[2:]):
-            # dW_e = dy_e^T x_e: both operands split along the token dimension; an empty expert gets zeros
-            dw_ENK = F.grouped_mm(dy_TN.t(), x_TK, offs=offs_E)
-            main_ENK = _main_grad_ENK(weights_NK)
-            if main_ENK is None:
-                dweights = list(dw_ENK.unbind(0))
-            else:
-                # all experts' gradients into DDP's fp32 buffer in one add, instead of one hook add per expert
-                # (1,024 kernels per micro-batch at 4 layers x 128 experts x 2 linears)
-                main_ENK.add_(dw_ENK)
-                dweights = [gradient_added_to_main_grad(w) for w in weights_NK]
-        return (dx_TK, None, *dweights)
+        if any(ctx.needs_input_grad[3:]):
+            dweights = ctx.wgrad.weight_gradients(dy_TN, x_TK, offs_E, weights_NK)
+        return (dx_TK, None, None, *dweights)
 
 
-def _main_grad_ENK(weights_NK) -> torch.Tensor | None:
-    """Megatron DDP's fp32 gradient buffer (`main_grad`) of the experts as one [E, N, K] view, when every
-    weight follows Megatron's `grad_added_to_main_grad` protocol and its buffer is laid out like the weights
-    (DDP's grad buffer mirrors its parameter buffer); None otherwise (then the per-expert gradients go through
-    autograd and DDP's hooks, as for any parameter)."""
-    if not all(takes_gradient_in_main_grad(w) for w in weights_NK):
-        return None
-    return expert_weights_ENK([w.main_grad for w in weights_NK])
+# How the experts' weight gradient dW_e = dy_e^T x_e reaches Megatron DDP's fp32 `main_grad` buffer (where it
+# has one; otherwise every mode returns per-expert gradients through autograd):
+#   add      one grouped GEMM into a bf16/fp32 [E, N, K] gradient, then ONE add of it into the [E, N, K] view of
+#            main_grad (the CPU's path; exact as Megatron's per-expert hook adds)
+#   foreach  the same grouped GEMM, then one multi-tensor add over the E per-expert main_grads (torch's foreach
+#            kernel: no strided [E, N, K] indexing)
+#   addmm    per expert, one cuBLAS GEMM with an fp32 output accumulated in place (beta = 1) into main_grad:
+#            Megatron's gradient_accumulation_fusion, which TE's grouped linear does; no bf16 gradient exists
+#            and no separate add runs. CUDA only (torch's addmm with out_dtype); one GEMM launch per expert.
+#   auto     addmm on CUDA, add elsewhere
+WGRAD_ACCUMULATIONS = ("auto", "add", "foreach", "addmm")
+
+
+class _WgradPlan:
+    """One experts call's weight-gradient accumulation: the mode (`auto` resolved by device) and the per-
+    expert token counts on the host, which the per-expert GEMMs of `addmm` slice the tokens by."""
+
+    def __init__(self, mode: str, tokens_per_expert_E, device: torch.device):
+        self.mode = mode
+        if mode == "auto":
+            self.mode = "addmm" if torch.device(device).type == "cuda" else "add"
+        self.counts = None
+        if self.mode == "addmm":
+            if torch.device(device).type != "cuda":
+                raise ImplementationError("expert weight-gradient accumulation 'addmm' needs CUDA (torch's addmm "
+                                          "with an fp32 out_dtype); use 'add' or 'foreach' on this device")
+            counts = torch.as_tensor(tokens_per_expert_E)
+            if counts.device.type != "cpu":  # never synchronise for it: Megatron's dispatchers give host counts
+                raise ImplementationError("expert weight-gradient accumulation 'addmm' needs the token counts per "
+                                          "expert on the host; this dispatcher gave them on the device")
+            self.counts = counts.tolist()
+
+    def weight_gradients(self, dy_TN, x_TK, offs_E, weights_NK) -> list:
+        if not all(takes_gradient_in_main_grad(w) for w in weights_NK):
+            return list(F.grouped_mm(dy_TN.t(), x_TK, offs=offs_E).unbind(0))
+        mains_NK = [w.main_grad for w in weights_NK]
+        if self.mode == "addmm":
+            start = 0
+            for main_NK, count in zip(mains_NK, self.counts):
+                if count:
+                    rows = slice(start, start + count)
+                    if x_TK.dtype == main_NK.dtype:
+                        main_NK.addmm_(dy_TN[rows].t(), x_TK[rows])
+                    else:
+                        torch.addmm(main_NK, dy_TN[rows].t(), x_TK[rows], out_dtype=main_NK.dtype, out=main_NK)
+                start += count
+            return [gradient_added_to_main_grad(w) for w in weights_NK]
+        # dW_e = dy_e^T x_e: both operands split along the token dimension; an empty expert gets zeros
+        dw_ENK = F.grouped_mm(dy_TN.t(), x_TK, offs=offs_E)
+        main_ENK = expert_weights_ENK(mains_NK) if self.mode == "add" else None
+        if main_ENK is not None:
+            # all experts' gradients in one add, instead of one hook add per expert (1,024 kernels per
+            # micro-batch at 4 layers x 128 experts x 2 linears)
+            main_ENK.add_(dw_ENK)
+        else:
+            torch._foreach_add_(mains_NK, list(dw_ENK.unbind(0)))
+        return [gradient_added_to_main_grad(w) for w in weights_NK]
+
+

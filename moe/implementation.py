@@ -1,12 +1,16 @@
 """Which implementation runs each part of the Megatron-Core model: the experts, the core attention, and the
 activation recompute. The architecture (moe.architecture) fixes what the model computes; these choices only
 change how, so every choice computes the same function (tests/test_moe_grouped_experts.py,
-tests/test_moe_sdpa_attention.py, tests/test_moe_recompute.py).
+tests/test_moe_sdpa_attention.py, tests/test_moe_recompute.py,
+tests/test_moe_token_dispatch.py).
 
   experts   grouped     one torch grouped GEMM per projection over all local experts (moe.experts)
             sequential  Megatron's SequentialMLP: a Python loop of per-expert matmuls (the earlier default)
   attention sdpa        torch scaled_dot_product_attention (flash on CUDA, native GQA) (moe.attention)
             local       Megatron's DotProductAttention (materialises [B, heads, S, S] scores)
+  dispatcher fast       Megatron's all-to-all token dispatcher without its identity chunk sort (TP x EP = 1) and
+                        with an atomic-free sum of each token's expert outputs (moe.token_dispatch)
+            megatron    Megatron's MoEAlltoAllTokenDispatcher as it is
   recompute none        every activation is kept for backward
             selective   Megatron's selective recompute of the core attention and the whole MoE layer (router,
                         dispatch, experts, combine): the MoE layer keeps only its input
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 EXPERT_PATHS = ("grouped", "sequential")
 ATTENTION_PATHS = ("sdpa", "local")
 RECOMPUTE_MODES = ("none", "selective", "full")
+DISPATCHERS = ("fast", "megatron")
+EXPERT_WGRAD = ("auto", "add", "foreach", "addmm")  # moe.experts.WGRAD_ACCUMULATIONS
 
 
 class ImplementationError(ValueError):
@@ -34,11 +40,17 @@ class ModelImplementation:
     experts: str = "grouped"
     attention: str = "sdpa"
     recompute: str = "none"
+    dispatcher: str = "fast"
+    # how the grouped experts' weight gradients reach DDP's fp32 main_grad (moe.experts.WGRAD_ACCUMULATIONS):
+    # a benchmark switch, every mode computes the same gradient
+    expert_wgrad: str = "auto"
 
     def __post_init__(self) -> None:
         for key, value, valid in (("experts", self.experts, EXPERT_PATHS),
                                   ("attention", self.attention, ATTENTION_PATHS),
-                                  ("recompute", self.recompute, RECOMPUTE_MODES)):
+                                  ("recompute", self.recompute, RECOMPUTE_MODES),
+                                  ("dispatcher", self.dispatcher, DISPATCHERS),
+                                  ("expert_wgrad", self.expert_wgrad, EXPERT_WGRAD)):
             if value not in valid:
                 raise ImplementationError(f"model.{key} must be one of {', '.join(valid)}; got {value!r}")
 

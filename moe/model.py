@@ -28,7 +28,8 @@ def transformer_engine_available() -> bool:
 def layer_spec(config, use_transformer_engine: bool | None = None,
                implementation: ModelImplementation = ModelImplementation()):
     """Layer specs per decoder layer: Transformer Engine's when TE is available on a GPU host; otherwise
-    Megatron's local (torch) spec with the experts and core attention that `implementation` names."""
+    Megatron's local (torch) spec with the experts, core attention and token dispatcher that `implementation`
+    names."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if use_transformer_engine is None:
@@ -50,6 +51,14 @@ def layer_spec(config, use_transformer_engine: bool | None = None,
 
             layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         mlp = layer.submodules.mlp
+        if implementation.dispatcher == "fast" and getattr(mlp.submodules, "experts", None) is not None:
+            from megatron.core.transformer.moe.moe_layer import MoELayer
+
+            from moe.token_dispatch import FastDispatchMoELayer
+
+            if mlp.module not in (MoELayer, FastDispatchMoELayer):
+                raise RuntimeError(f"layer_spec: expected Megatron's MoELayer, found {mlp.module}")
+            mlp.module = FastDispatchMoELayer
         if implementation.experts == "grouped" and getattr(mlp.submodules, "experts", None) is not None:
             from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -60,6 +69,8 @@ def layer_spec(config, use_transformer_engine: bool | None = None,
                 raise RuntimeError(f"layer_spec: expected Megatron's local SequentialMLP experts, found "
                                    f"{mlp.submodules.experts.module}")
             mlp.submodules.experts.module = GroupedGemmExperts
+            mlp.submodules.experts.params = {**mlp.submodules.experts.params,
+                                             "wgrad_accumulation": implementation.expert_wgrad}
     return spec
 
 

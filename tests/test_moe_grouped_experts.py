@@ -284,10 +284,11 @@ def _count_stack_ops():
     return _Recorder()
 
 
-def _ddp_body(rank, world_size, seed):
+def _ddp_body(rank, world_size, seed, wgrad="auto"):
     """Sequential and grouped experts, both in Megatron's DDP (distributed optimizer layout), float32 and
     bfloat16: outputs, token / router-weight gradients and every expert's main_grad (what the DDP hooks
-    accumulated), plus what the grouped path did with the weights."""
+    accumulated), plus what the grouped path did with the weights. `wgrad`: the grouped experts' weight-
+    gradient accumulation (moe.experts.WGRAD_ACCUMULATIONS)."""
     import moe.experts as experts_module
     from moe.architecture import Qwen3MoeArchitecture
     from moe.cpu_shim import apply_cpu_shim
@@ -303,7 +304,8 @@ def _ddp_body(rank, world_size, seed):
     arch = Qwen3MoeArchitecture(**ARCH)
     gen = torch.Generator().manual_seed(seed)
     build = lambda impl, dtype=torch.float32: build_any_model(  # noqa: E731
-        arch, params_dtype=dtype, implementation=ModelImplementation(experts=impl), use_transformer_engine=False)
+        arch, params_dtype=dtype, implementation=ModelImplementation(experts=impl, expert_wgrad=wgrad),
+        use_transformer_engine=False)
     full = {n: p.detach().clone() for n, p in build("sequential").named_parameters()}
     full_bf16 = {n: t.bfloat16() for n, t in full.items()}
     models = {}
@@ -464,13 +466,38 @@ def test_expert_offsets_are_int32_cumulative_ends_on_the_device():
             assert offs.is_cuda and offs.dtype == torch.int32 and torch.equal(offs.cpu(), expected)
 
 
-@pytest.mark.gpu
-def test_ddp_wrapped_grouped_experts_on_cuda():
-    """The DDP checks on a GPU: the bf16 grouped GEMM kernel (sm90+) reads the strided [E, N, K] view of the
-    parameter buffer (an expert stride larger than N K); fp32 its per-group fallback."""
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    result = (seed, run_distributed(_ddp_body, world_size=1, args=(seed,), timeout_s=300, env=CUDA_ENV)[0])
+def _ddp_checks(result):
     test_experts_register_last_to_first_but_index_and_iterate_in_order(result)
     test_ddp_wrapped_expert_weights_are_one_zero_copy_view(result)
     test_ddp_wrapped_grouped_experts_equal_sequential_float32(result)
+    test_ddp_wrapped_grouped_experts_accumulate_micro_batches_in_main_grad(result)
     test_ddp_wrapped_grouped_experts_bf16_error_is_within_twice_sequential(result)
+
+
+def test_ddp_wrapped_grouped_experts_with_foreach_accumulation():
+    """The multi-tensor add of the per-expert gradients into main_grad: the same checks as the default."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    _ddp_checks((seed, run_distributed(_ddp_body, world_size=1, args=(seed, "foreach"), timeout_s=240)[0]))
+
+
+def test_addmm_accumulation_needs_cuda():
+    from moe.experts import _WgradPlan
+    from moe.implementation import ImplementationError
+
+    with pytest.raises(ImplementationError, match="'addmm' needs CUDA"):
+        _WgradPlan("addmm", [1, 2], torch.device("cpu"))
+    assert _WgradPlan("auto", [1, 2], torch.device("cpu")).mode == "add"
+    with pytest.raises(ImplementationError, match="model.expert_wgrad must be one of"):
+        from moe.implementation import ModelImplementation
+
+        ModelImplementation(expert_wgrad="fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgrad", ["auto", "add", "foreach"])
+def test_ddp_wrapped_grouped_experts_on_cuda(wgrad):
+    """The DDP checks on a GPU: the bf16 grouped GEMM kernel (sm90+) reads the strided [E, N, K] view of the
+    parameter buffer (an expert stride larger than N K); fp32 its per-group fallback. `auto` is the per-expert
+    cuBLAS GEMM accumulating in place into the fp32 main_grad (`addmm`)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    _ddp_checks((seed, run_distributed(_ddp_body, world_size=1, args=(seed, wgrad), timeout_s=300, env=CUDA_ENV)[0]))
