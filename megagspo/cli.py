@@ -1,6 +1,7 @@
 """megagspo command line.
 
     megagspo train  --config configs/tiny_cpu.yaml [section.key=value ...]   cold-start SFT, then RL
+    megagspo train  ... --resume | --overwrite                                continue the run / move it aside
     megagspo sft    --config configs/tiny_cpu.yaml [overrides]               cold-start SFT only (checkpoint)
     megagspo export --checkpoint runs/tiny_cpu [--out DIR]                    Hugging Face folder (safetensors)
     megagspo plan   --config configs/qwen3_30b_a3b_gspo.yaml [overrides]       per-GPU memory plan
@@ -20,12 +21,42 @@ import warnings
 
 
 def _quiet_third_party() -> None:
+    """What the libraries say that a user cannot act on is dropped; any other warning keeps Python's default
+    (shown once per place it is raised from)."""
     import logging
 
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|cuda_graph_scope).*")
+    # Megatron's distributed optimizer calls these torch.distributed names; torch 2.13 deprecates them
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r".*torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
     logging.getLogger("moe.cpu_shim").setLevel(logging.WARNING)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for name in ("moe.cpu_shim", "moe.megatron_compat"):
+        logging.getLogger(name).addFilter(_PATCH_LINES)
+
+
+class _PatchLines:
+    """The CPU shim and the Megatron compatibility steps log one line per patch (moe.cpu_shim,
+    moe.megatron_compat); the CLI keeps them and says them in one line (MEGAGSPO_VERBOSE=1: every line)."""
+
+    def __init__(self) -> None:
+        self.lines: list = []
+
+    def filter(self, record) -> bool:
+        if os.environ.get("MEGAGSPO_VERBOSE", "") not in ("", "0"):
+            return True
+        self.lines.append(record.getMessage())
+        return False
+
+    def say_once(self) -> None:
+        if self.lines and os.environ.get("RANK", "0") == "0":
+            print(f"megagspo: {len(self.lines)} logged patches make megatron-core run here (CPU shim, compatibility "
+                  "fixes; MEGAGSPO_VERBOSE=1 prints each, docs/platform.md explains them)", flush=True)
+        self.lines = []
+
+
+_PATCH_LINES = _PatchLines()
 
 
 def _train(args, rl: bool) -> int:
@@ -34,18 +65,31 @@ def _train(args, rl: bool) -> int:
     from megagspo.config import ConfigError, load_config
     from megagspo.errors import os_error_message
 
-    overrides = list(args.overrides) + (["checkpoint.resume=latest"] if getattr(args, "resume", False) else [])
+    from megagspo.checkpoint.run_folder import RunAlreadyFinished, summary_lines
+
+    if getattr(args, "resume", False) and getattr(args, "overwrite", False):
+        print(f"megagspo {args.command}: error: --resume continues the run in the folder and --overwrite moves it "
+              "aside: pass one of them", file=sys.stderr)
+        return 2
+    overrides = list(args.overrides) + (["checkpoint.resume=latest"] if getattr(args, "resume", False) else []) \
+        + (["checkpoint.resume=never"] if getattr(args, "overwrite", False) else [])
     try:
         cfg = load_config(args.config, overrides)
         from megagspo.trainer import Trainer
 
         trainer = Trainer(cfg)
+    except RunAlreadyFinished as exc:  # `make train` twice: the answer, not a second run
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megagspo {args.command}: {exc}; its summary.json:")
+            print("\n".join(summary_lines(exc.summary)), flush=True)
+        return 0
     except (ConfigError, ValueError, FileNotFoundError, CheckpointError, RunFolderBusy) as exc:
         print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the filesystem refused a read or a write: say which path and why, in one line
         print(f"megagspo {args.command}: error: {os_error_message(exc)}", file=sys.stderr)
         return 2
+    _PATCH_LINES.say_once()
     try:
         trainer.train(rl=rl)
     except Preempted as exc:
@@ -171,26 +215,31 @@ def _ablate(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="megagspo", description="GSPO RL for Qwen3-MoE on Megatron-Core")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("train", "cold-start SFT, then GSPO / GSPO-token / GRPO"),
-                            ("sft", "cold-start SFT only; saves a checkpoint (use as model.init_from)")):
+    parser = argparse.ArgumentParser(prog="megagspo", description="GSPO RL for Qwen3-MoE on Megatron-Core",
+                                     epilog="megagspo COMMAND --help describes a command's options")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    for name, help_text in (("train", "cold-start SFT, then RL: GSPO / GSPO-token / GRPO"),
+                            ("sft", "cold-start SFT only: a checkpoint for model.init_from")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", default="configs/tiny_cpu.yaml", help="YAML recipe")
         p.add_argument("overrides", nargs="*", help="section.key=value, e.g. rl.steps=20 seed=1")
         p.add_argument("--resume", action="store_true",
                        help="continue from the run's latest intact checkpoint; an error when there is none "
                             "(= checkpoint.resume=latest; checkpoint.resume=auto starts fresh instead)")
+        p.add_argument("--overwrite", action="store_true",
+                       help="start fresh where the run folder holds a run: the earlier run moves whole to "
+                            "<run>.replaced-<time>/ first (= checkpoint.resume=never); without it a fresh start "
+                            "there is refused")
         if name == "train":
             p.add_argument("--dry-run", action="store_true",
                            help="validate the recipe (config, layout, checkpoint shapes, memory plan) and exit")
-    p = sub.add_parser("plan", help="print the per-GPU memory plan of a recipe; refuse one that cannot fit")
+    p = sub.add_parser("plan", help="per-GPU memory plan; refuses a recipe that cannot fit")
     p.add_argument("--config", required=True, help="YAML recipe")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.world_size=16")
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
+    p = sub.add_parser("export", help="write a run's weights as a Hugging Face folder")
     p.add_argument("--checkpoint", required=True, help="run folder or checkpoint.pt")
     p.add_argument("--out", default="", help="output folder (default <run>/hf)")
-    p = sub.add_parser("ablate", help="run an A/B ablation (arms x seeds, shared cold start) and write its report")
+    p = sub.add_parser("ablate", help="A/B ablation: arms x seeds, shared cold start, report")
     p.add_argument("--config", required=True, help="ablation recipe, e.g. configs/ablations/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. rl.steps=20")
     p.add_argument("--out", default="", help="output folder (default: the recipe's out_dir, else runs/ablations/NAME)")

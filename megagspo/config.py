@@ -536,9 +536,11 @@ class CheckpointConfig:
 
     every_steps: int = 25           # also at the end of RL, after cold-start SFT, and on SIGTERM/SIGINT (0 = only those)
     keep_last: int = 3              # finished checkpoints kept (older ones deleted after each new one)
-    # "" = a fresh run (earlier checkpoints are moved aside once everything has been validated) | latest (what
-    # --resume sets): the newest intact checkpoint, an error when there is none | auto: latest when there is
-    # one, else a fresh run (ablation cells, requeued jobs) | a checkpoint / checkpoints / run folder
+    # "" = a fresh run, refused where the run folder holds an earlier run (a finished run of this config: its
+    # summary is printed instead) | never (what --overwrite sets): a fresh run, the earlier run moved whole to
+    # <run>.replaced-<time>/ once everything has been validated | latest (what --resume sets): the newest intact
+    # checkpoint, an error when there is none | auto: latest when there is one, else as never (ablation cells,
+    # requeued jobs) | a checkpoint / checkpoints / run folder (megagspo.checkpoint.run_folder)
     resume: str = ""
     metrics_tail: int = 10000       # metrics rows stored in each checkpoint (restores metrics.jsonl if it is lost)
     # A resume refuses a change to what defines the run (seed, model, data, reward, the loss and its clip /

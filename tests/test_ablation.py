@@ -100,6 +100,10 @@ def test_arms_differ_only_in_what_they_name(tmp_path):
             assert cfg["checkpoint.resume"] == "auto"
     cold = flatten_keys(spec.cold_start_config(0, ["rl.steps=7"]).to_dict())
     assert cold["rl.steps"] == 0 and cold["sft.steps"] == 250 and cold["seed"] == 0
+    for run in runs:  # what `ablate --print-commands` prints names each key once (the last value won anyway)
+        keys = [o.split("=", 1)[0] for o in run.overrides]
+        assert len(keys) == len(set(keys)), run.overrides
+    assert [o for o in runs[0].overrides if o.startswith("rl.steps=")] == ["rl.steps=0"]
 
 
 def test_a_folder_with_another_config_is_refused_not_overwritten(tmp_path):

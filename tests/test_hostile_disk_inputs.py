@@ -2,7 +2,7 @@
 
 - which weights a run folder holds: `megagspo export`, `model.init_from=<run folder>` and --resume give one
   answer, the current run's newest intact step checkpoint; an earlier run's checkpoint.pt is moved aside by a
-  fresh run and never read as this run's; a checkpoint pruned while it is read is skipped, not called broken;
+  fresh run (--overwrite: the whole earlier run, into one sibling folder) and never read as this run's; a checkpoint pruned while it is read is skipped, not called broken;
 - every JSON read from disk goes through one bounded reader (moe/json_files.py): nesting 100,000 deep in an
   HF folder's config.json, safetensors index or generation_config.json, or in a checkpoint's manifest,
   trainer_state.json, model/metadata.json or the KL reference record, is a one-line error naming the file, and
@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     first = _train(out, "r", "rl.steps=2")
     shutil.copytree(first, out / "a_only")
-    second = _train(out, "r", "rl.steps=1", "seed=5", "log.save_checkpoint=false")
+    second = _train(out, "r", "rl.steps=1", "seed=5", "log.save_checkpoint=false", "--overwrite")
     return {"out": out, "run": second, "a_only": str(out / "a_only")}
 
 
@@ -71,10 +71,13 @@ def test_a_stale_checkpoint_pt_is_moved_aside_and_never_read(runs):
     got = load_checkpoint(run)  # what export and model.init_from read
     assert got.get("path") == own["path"] == resolve_checkpoint(run), got.get("path")
     assert _same_state(got["state"], own["state"]) and not _same_state(got["state"], stale)
-    # the earlier run's files went aside together, nothing was deleted
+    # the earlier run went aside whole, into one sibling folder; nothing was deleted
     assert not os.path.exists(os.path.join(run, "checkpoint.pt"))
-    aside = [n for n in os.listdir(run) if n.startswith("checkpoints.replaced-")]
-    assert len(aside) == 1 and {"checkpoint.pt", "cold_start.pt", "step_000002"} <= set(os.listdir(os.path.join(run, aside[0])))
+    out = runs["out"]
+    aside = [n for n in os.listdir(out) if n.startswith("r.replaced-")]
+    assert len(aside) == 1 and {"checkpoint.pt", "cold_start.pt", "checkpoints", "metrics.jsonl"} <= \
+        set(os.listdir(os.path.join(out, aside[0])))
+    assert "step_000002" in os.listdir(os.path.join(out, aside[0], "checkpoints"))
 
 
 @pytest.mark.slow

@@ -434,8 +434,9 @@ def test_a_trainer_owns_its_run_folder_until_it_ends(tmp_path):
 
 
 def test_a_fresh_start_that_fails_its_checks_leaves_the_run_resumable(run, capsys, monkeypatch):
-    """A fresh run over earlier checkpoints that fails after choosing its resume point (here: building the
-    model) has not moved them aside, nor written anything: --resume still finds them."""
+    """A fresh run over earlier checkpoints (--overwrite: without it the start is refused) that fails after
+    choosing its resume point (here: building the model) has not moved them aside, nor written anything:
+    --resume still finds them."""
     from megagspo.config import ConfigError
     from megagspo.trainer import policy
 
@@ -445,7 +446,7 @@ def test_a_fresh_start_that_fails_its_checks_leaves_the_run_resumable(run, capsy
     monkeypatch.setattr(policy.MegatronPolicy, "__init__", fail)
     tmp, run_dir = run
     rc, err = _cli_inprocess(capsys, "--config", os.path.join(REPO, "configs/tiny_cpu.yaml"), *TINY,
-                             f"log.out_dir={tmp}", "name=r")
+                             f"log.out_dir={tmp}", "name=r", "--overwrite")
     assert rc == 2 and "injected: the model cannot be built" in err, err
     assert os.path.isdir(run_dir / "checkpoints" / "step_000002")  # not moved aside
     assert not [p for p in os.listdir(tmp) if "replaced" in p] and not (run_dir / "config.yaml").exists()

@@ -4,7 +4,8 @@ Each run is an ordinary training run in its own folder (<out>/<arm>/seed<s>, <ou
 cluster can run the same cells as separate jobs (`megagspo ablate --print-commands`) and `--report-only`
 combines them afterwards. A run is done when its summary.json exists and its config.yaml equals the config
 this ablation asks for; done runs are skipped, interrupted ones resume from their last checkpoint
-(cells run with checkpoint.resume=auto), and a folder holding a different config is refused, not overwritten.
+(cells run with checkpoint.resume=auto; an interrupted cold start is redone with --overwrite, its attempt moved
+aside), and a folder holding a different config is refused, not overwritten.
 Subprocesses, not threads: Megatron's parallel state is process-global, and one run crashing must not take
 the others down.
 """
@@ -66,8 +67,9 @@ def run_state(spec: AblationSpec, run: Run, extra: List[str]) -> str:
         return "new"
     saved = read_yaml_mapping(cfg_path, "run config")  # duplicate keys, size, depth: as for a recipe
     want = expected_config(spec, run, extra)
-    for d in (saved, want):  # a progress bar does not make a different run
+    for d in (saved, want):  # a progress bar, or how the run was started (--overwrite), does not make a different run
         d.get("log", {}).pop("progress", None)
+        d.get("checkpoint", {}).pop("resume", None)
         # Derived from rl.routing_replay / rl.old_logp (compared there), not settings: a folder written before
         # they were derived holds the old default and is the same run.
         d.get("rollout", {}).pop("record_routes", None)
@@ -118,7 +120,7 @@ class AblationRunner:
         self.say = say
         self.log_dir = os.path.join(spec.out_dir, "logs")
 
-    def _start(self, run: Run) -> subprocess.Popen:
+    def _start(self, run: Run, overwrite: bool = False) -> subprocess.Popen:
         os.makedirs(self.log_dir, exist_ok=True)
         log_path = os.path.join(self.log_dir, f"{run.arm}_seed{run.seed}.log")
         env = dict(os.environ)
@@ -127,7 +129,7 @@ class AblationRunner:
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [sys.executable, "-m", "megagspo.cli", run.command, "--config", self.spec.base, *run.overrides,
-               "log.progress=false"]
+               "log.progress=false"] + (["--overwrite"] if overwrite else [])
         log = open(log_path, "a")
         log.write(f"\n$ {' '.join(shlex.quote(c) for c in cmd)}\n")
         log.flush()
@@ -140,7 +142,7 @@ class AblationRunner:
         """Runs what is not done yet. -> the runs that failed (their logs are named in the output)."""
         runs = plan_runs(self.spec, self.extra)
         self.spec.validate_runs(self.extra)
-        todo = []
+        todo, restart = [], set()
         for run in runs:
             # The cell's log.progress=false is added on the command line only, so compare without it.
             state = run_state(self.spec, run, self.extra)
@@ -148,7 +150,11 @@ class AblationRunner:
                 self.say(f"[ablation] {run.label}: already done ({run.run_dir})")
             else:
                 todo.append(run)
-                if state == "partial":
+                if state == "partial" and run.kind == "cold_start":  # SFT has no checkpoint to resume from
+                    restart.add(run.run_dir)
+                    self.say(f"[ablation] {run.label}: an interrupted cold start in {run.run_dir}: redone, the "
+                             "interrupted attempt moved aside")
+                elif state == "partial":
                     self.say(f"[ablation] {run.label}: resuming an interrupted run in {run.run_dir}")
         failed: List[Run] = []
         cold_failed = set()
@@ -168,7 +174,7 @@ class AblationRunner:
                         failed.append(nxt)
                         self.say(f"[ablation] {nxt.label}: skipped, its cold start failed")
                         continue
-                    proc = self._start(nxt)
+                    proc = self._start(nxt, overwrite=nxt.run_dir in restart)
                     running.append((nxt, proc, time.perf_counter()))
                     self.say(f"[ablation] {nxt.label}: started ({nxt.run_dir}; log {proc.log_path})")
                 time.sleep(0.5)

@@ -38,6 +38,13 @@ _ARM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _SPEC_KEYS = ("name", "base", "seeds", "cold_start", "common", "arms", "out_dir")
 
 
+def last_wins(overrides: List[str]) -> List[str]:
+    """The overrides without those a later one of the same key replaces (the config is the same: the last value
+    wins either way), so that a printed command names each key once."""
+    last = {o.split("=", 1)[0]: i for i, o in enumerate(overrides)}
+    return [o for i, o in enumerate(overrides) if last[o.split("=", 1)[0]] == i]
+
+
 def _override_list(flat: Dict[str, object]) -> List[str]:
     """{'rl.clip_low': 0.2} -> ['rl.clip_low=0.2'] (values as YAML scalars, so they parse back unchanged)."""
     out = []
@@ -102,9 +109,9 @@ class AblationSpec:
         return os.path.join(self.out_dir, arm, f"seed{seed}")
 
     def cold_start_overrides(self, seed: int, extra: List[str]) -> List[str]:
-        return (_override_list(self.common) + list(extra) +
-                [f"seed={seed}", f"name=seed{seed}", f"log.out_dir={os.path.join(self.out_dir, 'cold_start')}",
-                 "rl.steps=0"])
+        return last_wins(_override_list(self.common) + list(extra) +
+                         [f"seed={seed}", f"name=seed{seed}", f"log.out_dir={os.path.join(self.out_dir, 'cold_start')}",
+                          "rl.steps=0"])
 
     def cell_overrides(self, arm: str, seed: int, extra: List[str]) -> List[str]:
         """Overrides of the base recipe for one (arm, seed) run; `extra` (the command line's) apply to every run."""
@@ -113,7 +120,7 @@ class AblationSpec:
                 "checkpoint.resume=auto"]
         if self.cold_start == "sft":
             out += [f"model.init_from={os.path.join(self.cold_start_dir(seed), 'checkpoint.pt')}", "sft.steps=0"]
-        return out
+        return last_wins(out)
 
     def cell_config(self, arm: str, seed: int, extra: List[str], missing: Optional[list] = None) -> Config:
         """The run's config; paths absent here (the cold start not written yet, cluster paths) are not errors:

@@ -53,9 +53,6 @@ OPTIMIZER_DIR = "optimizer"
 RNG = "rng.safetensors"
 STATE = "trainer_state.json"
 REQUIRED = (f"{MODEL_DIR}/.metadata", f"{MODEL_DIR}/metadata.json", f"{MODEL_DIR}/common.pt", RNG, STATE)
-# What a run folder holds besides its step checkpoints that a later run must never read as its own: a fresh
-# run moves them aside with checkpoints/ (CheckpointManager.retire_previous).
-FULL_STATE_FILES = ("checkpoint.pt", "cold_start.pt", "reference.safetensors", "reference.json")
 MAX_STATE_BYTES = 256 << 20
 
 
@@ -246,10 +243,11 @@ class CheckpointManager:
     # ---- resume ------------------------------------------------------------------------------------
     def _resolve(self) -> Optional[str]:
         mode = self.ck.resume
-        if mode in ("", "never"):
-            return self._fresh()
+        if mode in ("", "never"):  # "": a plain start; never: --overwrite
+            return self._fresh(refuse_earlier_run=mode == "")
         if mode == "auto":
-            return store.latest_good(self.root, REQUIRED, self.say, check=check_run_checkpoint) or self._fresh()
+            return (store.latest_good(self.root, REQUIRED, self.say, check=check_run_checkpoint)
+                    or self._fresh(refuse_earlier_run=False))
         if mode == "latest":
             found = store.latest_good(self.root, REQUIRED, self.say, check=check_run_checkpoint)
             if found is None:
@@ -269,21 +267,23 @@ class CheckpointManager:
         raise CheckpointError(f"checkpoint.resume = {path!r}: no checkpoint there (expected a step_XXXXXX folder, "
                               "a checkpoints folder or a run folder)")
 
-    def _fresh(self) -> None:
-        """A fresh run: whatever an earlier run left (checkpoints/, checkpoint.pt, cold_start.pt, the KL
-        reference) is moved aside by retire_previous(), once the whole run has been validated (a run that
-        fails its checks leaves the folder as it was); nothing of it is read as this run's."""
-        self._retire_pending = bool(self._leftovers())
-        return None
+    def _fresh(self, refuse_earlier_run: bool) -> None:
+        """A fresh run over an earlier one (megagspo.checkpoint.run_folder): a plain start is refused (a finished
+        run of this config: RunAlreadyFinished); --overwrite / auto move the whole earlier run aside in
+        retire_previous(), once this run has been validated (a start that fails its checks leaves the folder as
+        it was), so nothing of it is read or overwritten as this run's."""
+        from .run_folder import check_fresh_start, earlier_run
 
-    def _leftovers(self) -> list:
-        run_dir = self.cfg.run_dir()
-        out = [self.root] if os.path.isdir(self.root) and os.listdir(self.root) else []
-        return out + [os.path.join(run_dir, n) for n in FULL_STATE_FILES if os.path.lexists(os.path.join(run_dir, n))]
+        if refuse_earlier_run:
+            check_fresh_start(self.cfg.run_dir(), self.cfg.to_dict())
+        self._retire_pending = bool(earlier_run(self.cfg.run_dir()))
+        return None
 
     def find_resume(self, arch, dataset_size: int) -> Optional[dict]:
         """Collective: rank 0 picks and verifies the checkpoint, every rank gets {path, state} or None.
         Raises CheckpointError (on every rank) when it is corrupt or was written for another model."""
+        from .run_folder import RunAlreadyFinished
+
         def pick():
             try:
                 path = self._resolve()
@@ -292,42 +292,38 @@ class CheckpointManager:
                 state = read_trainer_state(path)
                 self._check_compatible(path, state, arch, dataset_size)
                 return {"path": path, "state": state}
+            except RunAlreadyFinished as exc:  # not an error: every rank gets it and stops the same way
+                return {"finished": str(exc), "summary": exc.summary}
             except (OSError, ValueError) as exc:
                 raise CheckpointError(f"{type(exc).__name__}: {exc}") from None
 
         answer = run_on_rank0("choosing the checkpoint to resume", pick, peer_error=CheckpointError)
+        if answer and "finished" in answer:
+            raise RunAlreadyFinished(answer["finished"], answer["summary"])
         if answer:
             self.run_id = answer["state"].get("run_id", self.run_id)
             self.say(f"resuming from {answer['path']} (step {answer['state']['step']})")
         return answer
 
     def retire_previous(self) -> None:
-        """Collective: a fresh run over an earlier run's files moves them ALL (checkpoints/ and the full-state
-        files FULL_STATE_FILES) into checkpoints.replaced-<time>/ (never deletes them), so that `megagspo
-        export`, `model.init_from` and --resume of this folder only ever find this run's weights. Called once
-        everything the run needs has been checked, before its first write."""
+        """Collective: a fresh run over an earlier run (--overwrite, or auto with nothing to resume) moves ALL of
+        it (metrics, summary, plots, config, TensorBoard events, checkpoints, full-state files) into one sibling
+        folder <run>.replaced-<time>/ (megagspo.checkpoint.run_folder; never deletes or truncates), so that
+        `megagspo export`, `model.init_from`, --resume and TensorBoard only ever find this run's files here.
+        Called once everything the run needs has been checked, before its first write."""
+        from .run_folder import move_earlier_run_aside
+
         def move():
             if not self._retire_pending:
                 return None
-            aside = f"{self.root}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-            n = 1
-            while os.path.lexists(aside):
-                aside, n = f"{self.root}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
-            leftovers = self._leftovers()
-            if self.root in leftovers:
-                os.rename(self.root, aside)
-            else:
-                os.makedirs(aside)
-            for path in leftovers:
-                if path != self.root:
-                    os.rename(path, os.path.join(aside, os.path.basename(path)))
+            aside = move_earlier_run_aside(self.cfg.run_dir())
             self._retire_pending = False
-            names = ", ".join(os.path.basename(p) + ("/" if p == self.root else "") for p in leftovers)
-            self.say(f"a fresh run (no --resume): the earlier run's {names} in {self.cfg.run_dir()} moved to "
-                     f"{aside}; pass --resume to continue them instead")
+            if aside:
+                self.say(f"a fresh run: the earlier run in {self.cfg.run_dir()} (metrics, summary, plots, TensorBoard "
+                         f"events, checkpoints) moved whole to {aside}; nothing was deleted")
             return None
 
-        run_on_rank0("moving the earlier checkpoints aside", move)
+        run_on_rank0("moving the earlier run aside", move)
 
     def _check_compatible(self, path: str, state: dict, arch, dataset_size: int) -> None:
         saved, now = state.get("arch", {}), arch_dict(arch)

@@ -1,0 +1,139 @@
+"""A run folder that already holds a run: what a new start there may do, so that a rerun never loses a run.
+
+    checkpoint.resume = ""      (a plain `megagspo train`) refused over an earlier run: FolderHoldsRun names
+                                --resume and --overwrite; a FINISHED run of the same config is not started over
+                                (RunAlreadyFinished: the CLI prints its summary and exits 0)
+    checkpoint.resume = never   (`--overwrite`) the whole earlier run (metrics, summary, plots, config,
+                                TensorBoard events, checkpoints, exports) moves to ONE sibling folder
+                                `<run>.replaced-<time>/` before this run writes anything; nothing is deleted
+                                or truncated, and that folder is a complete run folder (resume, export, plots)
+    checkpoint.resume = auto    as latest when there is a checkpoint, else as never (requeued jobs, ablation cells)
+
+Everything in the folder except its lock file (megagspo.checkpoint.run_lock, held by this process) counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import List, Optional
+
+from .run_lock import LOCK_FILE
+from .store import CheckpointError
+
+SUMMARY = "summary.json"
+CONFIG = "config.yaml"
+# How a run was started, not what it is: a rerun that differs only here is the same run.
+NOT_RUN_DEFINING = ("checkpoint.resume", "log.progress")
+
+
+class FolderHoldsRun(CheckpointError):
+    """A fresh start in a folder that holds an earlier run (neither --resume nor --overwrite given)."""
+
+
+class RunAlreadyFinished(CheckpointError):
+    """The folder holds a finished run of exactly this config: nothing to do. `summary` is its summary.json."""
+
+    def __init__(self, message: str, summary: Optional[dict] = None) -> None:
+        super().__init__(message)
+        self.summary = summary or {}
+
+
+def earlier_run(run_dir: str) -> List[str]:
+    """Names of what an earlier run left in run_dir (sorted; empty when there is none)."""
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n != LOCK_FILE)
+
+
+def _read_summary(run_dir: str) -> Optional[dict]:
+    from moe.json_files import JsonFileError, read_json
+
+    path = os.path.join(run_dir, SUMMARY)
+    if not os.path.isfile(path):
+        return None
+    try:
+        summary = read_json(path)
+    except (JsonFileError, OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def config_differences(run_dir: str, asked: dict) -> List[str]:
+    """['seed: 0 there, 1 asked', ...] between the folder's config.yaml and the asked config (flattened, without
+    NOT_RUN_DEFINING); ['config.yaml is missing or unreadable'] when it cannot be compared. A key the saved
+    config lacks (written before that field existed) ran at its default."""
+    from megagspo.config import Config, ConfigError, flatten_keys, read_yaml_mapping
+
+    try:
+        saved = flatten_keys(read_yaml_mapping(os.path.join(run_dir, CONFIG), "run config"))
+    except ConfigError:
+        return [f"{CONFIG} is missing or unreadable"]
+    now, defaults = flatten_keys(asked), flatten_keys(Config().to_dict())
+    return [f"{k}: {saved.get(k, defaults.get(k))!r} there, {now.get(k)!r} asked" for k in sorted(set(saved) | set(now))
+            if k not in NOT_RUN_DEFINING and saved.get(k, defaults.get(k)) != now.get(k)]
+
+
+def check_fresh_start(run_dir: str, asked: dict) -> None:
+    """A plain fresh start (checkpoint.resume = "") may go ahead only in a folder without an earlier run.
+    Raises RunAlreadyFinished (a finished run of this very config) or FolderHoldsRun (anything else)."""
+    names = earlier_run(run_dir)
+    if not names:
+        return
+    summary = _read_summary(run_dir)
+    diff = config_differences(run_dir, asked)
+    if summary is not None and not diff:
+        raise RunAlreadyFinished(f"{run_dir} already holds a finished run of this config: not starting over "
+                                 "(--overwrite moves it aside and runs again; name=OTHER runs beside it)", summary)
+    shown = ", ".join(n + ("/" if os.path.isdir(os.path.join(run_dir, n)) else "") for n in names[:8])
+    shown += ", ..." if len(names) > 8 else ""
+    state = "a finished run" if summary is not None else "an unfinished run (no summary.json)"
+    if diff:
+        state += f" of a different config ({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})"
+    raise FolderHoldsRun(f"{run_dir} already holds {state}: {shown}. Refusing to start a fresh run over it: "
+                         "--resume continues it from its newest checkpoint; --overwrite moves the whole earlier "
+                         f"run aside to {os.path.basename(run_dir)}.replaced-<time>/ and starts fresh; "
+                         "or pass name=OTHER to run beside it")
+
+
+def aside_path(run_dir: str) -> str:
+    """A free sibling `<run>.replaced-<YYYYmmdd-HHMMSS>[-n]` (never an existing path)."""
+    base = f"{os.path.normpath(run_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while os.path.lexists(path):
+        path, n = f"{base}-{n}", n + 1
+    return path
+
+
+def move_earlier_run_aside(run_dir: str) -> Optional[str]:
+    """Move everything in run_dir but the lock into one new sibling folder; -> that folder, or None when the
+    folder held nothing. Renames only (the sibling is on the same filesystem): no file is copied, truncated or
+    deleted, and a file that was open for appending keeps its content."""
+    names = earlier_run(run_dir)
+    if not names:
+        return None
+    aside = aside_path(run_dir)
+    os.makedirs(aside)
+    for name in names:
+        os.rename(os.path.join(run_dir, name), os.path.join(aside, name))
+    return aside
+
+
+def summary_lines(summary: dict) -> List[str]:
+    """A finished run's summary.json as lines a person reads: the accuracies and times first, then the rest."""
+    def shown(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}" if abs(value) < 1000 else f"{value:,.0f}"
+        if isinstance(value, (list, dict)):
+            return json.dumps(value) if len(json.dumps(value)) < 100 else f"({len(value)} entries)"
+        return str(value)
+
+    keys = sorted(summary, key=lambda k: (not k.endswith("accuracy"), k))
+    return [f"  {k:<30} {shown(summary[k])}" for k in keys]
+
+
+__all__ = ["FolderHoldsRun", "RunAlreadyFinished", "aside_path", "check_fresh_start", "config_differences",
+           "earlier_run", "move_earlier_run_aside", "summary_lines"]
