@@ -12,8 +12,13 @@ a profile (top kernels, device time outside matmuls and attention) and a JSON fi
 Paths (moe.model.build_model's `implementation`, moe/implementation.py; --paths, default grouped+sdpa):
   sequential+local  Megatron's SequentialMLP (a Python loop over the experts) and DotProductAttention (the
                     local spec as Megatron ships it: the earlier default; ~40 s per run on a GPU, not a goal)
-  grouped+sdpa      torch grouped_mm experts (moe.experts) and torch SDPA core attention (moe.attention): the
-                    default on CPU and GPU
+  grouped+sdpa      torch grouped_mm experts (moe.experts) and torch SDPA core attention (moe.attention), the
+                    fast token dispatcher (moe.token_dispatch) and, on CUDA, the experts' weight gradients
+                    accumulated into the fp32 main_grad inside per-expert cuBLAS GEMMs: the default on CPU and GPU
+  grouped+sdpa+megatron-dispatch   the same with Megatron's MoEAlltoAllTokenDispatcher as it is
+  grouped+sdpa+wgrad-add           the same with the weight gradients from one grouped GEMM added by one
+                                   [E, N, K] add (the CPU's path)
+  grouped+sdpa+wgrad-foreach       ... added by torch's multi-tensor add
   te                Transformer Engine's layer spec (only where TE imports, on a GPU host)
 
 One optimizer step is what the trainer runs: --micro-batches k forward+backward passes (each --micro-batch x
@@ -79,8 +84,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-PATHS = {"sequential+local": dict(experts="sequential", attention="local"),
+PATHS = {"sequential+local": dict(experts="sequential", attention="local", dispatcher="megatron"),
          "grouped+sdpa": dict(experts="grouped", attention="sdpa"),
+         "grouped+sdpa+megatron-dispatch": dict(experts="grouped", attention="sdpa", dispatcher="megatron"),
+         "grouped+sdpa+wgrad-add": dict(experts="grouped", attention="sdpa", expert_wgrad="add"),
+         "grouped+sdpa+wgrad-foreach": dict(experts="grouped", attention="sdpa", expert_wgrad="foreach"),
          "te": None}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 PROFILED_PATH = "grouped+sdpa"

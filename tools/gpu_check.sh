@@ -3,6 +3,7 @@
 #
 #   make gpu-check                                   # or: bash tools/gpu_check.sh [--budget S] [--only a,b] [--list]
 #   GPU_CHECK_OUT=/some/dir bash tools/gpu_check.sh  # where summary.txt / summary.json / logs.tgz / _C*.so go
+#   GPU_CHECK_STEP_PATHS=grouped+sdpa,grouped+sdpa+wgrad-add bash tools/gpu_check.sh   # A/B paths in the step stage
 #
 # Stages run in order of value, each under its own time limit (GNU timeout: the stage's whole process group dies
 # with it) and only when at least its minimum time is left of the budget (default 470 s). A failure never aborts
@@ -30,7 +31,7 @@ while (($#)); do
         --budget) BUDGET=$2; shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
         --list) LIST=1; shift ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -228,14 +229,17 @@ XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 6"
 
 # ---- 3.. the stages, most valuable first ------------------------------------------------------------------
-run_stage t-model 170 40 "cuda deps" "$PYTEST -m gpu tests/test_moe_grouped_experts.py tests/test_moe_sdpa_attention.py tests/test_moe_optimizer_fused.py"
+run_stage t-model 170 40 "cuda deps" "$PYTEST -m gpu tests/test_moe_grouped_experts.py tests/test_moe_token_dispatch.py tests/test_moe_sdpa_attention.py tests/test_moe_optimizer_fused.py"
 run_stage t-kernels 120 30 "cuda ext" "$PYTEST $XDIST tests/test_extension_build.py tests/test_kernel_extension.py tests/test_kernel_logprob.py tests/test_kernel_gspo.py tests/test_kernel_linear.py tests/test_kernel_policy_losses.py"
-run_stage step 170 60 "cuda deps" "$PY benchmarks/bench_train_step.py --micro-batches 4 --json '$OUT/step.json' --profile '$OUT/profile'" step
+# GPU_CHECK_STEP_PATHS: more bench_train_step paths to time beside the default one (A/B of an implementation choice)
+STEP_PATHS=${GPU_CHECK_STEP_PATHS:-grouped+sdpa}
+STEP_LIMIT=$(( 110 + 45 * $(tr ',' '\n' <<< "$STEP_PATHS" | wc -l) ))
+run_stage step "$STEP_LIMIT" 60 "cuda deps" "$PY benchmarks/bench_train_step.py --micro-batches 4 --paths '$STEP_PATHS' --json '$OUT/step.json' --profile '$OUT/profile'" step
 run_stage lp-logits 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --tokens 32768 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths fused,fused-inplace --json '$OUT/logits.json'" logits
 run_stage lp-hidden 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths hidden --json '$OUT/hidden.json'" hidden
 run_stage tiny-bf16 180 60 "cuda deps ext" "$PYTEST 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]'"
 # everything else marked gpu in one pytest over several workers (the GPU has room for them): the policy and
 # precision tests, the other end-to-end cases (fp32, fused GSPO loss, GRPO-R2, resume) and the CUDA variants
-run_stage gpu-tests 300 60 "cuda deps ext" "$PYTEST $XDIST -m gpu tests --durations=12 --deselect 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]' --ignore=tests/test_moe_grouped_experts.py --ignore=tests/test_moe_sdpa_attention.py --ignore=tests/test_moe_optimizer_fused.py --ignore=tests/test_kernel_logprob.py --ignore=tests/test_kernel_gspo.py --ignore=tests/test_kernel_linear.py --ignore=tests/test_kernel_policy_losses.py --ignore=tests/test_extension_build.py --ignore=tests/test_kernel_extension.py"
+run_stage gpu-tests 300 60 "cuda deps ext" "$PYTEST $XDIST -m gpu tests --durations=12 --deselect 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]' --ignore=tests/test_moe_grouped_experts.py --ignore=tests/test_moe_token_dispatch.py --ignore=tests/test_moe_sdpa_attention.py --ignore=tests/test_moe_optimizer_fused.py --ignore=tests/test_kernel_logprob.py --ignore=tests/test_kernel_gspo.py --ignore=tests/test_kernel_linear.py --ignore=tests/test_kernel_policy_losses.py --ignore=tests/test_extension_build.py --ignore=tests/test_kernel_extension.py"
 run_stage peers 90 45 "cuda ext peers" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 3 --paths liger,cce --json '$OUT/peers.json'" peers
 wait_build
