@@ -1,4 +1,5 @@
-"""What a user sees: per-step metrics as JSONL (+ TensorBoard when installed), PNG plots at the end.
+"""What a user sees: per-step metrics as JSONL (+ TensorBoard when installed), PNG plots and the held-out
+accuracy lines at the end (a value that was not measured is said to be so, never shown as 0.000).
 
 Only rank 0 writes. Every logged value must be a finite number: a NaN/inf is replaced by nothing — it
 raises, naming the key, because a silent NaN in metrics hides a broken run.
@@ -71,8 +72,81 @@ class MetricsLogger:
             self.tb.close()
 
 
-def write_plots(rows: list, run_dir: str, cold_start_acc: Optional[float] = None) -> list:
-    """reward / accuracy, clip fraction, expert volatility (+ grad norm, length) -> PNGs in run_dir."""
+# ------------------------------------------------------------------------- what the run prints at the end
+def eval_record(prefix: str, row: dict, eval_samples: int) -> dict:
+    """summary.json entries of one held-out evaluation: sampled accuracy only where it was measured
+    (rl.eval_samples > 0), so that an absent value is never recorded as 0."""
+    out = {f"{prefix}/accuracy": row["eval/accuracy"]}
+    if eval_samples:
+        out[f"{prefix}/sampled_accuracy"] = row["eval/sampled_accuracy"]
+    return out
+
+
+def cold_start_line(initial: dict, cold: dict, sft_steps: int) -> str:
+    """The held-out accuracy before RL; without cold-start SFT there is one measurement, said as such."""
+    count = int(cold["eval/count"])
+    if not sft_steps:
+        return (f"held-out accuracy: {cold['eval/accuracy']:.3f} before RL ({count} problems, greedy); "
+                "no cold-start SFT (sft.steps=0)")
+    return (f"held-out accuracy: initial {initial['eval/accuracy']:.3f}, after cold-start SFT "
+            f"{cold['eval/accuracy']:.3f} ({count} problems, greedy)")
+
+
+def final_line(final: dict, cold: dict, rl_steps: int, loss: str, sft_steps: int, eval_samples: int,
+               temperature: float) -> str:
+    """The held-out accuracy after RL against its start; sampled accuracy only where it was measured."""
+    start = "cold start" if sft_steps else "before RL"
+    line = (f"held-out accuracy after {rl_steps} {loss} steps: greedy {final['eval/accuracy']:.3f} "
+            f"({start} {cold['eval/accuracy']:.3f}), ")
+    if not eval_samples:
+        return line + "sampled: not measured (rl.eval_samples=0)"
+    return line + (f"sampled T={temperature:g} {final['eval/sampled_accuracy']:.3f} "
+                   f"({start} {cold['eval/sampled_accuracy']:.3f})")
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def smooth(values: list, window: int) -> list:
+    """Trailing moving average (the first points average what there is so far): the trend of a noisy curve."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def smoothing_window(n: int) -> int:
+    """About 1/20 of the curve, at least 1 (no smoothing for very short runs)."""
+    return max(1, n // 20)
+
+
+def clip_series(rl_rows: list, loss: str) -> list:
+    """[(label, values)] for the clip plot. The low side (A < 0, ratio < 1 - clip_low) and the high side (A > 0,
+    ratio > 1 + clip_high) are separate lines; GSPO clips whole sequences, so its clipped-token fraction is
+    the same event as its clipped sequences and is not drawn again; token-level ratios (GRPO, GSPO-token) add
+    the fraction of tokens clipped."""
+    out = [("sequences clipped low (A < 0, ratio < 1 - clip_low)", [r["clip/seq_low_frac"] for r in rl_rows]),
+           ("sequences clipped high (A > 0, ratio > 1 + clip_high)", [r["clip/seq_high_frac"] for r in rl_rows])]
+    if loss != "gspo":
+        out.append(("tokens clipped (low + high)", [r["clip/tok_frac"] for r in rl_rows]))
+    return out
+
+
+def _raw_and_smoothed(ax, steps: list, values: list, label: str, color: str) -> None:
+    """The raw values faint behind, their moving average on top (the legend names the window)."""
+    window = smoothing_window(len(values))
+    if window == 1:
+        ax.plot(steps, values, color=color, label=label)
+        return
+    ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+    ax.plot(steps, smooth(values, window), color=color, label=f"{label}, mean of {window} steps")
+
+
+def write_plots(rows: list, run_dir: str, cold_start_acc: Optional[float] = None, *, loss: str = "gspo",
+                sampled_measured: bool = True, cold_start_label: str = "cold start") -> list:
+    """reward / accuracy, clip fractions, expert volatility -> PNGs in run_dir. Noisy per-step curves are drawn
+    raw (faint) and smoothed; sampled held-out accuracy only where it was measured (rl.eval_samples > 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,28 +166,30 @@ def write_plots(rows: list, run_dir: str, cold_start_acc: Optional[float] = None
         written.append(path)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward/mean"] for r in rl], label="train reward (sampled, T=1)", alpha=0.7)
-    ev = [(r["step"], r["eval/accuracy"]) for r in rl if r.get("eval/fresh", 0) > 0]
-    if ev:
-        ax.plot([s for s, _ in ev], [a for _, a in ev], "o-", label="held-out accuracy (greedy)")
-        ax.plot([r["step"] for r in rl if r.get("eval/fresh", 0) > 0],
-                [r.get("eval/sampled_accuracy", 0.0) for r in rl if r.get("eval/fresh", 0) > 0], "s-",
-                label="held-out accuracy (sampled, T=1)")
+    _raw_and_smoothed(ax, steps, [r["reward/mean"] for r in rl], "train reward (sampled, T=1)", "C0")
+    fresh = [r for r in rl if r.get("eval/fresh", 0) > 0]
+    if fresh:
+        ax.plot([r["step"] for r in fresh], [r["eval/accuracy"] for r in fresh], "o-", color="C1",
+                label="held-out accuracy (greedy)")
+        if sampled_measured:
+            ax.plot([r["step"] for r in fresh], [r["eval/sampled_accuracy"] for r in fresh], "s-", color="C2",
+                    label="held-out accuracy (sampled, T=1)")
     if cold_start_acc is not None:
-        ax.axhline(cold_start_acc, ls="--", c="gray", label=f"cold start {cold_start_acc:.3f}")
-    ax.set_xlabel("RL step"), ax.set_ylabel("reward / accuracy"), ax.legend(), ax.set_ylim(0, 1)
-    ax.set_title("GSPO: reward and held-out accuracy")
+        ax.axhline(cold_start_acc, ls="--", c="gray", label=f"{cold_start_label} {cold_start_acc:.3f}")
+    ax.set_xlabel("RL step"), ax.set_ylabel("reward / accuracy"), ax.legend(fontsize=8), ax.set_ylim(0, 1)
+    ax.set_title(f"{loss.upper()}: reward and held-out accuracy")
     save(fig, "reward_accuracy.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["clip/seq_frac"] for r in rl], label="sequences clipped")
-    ax.plot(steps, [r["clip/tok_frac"] for r in rl], label="tokens clipped", alpha=0.7)
-    ax.set_xlabel("RL step"), ax.set_ylabel("fraction"), ax.legend(), ax.set_title("clip fraction")
+    for i, (label, values) in enumerate(clip_series(rl, loss)):
+        _raw_and_smoothed(ax, steps, values, label, f"C{i}")
+    ax.set_xlabel("RL step"), ax.set_ylabel("fraction"), ax.legend(fontsize=8)
+    ax.set_title(f"clipped fraction ({loss})")
     save(fig, "clip_fraction.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["moe/expert_volatility"] for r in rl])
-    ax.set_xlabel("RL step"), ax.set_ylabel("fraction of top-k choices changed")
+    _raw_and_smoothed(ax, steps, [r["moe/expert_volatility"] for r in rl], "top-k choices changed", "C0")
+    ax.set_xlabel("RL step"), ax.set_ylabel("fraction of top-k choices changed"), ax.legend(fontsize=8)
     ax.set_title("expert-activation volatility (pi_theta vs pi_old, same tokens)")
     save(fig, "expert_volatility.png")
     return written
