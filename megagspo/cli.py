@@ -34,6 +34,30 @@ def _quiet_third_party() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for name in ("moe.cpu_shim", "moe.megatron_compat"):
         logging.getLogger(name).addFilter(_PATCH_LINES)
+    megatron = logging.getLogger("megatron")
+    if not any(isinstance(f, _LibraryLog) for h in megatron.handlers for f in h.filters):
+        handler = logging.StreamHandler()
+        handler.setLevel(logging.WARNING)
+        handler.addFilter(_LibraryLog())
+        megatron.addHandler(handler)
+        megatron.propagate = False
+
+
+class _LibraryLog:
+    """Megatron-Core's log records (WARNING and up), each message once, without those that describe this
+    project's own choices rather than a problem."""
+
+    EXPECTED = ("Unknown MLP type: ",)  # our grouped-GEMM experts module (moe/experts.py) gets default kwargs
+
+    def __init__(self) -> None:
+        self.seen: set = set()
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        if message.startswith(self.EXPECTED) or message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
 
 
 class _PatchLines:

@@ -119,3 +119,15 @@ def test_help_lists_every_command_on_one_line(capsys, monkeypatch):
         assert len(line.split()) > 3, line  # a description on the command's own line
         following = lines[lines.index(line) + 1]
         assert not following.startswith(" " * 12), (line, following)  # not wrapped onto a second line
+
+
+def test_megatron_log_records_are_shown_once_without_the_expected_ones():
+    from megagspo.cli import _LibraryLog
+
+    keep = _LibraryLog()
+
+    def record(message):
+        return logging.LogRecord("megatron.core.transformer", logging.WARNING, __file__, 1, message, None, None)
+
+    assert not keep.filter(record("Unknown MLP type: <class 'ModuleSpec'>. Using default kwargs."))
+    assert keep.filter(record("a real problem")) and not keep.filter(record("a real problem"))

@@ -356,8 +356,9 @@ class Trainer:
         if self.cfg.sft.steps and self.cfg.log.save_checkpoint and rl and self.cfg.rl.steps:
             self.save_checkpoint("cold_start.pt")  # megagspo train model.init_from=<run>/cold_start.pt sft.steps=0
         cold = self.evaluate()
-        self.summary["cold_start/accuracy"] = cold["eval/accuracy"]
-        self.summary["cold_start/sampled_accuracy"] = cold["eval/sampled_accuracy"]
+        from megagspo.metrics_log import cold_start_line, eval_record, final_line
+
+        self.summary.update(eval_record("cold_start", cold, self.cfg.rl.eval_samples))  # only what was measured
         self.logger.log({"phase": "cold_start", "step": 0, "eval/accuracy": cold["eval/accuracy"],
                          "init/accuracy": base["eval/accuracy"]})
         if rl and self.cfg.rl.steps:
@@ -368,17 +369,14 @@ class Trainer:
             if signum:
                 raise self._preempted("stopped by a signal after cold-start SFT; checkpoint step_000000 written; "
                                       "continue with --resume", signum)
-        self._say(f"held-out accuracy: initial {base['eval/accuracy']:.3f}, after cold-start SFT "
-                  f"{cold['eval/accuracy']:.3f} ({int(cold['eval/count'])} problems, greedy)")
+        self._say(cold_start_line(base, cold, self.cfg.sft.steps))
         if rl and self.cfg.rl.steps:
             t_rl = time.perf_counter()
             final = self.run_rl(cold)
             self.summary["rl/time_s"] = time.perf_counter() - t_rl
-            self.summary["final/accuracy"] = final["eval/accuracy"]
-            self.summary["final/sampled_accuracy"] = final["eval/sampled_accuracy"]
-            self._say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps: greedy "
-                      f"{final['eval/accuracy']:.3f} (cold start {cold['eval/accuracy']:.3f}), sampled T=1 "
-                      f"{final['eval/sampled_accuracy']:.3f} (cold start {cold['eval/sampled_accuracy']:.3f})")
+            self.summary.update(eval_record("final", final, self.cfg.rl.eval_samples))  # only what was measured
+            self._say(final_line(final, cold, self.cfg.rl.steps, self.cfg.rl.loss, self.cfg.sft.steps,
+                                 self.cfg.rl.eval_samples, self.cfg.rollout.temperature))
         return self._finish(t0)
 
     def _train_resumed(self, t0: float) -> dict:
@@ -392,8 +390,9 @@ class Trainer:
             self.summary["rl/time_s"] = self.summary.get("rl/time_s", 0.0) + time.perf_counter() - t_rl
         else:
             final = cold
-        self.summary["final/accuracy"] = final["eval/accuracy"]
-        self.summary["final/sampled_accuracy"] = final["eval/sampled_accuracy"]
+        from megagspo.metrics_log import eval_record
+
+        self.summary.update(eval_record("final", final, self.cfg.rl.eval_samples))  # only what was measured
         self._say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps (resumed at step "
                   f"{state['step']}): greedy {final['eval/accuracy']:.3f}")
         return self._finish(t0)
@@ -410,8 +409,10 @@ class Trainer:
             if self.cfg.log.plots:
                 from megagspo.metrics_log import write_plots
 
-                self.summary["plots"] = write_plots(self.logger.rows, self.cfg.run_dir(),
-                                                    self.summary["cold_start/accuracy"])
+                self.summary["plots"] = write_plots(
+                    self.logger.rows, self.cfg.run_dir(), self.summary["cold_start/accuracy"], loss=self.cfg.rl.loss,
+                    sampled_measured=bool(self.cfg.rl.eval_samples),
+                    cold_start_label="cold start" if self.cfg.sft.steps else "before RL")
             with open(os.path.join(self.cfg.run_dir(), "summary.json"), "w") as f:
                 json.dump(self.summary, f, indent=2)
             self._say(f"run folder: {self.cfg.run_dir()} (metrics.jsonl, summary.json, plots)")
