@@ -1,0 +1,100 @@
+"""Every configuration key as a Markdown table, from megagspo/config.py itself (its dataclasses' fields, their
+defaults and the comments beside or above them), so that the documented keys are the keys the code reads.
+
+    python tools/config_table.py > docs/configuration-keys.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# Fields whose meaning the source states in its docstrings rather than beside them.
+EXTRA = {"name": "the run folder is log.out_dir/name (one plain folder name)",
+         "seed": "the run's seed: weight init, data order, sampling"}
+FIELD = re.compile(r"^    ([a-z_][a-z0-9_]*): [^=]+?(?:= (.*?))?\s*(?:#\s?(.*))?$")
+
+
+def _comments(source_lines: list, cls_name: str) -> dict:
+    """{field: comment} for the dataclass `cls_name`: the trailing comment, its continuation lines (an indented
+    comment right below) and the comment lines right above the field."""
+    start = next(i for i, line in enumerate(source_lines) if re.match(rf"class {cls_name}\b[:(]", line))
+    out, above, last = {}, [], None
+    for line in source_lines[start + 1:]:
+        if line and not line.startswith((" ", "#")):
+            break
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            text = stripped.lstrip("#").strip()
+            if text.startswith("----"):  # a divider naming a group of fields, not a field's comment
+                continue
+            if last is not None and line.startswith(" " * 20):  # continues the previous field's trailing comment
+                out[last] = f"{out[last]} {text}".strip()
+            else:
+                above.append(text)
+                last = None
+            continue
+        match = FIELD.match(line)
+        if match and not stripped.startswith("def "):
+            name, trailing = match.group(1), match.group(3) or ""
+            out[name] = " ".join(above + ([trailing] if trailing else [])).strip()
+            above, last = [], name
+        else:
+            above, last = [], None
+    return out
+
+
+def _declared_default(f: dataclasses.Field):
+    """The default written in the dataclass (before __post_init__ resolves e.g. data.tokenizer: auto)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+def _default(value) -> str:
+    if isinstance(value, str):
+        return f'`"{value}"`' if value == "" else f"`{value}`"
+    if value is None:
+        return "`null`"
+    if isinstance(value, dict):
+        return "`{}`" if not value else f"`{value}`"
+    return f"`{value}`"
+
+
+def table() -> str:
+    from megagspo.config import Config
+
+    source = open(os.path.join(REPO, "megagspo", "config.py")).read().splitlines()
+    lines = ["# Configuration keys", "",
+             "Every key of a recipe (`configs/*.yaml`) and of the command line (`section.key=value`), with its default and",
+             "what it does, generated from `megagspo/config.py` by `python tools/config_table.py > "
+             "docs/configuration-keys.md`.",
+             "Each section is validated on construction; a bad value is an error naming the key. The guide is",
+             "[configuration.md](configuration.md).", ""]
+    top = Config()
+    top_comments = _comments(source, "Config")
+    lines += ["## Top level", "", "| key | default | meaning |", "|---|---|---|"]
+    sections = []
+    for f in dataclasses.fields(top):
+        value = getattr(top, f.name)
+        if dataclasses.is_dataclass(value):
+            sections.append((f.name, value))
+        else:
+            lines.append(f"| `{f.name}` | {_default(_declared_default(f))} | {top_comments.get(f.name) or EXTRA.get(f.name, '')} |")
+    for name, section in sections:
+        comments = _comments(source, type(section).__name__)
+        doc = (type(section).__doc__ or "").strip().splitlines()[0]
+        lines += ["", f"## `{name}`", "", doc, "", "| key | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(section):
+            text = comments.get(f.name, "").replace("|", "\\|")
+            lines.append(f"| `{name}.{f.name}` | {_default(_declared_default(f))} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table())
