@@ -39,10 +39,9 @@ Gradients: under Megatron DDP every expert weight has an fp32 `main_grad` (a sli
 which mirrors the parameter buffer), and the weight gradient is accumulated into it here, each weight then
 marked `grad_added_to_main_grad` (Megatron's protocol: its grad-ready hook skips its own add; the per-expert
 hook adds were 4,152 kernels and 12% of a 4-micro-batch step's device time on an H200). How (`_WgradPlan`,
-`wgrad_accumulation`): on CUDA one GEMM per expert whose fp32 output IS main_grad, accumulated in place
-(beta = 1; Megatron's gradient_accumulation_fusion, as TE's grouped linear does), so no bf16 gradient is
-written and no add reads it back; on the CPU one grouped GEMM and one add of all experts at once into the
-[E, N, K] view of main_grad. Without DDP's buffer the gradient is unbound into per-expert gradients that go
+`wgrad_accumulation`): one grouped GEMM and one add of all experts at once into the [E, N, K] view of
+main_grad. (Per-expert cuBLAS GEMMs accumulating into main_grad in place, Megatron's
+gradient_accumulation_fusion, are the `addmm` mode: slower here, see WGRAD_ACCUMULATIONS.) Without DDP's buffer the gradient is unbound into per-expert gradients that go
 through autograd as for any parameter.
 
 Expert-TP needs no communication here: Megatron's expert linears are "explicit expert comm" layers whose
@@ -243,9 +242,12 @@ class GroupedLinear(torch.autograd.Function):
 #   foreach  the same grouped GEMM, then one multi-tensor add over the E per-expert main_grads (torch's foreach
 #            kernel: no strided [E, N, K] indexing)
 #   addmm    per expert, one cuBLAS GEMM with an fp32 output accumulated in place (beta = 1) into main_grad:
-#            Megatron's gradient_accumulation_fusion, which TE's grouped linear does; no bf16 gradient exists
-#            and no separate add runs. CUDA only (torch's addmm with out_dtype); one GEMM launch per expert.
-#   auto     addmm on CUDA, add elsewhere
+#            Megatron's gradient_accumulation_fusion, as TE's grouped linear does it; no bf16 gradient exists
+#            and no separate add runs. CUDA only (torch's addmm with out_dtype). Measured slower: one GEMM launch
+#            per expert (1,024 per micro-batch at 4 layers x 128 experts x 2 linears) leaves the device waiting
+#            for the host (H200, 2026-11-26, bench_train_step at Qwen3-30B-A3B width: 116 ms per micro-batch
+#            against 79 ms with `add`); kept as the measured alternative.
+#   auto     add (every device)
 WGRAD_ACCUMULATIONS = ("auto", "add", "foreach", "addmm")
 
 
@@ -256,7 +258,7 @@ class _WgradPlan:
     def __init__(self, mode: str, tokens_per_expert_E, device: torch.device):
         self.mode = mode
         if mode == "auto":
-            self.mode = "addmm" if torch.device(device).type == "cuda" else "add"
+            self.mode = "add"
         self.counts = None
         if self.mode == "addmm":
             if torch.device(device).type != "cuda":
