@@ -99,7 +99,7 @@ def _train(args, rl: bool) -> int:
         + (["checkpoint.resume=never"] if getattr(args, "overwrite", False) else [])
     try:
         cfg = load_config(args.config, overrides)
-        from megagspo.trainer import Trainer
+        from megagspo.trainer.trainer import Trainer
 
         trainer = Trainer(cfg)
     except RunAlreadyFinished as exc:  # `make train` twice: the answer, not a second run

@@ -6,7 +6,7 @@ live here and only here; recipes in `configs/` override what they need.
 
     cfg = load_config("configs/tiny_cpu.yaml", ["rl.steps=10", "seed=3"])
 
-The loss section is built by megagspo.algorithm.registry.build_loss from the flat rl.* keys (one per field of
+The loss section is built by megagspo.kernels.policy_losses.build_loss from the flat rl.* keys (one per field of
 the chosen loss's Config); the engine's replay flags are derived from rl.routing_replay (Config).
 
 Why plain dataclasses and not pydantic (installed) or OmegaConf: the coercion / merge / override code here is
@@ -24,30 +24,18 @@ import contextvars
 import dataclasses
 import math
 import os
-import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
 
 from megagspo.data.tokenizer import PROMPT_FORMATS
+from megagspo.errors import show_value as _show
+from moe.parallel import ParallelLayout
 
 
 class ConfigError(ValueError):
     """A configuration key is unknown, missing or out of range; the message names it."""
-
-
-# A value printed in an error message is cut to a readable size: a YAML alias bomb's value is a few KB on disk
-# but billions of elements when written out in full.
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = 120
-_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
-_SHOWN.maxlevel = 3
-
-
-def _show(value: Any, limit: int = 200) -> str:
-    text = _SHOWN.repr(value)  # reprlib never writes the whole nested value out
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # A dry run validates a cluster recipe on a box that lacks the cluster's files: there, a missing data,
@@ -404,7 +392,7 @@ class RLConfig:
     # mini-batch (losses divide by global counts, so the sum equals the unsplit gradient).
     # 0 = the whole per-rank mini-batch in one forward/backward.
     micro_batch_size: int = 0
-    # ---- the loss (megagspo.algorithm.registry.build_loss) ----
+    # ---- the loss (megagspo.kernels.policy_losses.build_loss) ----
     loss: str = "gspo"              # gspo (eq. 6) | gspo_token (eqs. 14-15) | grpo (eq. 2)
     clip_low: float = 3e-4          # ratio clipped below at 1 - clip_low (the paper's GSPO values; GRPO: 0.2)
     clip_high: float = 4e-4         # ... and above at 1 + clip_high (GRPO: 0.27)
@@ -455,7 +443,8 @@ class RLConfig:
         if self.group_size < 2:
             raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
         from megagspo.algorithm.registry import (LossOptionError, build_advantage_config, build_loss_config,
-                                                 check_loss_impl, registered_losses)
+                                                 registered_losses)
+        from megagspo.kernels.policy_losses import check_loss_impl
 
         _choice("rl", "loss", self.loss, registered_losses())
         _choice("rl", "old_logp", self.old_logp, OLD_LOGP)
@@ -514,6 +503,11 @@ class ParallelConfig:
         _nonneg_int("parallel", "world_size", self.world_size)
         _num("parallel", "gpu_memory_gib", self.gpu_memory_gib, 0.0, lo_open=True)
 
+
+    def layout(self) -> ParallelLayout:
+        """The TP / EP / PP sizes as moe.parallel describes them (the only place a recipe's sizes become one)."""
+        return ParallelLayout(tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel,
+                              pipeline_parallel=self.pipeline_parallel)
 
 @dataclass
 class LogConfig:

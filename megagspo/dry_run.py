@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from megagspo.config import Config, ConfigError
+from megagspo.trainer.layout import planned_world_size
 from megagspo.planner import MemoryPlan, PlanInputs, parameter_counts, plan_memory, require_fit
 
 
@@ -19,7 +20,7 @@ class DryRunReport:
     micro_batch_tokens: int
     num_micro_batches: int
     checkpoint: str  # what was checked about the checkpoint
-    loss: str  # the loss as megagspo.algorithm.registry.build_loss built it: name, implementation, every option
+    loss: str  # the loss as megagspo.kernels.policy_losses.build_loss built it: name, implementation, every option
     missing_paths: tuple  # (config key, path) not present on this machine (checked on the cluster)
     total_params: int
     active_params: int
@@ -60,7 +61,8 @@ def _pipeline_line(stages: int, micro_batches: int) -> str:
 
 def _describe_loss(rl) -> str:
     """Build the loss exactly as the trainer does (the same validation) and list the options it received."""
-    from megagspo.algorithm.registry import LossOptionError, build_loss, loss_option_keys
+    from megagspo.algorithm.registry import LossOptionError, loss_option_keys
+    from megagspo.kernels.policy_losses import build_loss
 
     try:
         build_loss(rl)
@@ -103,13 +105,8 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
         raise ConfigError(f"model.init_from = {init_from!r} is not on this machine, so the architecture "
                           "must come from model.arch_file to be checked here")
     # the trainer's own start-up checks (layout, architecture, sequence length, model.init_from, replay)
-    world = _world_size(cfg)
-    checked = preflight(cfg, world, vocab_size, init_from_present=init_from not in absent)
-    data_parallel, arch = checked.data_parallel, checked.arch
-    from moe.parallel import ParallelLayout
-
-    layout = ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
-                            pipeline_parallel=cfg.parallel.pipeline_parallel)
+    checked = preflight(cfg, planned_world_size(cfg), vocab_size, init_from_present=init_from not in absent)
+    shape, arch = checked.shape, checked.arch
     counts = parameter_counts(arch)
     shapes = hf_tensor_shapes(arch)
     if checked.init_source is None:
@@ -124,7 +121,7 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     rl = cfg.rl
     loss = _describe_loss(rl)
     seq_tokens = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
-    samples_per_rank = rl.prompts_per_step // data_parallel * rl.group_size
+    samples_per_rank = rl.prompts_per_step // shape.dp_size * rl.group_size
     # One forward/backward holds rl.micro_batch_size sequences of this rank's share of a mini-batch (0 = the
     # whole share) at the maximum length; the trainer accumulates gradients over the micro-batches of a
     # mini-batch, so a rollout batch is mini_batches x (share / micro-batch) micro-batches per rank.
@@ -132,7 +129,7 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     micro_rows = rl.micro_batch_size or mini_rows
     micro = micro_rows * seq_tokens
     num_micro_batches = rl.mini_batches * (mini_rows // micro_rows)
-    inputs = PlanInputs(world_size=world, layout=layout, micro_batch_tokens=micro,
+    inputs = PlanInputs(world_size=shape.world_size, layout=shape.layout, micro_batch_tokens=micro,
                         num_micro_batches=num_micro_batches, micro_batches_per_update=mini_rows // micro_rows, fused_logprob=rl.logprob_impl != "torch",
                         logprob_path=cfg.model.logprob_path, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
                         routing_replay=rl.routing_replay != "none", reference_model=rl.kl_coef > 0,
@@ -141,7 +138,7 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
     plan = plan_memory(arch, inputs)
     if require_fitting:
         require_fit(plan)
-    return DryRunReport(world_size=world, data_parallel=data_parallel, micro_batch_tokens=micro,
+    return DryRunReport(world_size=shape.world_size, data_parallel=shape.dp_size, micro_batch_tokens=micro,
                         num_micro_batches=num_micro_batches, checkpoint=checkpoint, loss=loss,
                         missing_paths=tuple(missing_paths),
                         total_params=counts.total(arch), active_params=counts.active(arch), plan=plan)

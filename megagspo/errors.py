@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import errno
 import os
+import reprlib
 import shutil
+from typing import Any
 
 _CAUSES = {
     errno.ENOSPC: "disk full (no space left on device)",
@@ -85,3 +87,17 @@ def write_failure_message(exc: BaseException, target: str) -> str:
         return (f"{target}: disk full ({free} bytes left on its filesystem; the writer said: "
                 f"{type(exc).__name__}: {said})")
     return f"{type(exc).__name__}: {said}"
+
+
+# A value printed in an error message is cut to a readable size: a YAML alias bomb's value is a few KB on disk
+# but billions of elements when written out in full.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 120
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
+_SHOWN.maxlevel = 3
+
+
+def show_value(value: Any, limit: int = 200) -> str:
+    """A value as an error message shows it: reprlib never writes the whole nested value out."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

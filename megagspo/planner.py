@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from moe.architecture import Qwen3MoeArchitecture
 from moe.implementation import RECOMPUTE_MODES
-from moe.parallel import LayoutError, ParallelLayout
+from moe.parallel import LayoutError, ParallelLayout, ParallelShape
 
 GIB = 1024**3
 
@@ -106,6 +106,11 @@ class PlanInputs:
             raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens!r}")
         if self.logprob_path == "hidden" and not self.fused_logprob:
             raise ValueError("logprob_path 'hidden' runs the chunked log-prob kernel: fused_logprob must be True")
+
+    @property
+    def shape(self) -> ParallelShape:
+        """The layout over world_size (moe.parallel.ParallelShape; a LayoutError where it does not divide)."""
+        return ParallelShape(self.layout, self.world_size)
 
 
 @dataclass(frozen=True)
@@ -171,10 +176,9 @@ class MemoryPlan:
 
 
 def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, last: bool) -> dict:
-    layout = inputs.layout
-    tp, ep, pp, etp = layout.tensor_parallel, layout.expert_parallel, layout.pipeline_parallel, layout.expert_tensor_parallel
-    dp = layout.data_parallel(inputs.world_size)
-    expert_dp = inputs.world_size // (ep * etp * pp)
+    shape = inputs.shape
+    tp, ep, pp, etp = shape.tp_size, shape.ep_size, shape.pp_size, shape.layout.expert_tensor_parallel
+    dp, expert_dp = shape.dp_size, shape.expert_dp_size
     counts = parameter_counts(arch)
     layers = arch.num_hidden_layers // pp
     # Even PP split; the busiest stage is assumed to hold the most MoE layers.
@@ -245,8 +249,7 @@ def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, la
 
 def plan_memory(arch: Qwen3MoeArchitecture, inputs: PlanInputs) -> MemoryPlan:
     """The per-GPU memory of the busiest rank; raises LayoutError if the layout does not divide."""
-    layout = inputs.layout
-    layout.data_parallel(inputs.world_size)
+    layout = inputs.shape.layout  # the shape raises a named LayoutError where the layout does not divide the world
     layout.check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
                        arch.num_key_value_heads, arch.vocab_size)
     if layout.pipeline_parallel == 1:

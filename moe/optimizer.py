@@ -137,45 +137,55 @@ def verify_fused_adamw_target() -> None:
                                   "'fused' — review moe/optimizer.py")
 
 
-class _FusedAdamWOptim:
-    """torch.optim as Megatron's Adam picker sees it inside `fused_adamw`: AdamW is built with fused=True."""
+class _AdamWOptim:
+    """torch.optim as Megatron's Adam picker sees it inside `fused_adamw` / `build_optimizer(adamw_class=...)`:
+    AdamW is `adamw_class` (torch's by default), built with fused=True when asked."""
+
+    def __init__(self, adamw_class: type, fused: bool) -> None:
+        self._adamw_class = adamw_class
+        self._fused = fused
 
     def __getattr__(self, name):
         return getattr(torch.optim, name)
 
-    @staticmethod
-    def AdamW(*args, **kwargs):  # noqa: N802 (torch's name)
-        kwargs.setdefault("fused", True)
-        return torch.optim.AdamW(*args, **kwargs)
+    def AdamW(self, *args, **kwargs):  # noqa: N802 (torch's name)
+        if self._fused:
+            kwargs.setdefault("fused", True)
+        return self._adamw_class(*args, **kwargs)
 
 
-class _FusedAdamWTorch:
-    """torch as megatron.core.optimizer sees it inside `fused_adamw`: `optim` is `_FusedAdamWOptim`; every other
-    name is torch's own."""
+class _AdamWTorch:
+    """torch as megatron.core.optimizer sees it inside the patch: `optim` is an `_AdamWOptim`; every other name
+    is torch's own."""
 
-    optim = _FusedAdamWOptim()
+    def __init__(self, adamw_class: type, fused: bool) -> None:
+        self.optim = _AdamWOptim(adamw_class, fused)
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
 
 @contextlib.contextmanager
-def fused_adamw(enabled: bool):
+def fused_adamw(enabled: bool, adamw_class: Optional[type] = None):
     """Within the block, when `enabled` and Megatron uses torch's optimizers (no TE / apex), Megatron's Adam
     picker builds `torch.optim.AdamW(..., fused=True)`; restored on exit. Yields whether it patched. Checks
-    the target first (`verify_fused_adamw_target`); logs the change once per process."""
+    the target first (`verify_fused_adamw_target`); logs the change once per process. `adamw_class`: the
+    class built instead of torch.optim.AdamW (a subclass of it; fused or not as `enabled` says)."""
     import megatron.core.optimizer as megatron_optimizer
 
-    if not enabled or not getattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False):
+    if adamw_class is not None and not getattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False):
+        raise OptimizerSetupError("adamw_class is honoured only where Megatron builds torch's AdamW (no Transformer "
+                                  "Engine / apex optimizer)")
+    if (not enabled and adamw_class is None) or not getattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False):
         yield False
         return
     verify_fused_adamw_target()
-    if not _FUSED_ADAMW_LOGGED[0]:
+    if enabled and not _FUSED_ADAMW_LOGGED[0]:
         logger.warning("megagspo optimizer: Megatron's torch AdamW (Transformer Engine / apex absent) is built with "
                        "fused=True (%s.%s sees torch.optim.AdamW with fused=True while the optimizer is built)",
                        FUSED_ADAMW_MODULE, FUSED_ADAMW_FUNCTION)
         _FUSED_ADAMW_LOGGED[0] = True
-    megatron_optimizer.torch = _FusedAdamWTorch()
+    megatron_optimizer.torch = _AdamWTorch(adamw_class or torch.optim.AdamW, enabled)
     try:
         yield True
     finally:
@@ -221,10 +231,12 @@ def loss_scale_for_sum(ddp_model) -> float:
     return float(ddp_model.dp_cp_group.size()) if hasattr(ddp_model, "dp_cp_group") else 1.0
 
 
-def build_optimizer(ddp_model, settings: OptimizerSettings, fused: Optional[bool] = None):
+def build_optimizer(ddp_model, settings: OptimizerSettings, fused: Optional[bool] = None,
+                    adamw_class: Optional[type] = None):
     """Megatron-Core's distributed optimizer over `ddp_model`'s parameters (fp32 master weights for bf16
     parameters; moments and master weights sharded over data parallelism). `fused`: torch's fused AdamW
-    (`fused_adamw`); None = where the parameters are on CUDA."""
+    (`fused_adamw`); None = where the parameters are on CUDA. `adamw_class`: the torch optimizer Megatron wraps
+    (a torch.optim.AdamW subclass; default AdamW itself): tests pass one whose update is linear in the gradient."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     param = next(ddp_model.module.parameters())
@@ -238,7 +250,7 @@ def build_optimizer(ddp_model, settings: OptimizerSettings, fused: Optional[bool
         use_distributed_optimizer=True)
     if not config.decoupled_weight_decay:  # the patch replaces AdamW only
         raise OptimizerSetupError("the optimizer is AdamW: OptimizerConfig.decoupled_weight_decay must stay True")
-    with _optimizer_scope(), fused_adamw(fused):
+    with _optimizer_scope(), fused_adamw(fused, adamw_class):
         return get_megatron_optimizer(config, [ddp_model])
 
 

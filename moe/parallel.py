@@ -1,12 +1,25 @@
-"""Parallel layout (TP / EP / PP / DP) and Megatron-Core process-group set-up."""
+"""The process layout, described once: sizes (`ParallelLayout`, and `ParallelShape` for a world size), and the
+process groups of a started run (`ParallelDims`, built once where Megatron-Core's groups are made, by
+`setup_process_groups`), with the few collectives a training step needs.
+
+    ParallelLayout   TP / EP / PP (/ expert-TP) sizes, as a recipe asks for them
+    ParallelShape    a layout over a world size: DP and expert-DP sizes; what the dry run and the planner check
+    ParallelDims     a ParallelShape plus this rank's groups and ranks (TP, PP, EP, DP, model-parallel = TP x PP)
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Type, TypeVar
 
 import torch
+
+from moe.collective import run_on_rank0, sum_over
+from moe.device import use_cuda
+
+T = TypeVar("T")
 
 
 class LayoutError(ValueError):
@@ -49,12 +62,189 @@ class ParallelLayout:
                 raise LayoutError(f"{field_name}={value} is not divisible by {layout_name}={size}")
 
 
+@dataclass(frozen=True)
+class ParallelShape:
+    """A layout over `world_size` processes: every size, no process group (the dry run and the planner use it
+    where no process exists; a run's ParallelDims holds the same object). Raises LayoutError where the
+    layout does not divide the world."""
+
+    layout: ParallelLayout
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise LayoutError(f"world size must be an integer >= 1, got {self.world_size!r}")
+        self.layout.data_parallel(self.world_size)
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tensor_parallel
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pipeline_parallel
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.expert_parallel
+
+    @property
+    def mp_size(self) -> int:
+        """TP x PP: the ranks that hold one copy of the dense model together."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.mp_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.world_size // (self.ep_size * self.layout.expert_tensor_parallel * self.pp_size)
+
+    @property
+    def seq_multiple(self) -> int:
+        """Sequence parallelism splits S over the TP ranks: model inputs are a multiple of this long."""
+        return self.tp_size
+
+    def seq_length(self, natural: int) -> int:
+        """Model input length >= natural, a multiple of seq_multiple."""
+        return -(-natural // self.seq_multiple) * self.seq_multiple
+
+    def as_dict(self) -> dict:
+        """The sizes by name (a checkpoint records the layout that wrote it)."""
+        return {"tensor_parallel": self.tp_size, "expert_parallel": self.ep_size,
+                "pipeline_parallel": self.pp_size, "data_parallel": self.dp_size}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The process layout of a started run, built once by `setup_process_groups` (or `from_process_groups`
+    after `initialize_model_parallel`) and passed to whatever needs sizes, ranks or groups. Groups are
+    torch.distributed process groups; `pp_last_rank` is the global rank of the last pipeline stage of this
+    rank's pipeline."""
+
+    shape: ParallelShape
+    rank: int
+    tp_group: Any
+    tp_rank: int
+    pp_group: Any
+    pp_rank: int
+    pp_last_rank: int
+    ep_group: Any
+    ep_rank: int
+    dp_group: Any
+    dp_rank: int
+    mp_group: Any
+    mp_rank: int
+
+    @classmethod
+    def from_process_groups(cls, layout: ParallelLayout) -> "ParallelDims":
+        """Read Megatron-Core's groups (made by initialize_model_parallel(layout)) once."""
+        from megatron.core import parallel_state as ps
+
+        dist = torch.distributed
+        mp_group = ps.get_model_parallel_group()
+        dims = cls(shape=ParallelShape(layout, dist.get_world_size()), rank=dist.get_rank(),
+                   tp_group=ps.get_tensor_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                   pp_group=ps.get_pipeline_model_parallel_group(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                   pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
+                   ep_group=ps.get_expert_model_parallel_group(), ep_rank=ps.get_expert_model_parallel_rank(),
+                   dp_group=ps.get_data_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
+                   mp_group=mp_group, mp_rank=dist.get_rank(mp_group))
+        sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                 ps.get_expert_model_parallel_world_size(), ps.get_data_parallel_world_size(),
+                 dist.get_world_size(mp_group))
+        want = (dims.tp_size, dims.pp_size, dims.ep_size, dims.dp_size, dims.mp_size)
+        if sizes != want:
+            raise LayoutError(f"Megatron's process groups (TP, PP, EP, DP, TP x PP) = {sizes} are not those of "
+                              f"{layout} over {dims.world_size} processes {want}")
+        return dims
+
+    # ---- sizes (of the shape) -------------------------------------------------------------------------------
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.shape.layout
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.shape.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.shape.pp_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.shape.ep_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.shape.dp_size
+
+    @property
+    def mp_size(self) -> int:
+        return self.shape.mp_size
+
+    @property
+    def seq_multiple(self) -> int:
+        return self.shape.seq_multiple
+
+    def seq_length(self, natural: int) -> int:
+        return self.shape.seq_length(natural)
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the rank that writes the run's files and prints."""
+        return self.rank == 0
+
+    @property
+    def generates(self) -> bool:
+        """Model-parallel rank 0 of its data-parallel rank: the rank that generates rollouts, scores and
+        evaluates for its TP x PP peers (they receive its results)."""
+        return self.mp_rank == 0
+
+    # ---- the collectives a step needs -----------------------------------------------------------------------
+    def dp_sum(self, values: List[float]) -> List[float]:
+        """Python numbers summed elementwise over the data-parallel group (float64)."""
+        return sum_over(values, self.dp_group)
+
+    def pp_sum(self, values: List[float]) -> List[float]:
+        """Per-stage counts (each stage holds its own layers) summed over the pipeline."""
+        return sum_over(values, self.pp_group)
+
+    def on_rank0(self, what: str, fn: Callable[[], T], peer_error: Optional[Type[Exception]] = None) -> T:
+        """fn() on global rank 0 only; its result, or its error, reaches every rank (moe.collective.run_on_rank0)."""
+        return run_on_rank0(what, fn, None, peer_error=peer_error)
+
+    def on_mp_rank0(self, what: str, fn: Callable[[], T]) -> T:
+        """fn() on model-parallel rank 0 only, its result broadcast to its TP x PP peers; fn() itself without
+        model parallelism."""
+        if self.mp_size == 1:
+            return fn()
+        return run_on_rank0(what, fn, self.mp_group)
+
+    def local_slice(self, items: list) -> list:
+        """This data-parallel rank's contiguous share of a list drawn identically on every rank."""
+        n = len(items) // self.dp_size
+        return items[self.dp_rank * n:(self.dp_rank + 1) * n]
+
+    def from_last_stage(self, obj):
+        """A picklable object made on the last pipeline stage (metrics), on every stage of the pipeline."""
+        if self.pp_size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
+        return box[0]
+
+
 def init_distributed(backend: str | None = None) -> None:
     """Initialise torch.distributed from torchrun's environment, or as a 1-rank group without it."""
     if torch.distributed.is_initialized():
         return
-    from moe.device import use_cuda
-
     cuda = use_cuda()
     backend = backend or ("nccl" if cuda else "gloo")
     if cuda:  # one GPU per process (torchrun's LOCAL_RANK), before NCCL binds a device
@@ -67,8 +257,8 @@ def init_distributed(backend: str | None = None) -> None:
         torch.distributed.init_process_group(backend)
 
 
-def initialize_model_parallel(layout: ParallelLayout) -> None:
-    """Create Megatron-Core's TP/EP/PP/DP groups for `layout` over the initialised world."""
+def initialize_model_parallel(layout: ParallelLayout) -> ParallelDims:
+    """Create Megatron-Core's TP/EP/PP/DP groups for `layout` over the initialised world. -> their ParallelDims."""
     from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
@@ -82,6 +272,28 @@ def initialize_model_parallel(layout: ParallelLayout) -> None:
         expert_model_parallel_size=layout.expert_parallel,
         expert_tensor_parallel_size=layout.expert_tensor_parallel,
     )
+    return ParallelDims.from_process_groups(layout)
+
+
+def setup_process_groups(layout: ParallelLayout, seed: int) -> ParallelDims:
+    """torch.distributed (NCCL on GPU, gloo with the CPU shim on CPU; one rank without torchrun), Megatron's
+    groups for `layout`, and its RNG: the one place a run's process layout is made. -> ParallelDims."""
+    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+
+    cuda = use_cuda()
+    if not cuda:
+        apply_cpu_shim()
+    init_distributed()
+    dims = initialize_model_parallel(layout)
+    if cuda:
+        # Megatron's CUDA RNG tracker (per-TP-rank streams for sharded weights and dropout) and the torch seed
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        initialize_cpu_rng(seed)
+    return dims
 
 
 def destroy_model_parallel() -> None:

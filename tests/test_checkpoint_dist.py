@@ -34,8 +34,8 @@ def _policy(ep):
 
     cfg = load_config("configs/tiny_cpu.yaml", [*OVERRIDES, f"parallel.expert_parallel={ep}"])
     tok, _, _, _ = build_datasets(cfg.data)
-    layout, _, _ = setup_parallel(cfg.parallel, seed=3)
-    return MegatronPolicy(cfg.model.architecture(tok.vocab_size), layout, cfg.parallel)
+    dims, _, _ = setup_parallel(cfg.parallel, seed=3)
+    return MegatronPolicy(cfg.model.architecture(tok.vocab_size), dims, cfg.parallel)
 
 
 def _save_body(rank, world_size, directory):

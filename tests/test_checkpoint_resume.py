@@ -155,10 +155,10 @@ def _reload_body(rank, world_size, ckpt_dir, cfg_overrides):
 
     cfg = load_config("configs/tiny_cpu.yaml", cfg_overrides)
     tok, _, _, _ = build_datasets(cfg.data)
-    layout, _, _ = setup_parallel(cfg.parallel, seed=3)
-    policy = MegatronPolicy(cfg.model.architecture(tok.vocab_size), layout, cfg.parallel)
+    dims, _, _ = setup_parallel(cfg.parallel, seed=3)
+    policy = MegatronPolicy(cfg.model.architecture(tok.vocab_size), dims, cfg.parallel)
     opt = policy.make_optimizer(OptimizerSettings(lr=1e-3))
-    mgr = CheckpointManager(cfg, 0, 1)
+    mgr = CheckpointManager(cfg, dims)
     point = {"path": ckpt_dir, "state": json.load(open(os.path.join(ckpt_dir, "trainer_state.json")))}
     mgr.load_model(policy, point)
     mgr.load_optimizer(policy, opt, point)

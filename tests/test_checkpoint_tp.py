@@ -42,7 +42,7 @@ def _trainer_body(rank, world_size, out_dir, name, overrides, stop_after):
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
                       [*overrides, f"log.out_dir={out_dir}", f"name={name}"])
     trainer = Trainer(cfg, quiet=True)
-    assert trainer.policy.tp_size * trainer.policy.pp_size == world_size and trainer.dp == 1
+    assert trainer.dims.tp_size * trainer.dims.pp_size == world_size and trainer.dims.dp_size == 1
     if stop_after:
         rl_step = trainer.rl_step
 
@@ -75,12 +75,12 @@ def _reload_body(rank, world_size, ckpt_dir, overrides):
 
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
     tok, _, _, _ = build_datasets(cfg.data)
-    layout, _, _ = setup_parallel(cfg.parallel, seed=3)  # another seed: the initial weights differ
-    policy = MegatronPolicy(cfg.model.architecture(tok.vocab_size), layout, cfg.parallel)
-    assert policy.tp_size * policy.pp_size == world_size
-    assert (policy.tp_size, policy.pp_size) == (cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)
+    dims, _, _ = setup_parallel(cfg.parallel, seed=3)  # another seed: the initial weights differ
+    policy = MegatronPolicy(cfg.model.architecture(tok.vocab_size), dims, cfg.parallel)
+    assert policy.dims.tp_size * policy.dims.pp_size == world_size
+    assert (policy.dims.tp_size, policy.dims.pp_size) == (cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)
     opt = policy.make_optimizer(OptimizerSettings(lr=0.5, weight_decay=0.5))
-    mgr = CheckpointManager(cfg, rank, world_size)
+    mgr = CheckpointManager(cfg, dims)
     point = {"path": ckpt_dir, "state": json.load(open(os.path.join(ckpt_dir, "trainer_state.json")))}
     mgr.load_model(policy, point)
     mgr.load_optimizer(policy, opt, point)

@@ -1,4 +1,4 @@
-"""megagspo.collective over 2 gloo ranks: run_on_rank0's result reaches the peer, and rank 0's error reaches it
+"""moe.collective over 2 gloo ranks: run_on_rank0's result reaches the peer, and rank 0's error reaches it
 too (same type, or the caller's peer type), so that no rank is left waiting in a collective; collective_device
 is the CPU under gloo."""
 
@@ -16,7 +16,7 @@ class _Refused(ValueError):
 def _body(rank, world_size):
     import torch
 
-    from megagspo.collective import run_on_rank0
+    from moe.collective import run_on_rank0
 
     calls = []
     out = {"result": run_on_rank0("counting", lambda: calls.append(rank) or {"rank": rank, "t": torch.ones(2)})}
@@ -31,10 +31,10 @@ def _body(rank, world_size):
         except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
             out[key] = (type(exc).__name__, str(exc))
     torch.distributed.barrier()  # both ranks got here: nobody was left in the broadcast
-    from megagspo.collective import collective_device
+    from moe.collective import collective_device
 
     out["device"] = str(collective_device())  # gloo takes CPU tensors (NCCL would need the rank's GPU)
-    from megagspo.collective import sum_over
+    from moe.collective import sum_over
 
     out["sum"] = sum_over([rank + 0.5, 2.0], None)
     return out
@@ -54,13 +54,13 @@ def test_rank0_result_and_errors_reach_every_rank():
 
 
 def test_without_a_process_group_it_is_a_plain_call():
-    from megagspo.collective import run_on_rank0
+    from moe.collective import run_on_rank0
 
-    from megagspo.collective import collective_device
+    from moe.collective import collective_device
 
     assert run_on_rank0("adding", lambda: 1 + 1) == 2
     assert collective_device().type == "cpu"
-    from megagspo.collective import sum_over
+    from moe.collective import sum_over
 
     assert sum_over([1, 2.5], None) == [1.0, 2.5]
     with pytest.raises(_Refused, match="no"):

@@ -47,7 +47,7 @@ def test_mini_batches_must_divide_samples():
 
 def test_batch_must_divide_over_ranks():
     cfg = load_config("configs/tiny_cpu.yaml", ["rl.prompts_per_step=5", "rl.group_size=4", "rl.mini_batches=4"])
-    assert check_layout(cfg, 1) == 1
+    assert check_layout(cfg, 1).dp_size == 1
     with pytest.raises(ConfigError, match="rl.prompts_per_step = 5 does not divide over 2 data-parallel ranks"):
         check_layout(cfg, 2)
     cfg = load_config("configs/tiny_cpu.yaml", ["rl.prompts_per_step=2", "rl.group_size=4", "rl.mini_batches=8"])
@@ -59,7 +59,7 @@ def test_batch_must_divide_over_ranks():
     # PP stages of one data-parallel rank share its batch: 4 ranks at PP=2 are 2 data-parallel ranks
     cfg = load_config("configs/tiny_cpu.yaml", ["parallel.pipeline_parallel=2", "rl.prompts_per_step=4",
                                                 "rl.group_size=4", "rl.mini_batches=2"])
-    assert check_layout(cfg, 4) == 2
+    assert check_layout(cfg, 4).dp_size == 2
     with pytest.raises(ConfigError, match=r"3 processes do not divide into .*parallel.pipeline_parallel=2"):
         check_layout(cfg, 3)
     with pytest.raises(ConfigError, match="parallel.pipeline_parallel must be a positive integer"):

@@ -1,5 +1,5 @@
 """One config surface: every loss option reaches the algorithm from YAML and the command line through
-megagspo.algorithm.registry.build_loss, one spelling per concept, replay flags derived from rl.routing_replay,
+megagspo.kernels.policy_losses.build_loss, one spelling per concept, replay flags derived from rl.routing_replay,
 and rl.loss_impl / rl.logprob_impl = kernels that really force the fused kernels.
 
 Legend: B rows (sequences), L positions per row.
@@ -17,8 +17,8 @@ from megagspo.algorithm import PackedBatch, get_loss, group_advantages, segment_
 from megagspo.algorithm.advantages import GroupAdvantageConfig
 from megagspo.algorithm.losses import GRPOConfig, GSPOConfig, grpo_loss
 from megagspo.algorithm.registry import (ADVANTAGE_OPTION_KEYS, LOSS_OPTION_KEYS, LossOptionError,
-                                         available_losses, build_advantage_config, build_loss, config_paths,
-                                         loss_option_keys)
+                                         available_losses, build_advantage_config, config_paths, loss_option_keys)
+from megagspo.kernels.policy_losses import build_loss
 from megagspo.config import ConfigError, RLConfig, config_from_dict, deferred_path_checks, load_config
 
 TINY = "configs/tiny_cpu.yaml"

@@ -24,15 +24,12 @@ LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 def _step_body(rank, world_size, fused, seed):
     import megatron.core.optimizer as megatron_optimizer
 
-    from megagspo.trainer.policy import setup_parallel
     from moe.architecture import Qwen3MoeArchitecture
     from moe.model import build_model
     from moe.optimizer import OptimizerSettings, build_optimizer, optimizer_step, wrap_data_parallel, zero_gradients
+    from moe.parallel import ParallelLayout, setup_process_groups
 
-    class _Parallel:
-        tensor_parallel = expert_parallel = pipeline_parallel = 1
-
-    layout, _, _ = setup_parallel(_Parallel, seed)
+    layout = setup_process_groups(ParallelLayout(), seed).layout
     arch = Qwen3MoeArchitecture(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                 num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
                                 num_experts_per_tok=2, max_position_embeddings=16)

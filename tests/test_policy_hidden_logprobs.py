@@ -22,10 +22,10 @@ import os
 import pytest
 import torch
 
+from helpers import REPO, fresh_seed
 from multiprocess import run_distributed
-from test_trainer_parallel import BASE, TP_RUN, _fresh_seed, _run, _runs_match, _trainer
+from test_trainer_parallel import BASE, TP_RUN, _run, _runs_match, _trainer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # chunks of 8 tokens: every micro-batch (4-8 rows x ~13 positions) spans several chunks, and one ends short
 CHUNK = ["model.logprob_chunk_tokens=8"]
@@ -58,7 +58,7 @@ HIDDEN = ["model.logprob_path=hidden", *CHUNK]
     (2, ["parallel.pipeline_parallel=2"], ["rl.loss=gspo_token", "rl.kl_coef=0.1"], [LOGITS, HIDDEN]),
 ], ids=["tp1_and_fused_gspo", "tp2", "pp2_gspo_token_kl"])
 def test_hidden_path_run_equals_logits_path(tmp_path, world, layout, extra, variants):
-    seed = _fresh_seed()
+    seed = fresh_seed()
     results = run_distributed(_paths_body, world_size=world,
                               args=(str(tmp_path), seed, layout, extra, variants), timeout_s=300)
     for rank, reports in enumerate(results):
@@ -107,11 +107,11 @@ def _update_peaks(seed, peak_bytes, tied=False):
     from moe.architecture import Qwen3MoeArchitecture
 
     torch.set_num_threads(1)
-    layout, _, _ = setup_parallel(ParallelConfig(), seed)
+    dims, _, _ = setup_parallel(ParallelConfig(), seed)
     arch = Qwen3MoeArchitecture(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                 num_key_value_heads=1, head_dim=16, moe_intermediate_size=32, num_experts=2,
                                 num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=tied)
-    policies = {path: MegatronPolicy(arch, layout, ParallelConfig(), "auto", logprob_path=path,
+    policies = {path: MegatronPolicy(arch, dims, ParallelConfig(), "auto", logprob_path=path,
                                      logprob_chunk_tokens=MEM_CHUNK) for path in ("logits", "hidden")}
     policies["hidden"].load_full_state_dict(policies["logits"].full_state_dict())
     dev = policies["logits"].device
@@ -166,7 +166,7 @@ def test_hidden_path_update_peak_memory_drops_by_the_logits():
     """One RL micro-batch update (no optimizer step) on the logits path and on the hidden path, same weights and
     batch: the same gradients, and a peak lower by at least the float32 [T, V] logits (8 MiB here; the logits
     path also holds their gradient). Untied, and with the LM head tied to the embedding."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     for out in run_distributed(_memory_body, world_size=1, args=(seed,), timeout_s=240)[0]:  # untied, tied
         _check_peaks(out)
 
@@ -185,7 +185,7 @@ def test_hidden_path_update_on_cuda():
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA; this host has none (torch.cuda.is_available() is False)")
-    seed = _fresh_seed()
+    seed = fresh_seed()
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, MEGAGSPO_DEVICE="cuda",
                PYTHONPATH=os.pathsep.join([REPO, tests, os.environ.get("PYTHONPATH", "")]))

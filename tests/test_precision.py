@@ -141,15 +141,12 @@ def test_bf16_policy_is_mixed_precision_and_tracks_fp32_on_cuda(tmp_path):
 
 def _tiny_bf16_model(seed: int):
     """A one-layer bf16 MoE model in Megatron's DDP, in this (1-rank) process. -> (model, ddp)."""
-    from megagspo.trainer.policy import setup_parallel
     from moe.architecture import Qwen3MoeArchitecture
     from moe.model import build_model
     from moe.optimizer import wrap_data_parallel
+    from moe.parallel import ParallelLayout, setup_process_groups
 
-    class _Parallel:
-        tensor_parallel = expert_parallel = pipeline_parallel = 1
-
-    layout, _, _ = setup_parallel(_Parallel, seed)
+    layout = setup_process_groups(ParallelLayout(), seed).layout
     arch = Qwen3MoeArchitecture(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                 num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
                                 num_experts_per_tok=2, max_position_embeddings=16)

@@ -27,9 +27,9 @@ import os
 import pytest
 import torch
 
+from helpers import REPO, fresh_seed
 from multiprocess import run_distributed
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL, ATOL_SCALE = 1e-5, 2e-6
 
 # A few seconds per trainer: 4 prompts x 4 samples, 2 mini-batches of 8 sequences (1 data-parallel rank).
@@ -39,13 +39,6 @@ BASE = ["threads=1", "data.train_size=200", "data.eval_size=8", "rl.prompts_per_
         "log.save_checkpoint=false"]
 # Metrics that depend on wall time, not on the computation.
 _TIMING = ("time/", "throughput/")
-
-
-def _fresh_seed() -> int:
-    """A fresh seed per test, printed; MEGAGSPO_TEST_SEED=N reruns a failure's seed."""
-    seed = int(os.environ.get("MEGAGSPO_TEST_SEED") or torch.randint(0, 2**20, ()).item())
-    print(f"seed {seed}")
-    return seed
 
 
 def _text_reward(response: str, answer: str) -> float:
@@ -66,16 +59,15 @@ class _SGDUpdate(torch.optim.AdamW):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
-def _trainer(overrides):
+def _trainer(overrides, reward_fn=_text_reward):
+    """A Trainer whose optimizers update like SGD (_SGDUpdate) and whose reward is `reward_fn`: a freshly
+    initialised model never answers an addition right (every advantage 0, no gradient), so the default scores
+    the response by its text instead, deterministic and spread over [0, 1]."""
     from megagspo.config import load_config
     from megagspo.trainer.trainer import Trainer
 
-    torch.optim.AdamW = _SGDUpdate  # this spawned rank only (Megatron's torch-optimizer path builds torch.optim.AdamW)
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
-    trainer = Trainer(cfg, quiet=True)
-    # A freshly initialised model never answers an addition right (every advantage 0, no gradient): score
-    # the response by its text instead, deterministic and spread over [0, 1].
-    trainer.reward_fn = _text_reward
+    trainer = Trainer(cfg, quiet=True, reward_fn=reward_fn, adamw_class=_SGDUpdate)
     trainer.optimizer = trainer.make_rl_optimizer()
     return trainer
 
@@ -99,7 +91,7 @@ def _run(trainer, rl_steps):
     policy.finish_grads = finish_then_capture
     trainer.run_sft()
     if trainer.reference is not None:  # as run_rl does: the KL reference is the policy at the start of RL
-        trainer._start_reference()
+        trainer.reference.start_from(policy)
     rows = []
     for step in range(rl_steps):
         row = trainer.rl_step(step)
@@ -165,7 +157,7 @@ def test_micro_batch_accumulation_equals_the_whole_mini_batch(tmp_path, extra):
     """rl.micro_batch_size=2 (4 forward/backward passes per mini-batch of 8) and sft.micro_batch_size=4
     (2 per SFT batch of 8) give the gradients, weights and metrics of one pass per (mini-)batch; under R2
     the routes recorded per micro-batch are replayed on the same micro-batch."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     results = run_distributed(_accumulation_body, world_size=1, args=(str(tmp_path), seed, extra), timeout_s=240)[0]
     (ref_rows, ref_weights, ref_grads), (rows, weights, grads) = results[0], results[2]
     assert len(ref_grads) == 2 + 2, "one optimizer step per SFT batch and per RL mini-batch"
@@ -183,7 +175,7 @@ def _overlap_body(rank, world_size, out_dir, seed):
         trainer = _trainer([*BASE, f"seed={seed}", "sft.steps=2", "sft.lr=0.5", "rl.lr=0.5", "rl.micro_batch_size=2",
                             "sft.micro_batch_size=2", "parallel.expert_parallel=2", f"log.out_dir={out_dir}",
                             f"parallel.overlap_grad_reduce={str(overlap).lower()}", f"name=overlap{overlap}"])
-        assert trainer.dp == 2 and trainer.policy.ddp.ddp_config.overlap_grad_reduce is overlap
+        assert trainer.dims.dp_size == 2 and trainer.policy.ddp.ddp_config.overlap_grad_reduce is overlap
         runs[overlap] = _run(trainer, rl_steps=1)
     return runs
 
@@ -193,7 +185,7 @@ def test_overlapped_gradient_reduction_equals_the_synchronous_one(tmp_path):
     """parallel.overlap_grad_reduce=true (buckets reduce-scattered during the last micro-batch's backward, the
     earlier ones under DDP's no_sync) at DP=2 x EP=2 with 2 micro-batches per step gives the gradients,
     weights and metrics of the synchronous reduction on both ranks."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     reports = run_distributed(_overlap_body, world_size=2, args=(str(tmp_path), seed), timeout_s=300)
     for rank, runs in enumerate(reports):
         _runs_match([runs[True]], runs[False], f"seed {seed} rank {rank} overlap")
@@ -217,7 +209,7 @@ def _reference_body(rank, world_size, out_dir, seed, init_path, extra):
 def _tp_body(rank, world_size, out_dir, seed, init_path, extra, layout):
     trainer = _trainer([*BASE, *TP_RUN, *extra, *layout, f"seed={seed}", f"model.init_from={init_path}",
                         f"log.out_dir={out_dir}", "name=tp2"])
-    assert trainer.policy.tp_size == 2 and trainer.dp == 1
+    assert trainer.dims.tp_size == 2 and trainer.dims.dp_size == 1
     # The TP shards really are shards: the LM head holds half the vocabulary on each rank.
     head = dict(trainer.policy.model.named_parameters())["output_layer.weight"]
     assert head.shape[0] * 2 == trainer.arch.vocab_size
@@ -236,7 +228,7 @@ def test_tensor_parallel_run_equals_single_process(tmp_path, extra, layout):
     and 2 RL steps from the same weights give the 1-process gradients, metrics and final weights on BOTH
     ranks (weights gathered from the shards; log-probs from the vocab-parallel kernel; rollouts broadcast
     from TP rank 0)."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     init_path = str(tmp_path / "init.safetensors")
     reference = run_distributed(
         _reference_body, world_size=1, args=(str(tmp_path / "ref"), seed, init_path, extra), timeout_s=240)[0]
@@ -249,7 +241,7 @@ def _pp_body(rank, world_size, out_dir, seed, init_path, extra, layout):
     trainer = _trainer([*BASE, *TP_RUN, *extra, *layout, f"seed={seed}", f"model.init_from={init_path}",
                         f"log.out_dir={out_dir}", "name=pp2"])
     policy = trainer.policy
-    assert policy.pp_size == 2 and trainer.dp == 1
+    assert trainer.dims.pp_size == 2 and trainer.dims.dp_size == 1
     # The stages really are stages: the embedding on the first, the LM head on the last, one layer each.
     names = {n for n, _ in policy.model.named_parameters()}
     assert ("embedding.word_embeddings.weight" in names) == (rank == 0)
@@ -272,7 +264,7 @@ def test_pipeline_parallel_run_equals_single_process(tmp_path, extra):
     reference (a second pipelined model) in the first case, 4 micro-batches per mini-batch with R2 routes
     recorded and replayed stage by stage in the second, and the engine's all-layer R3 routes sliced to each
     stage's layers in the third."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     init_path = str(tmp_path / "init.safetensors")
     reference = run_distributed(
         _reference_body, world_size=1, args=(str(tmp_path / "ref"), seed, init_path, extra), timeout_s=240)[0]
@@ -289,7 +281,7 @@ def _dp2_body(rank, world_size, out_dir, seed, init_path, layout):
     args = [*BASE, *TP_RUN, *PP_DP_RUN, *layout, f"seed={seed}", f"log.out_dir={out_dir}",
             f"name=pp{len(layout)}"]
     trainer = _trainer([*args, f"model.init_from={init_path}"] if layout else args)
-    assert trainer.dp == 2 and trainer.policy.pp_size == (2 if layout else 1)
+    assert trainer.dims.dp_size == 2 and trainer.dims.pp_size == (2 if layout else 1)
     if not layout:
         full = trainer.policy.full_state_dict()
         if rank == 0:
@@ -309,7 +301,7 @@ PP_DP_RUN = ["rl.loss=gspo", "rl.micro_batch_size=2", "sft.micro_batch_size=2"]
 def test_pipeline_parallel_with_data_parallel_equals_data_parallel_alone(tmp_path):
     """PP=2 x DP=2 on 4 gloo ranks against DP=2 on 2: the same data-parallel split (prompts, sampling seeds),
     so the 4-rank run must give the 2-rank run's gradients, weights and metrics on all four ranks."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     init_path = str(tmp_path / "init.safetensors")
     reference = run_distributed(_dp2_body, world_size=2, args=(str(tmp_path / "dp2"), seed, init_path, []),
                                 timeout_s=300)[0]
@@ -332,22 +324,17 @@ def _rank_dependent_reward(calls):
 
 
 def _tp_reward_body(rank, world_size, out_dir, seed):
-    import megagspo.algorithm as algorithm
-
+    calls = []
     trainer = _trainer([*BASE, *TP_RUN, f"seed={seed}", "parallel.tensor_parallel=2", f"log.out_dir={out_dir}",
-                        "name=tp2"])
-    assert trainer.policy.tp_size == 2 and trainer.dp == 1
-    calls, seen = [], []
-    trainer.reward_fn = _rank_dependent_reward(calls)
-    group_advantages = algorithm.group_advantages
-
-    def recording(rewards_R, **kw):
-        adv_R = group_advantages(rewards_R, **kw)
-        seen.append((rewards_R.clone(), adv_R.clone()))
-        return adv_R
-
-    algorithm.group_advantages = recording  # rl_step imports it per call
-    row = trainer.rl_step(0)
+                        "name=tp2"], reward_fn=_rank_dependent_reward(calls))
+    assert trainer.dims.tp_size == 2 and trainer.dims.dp_size == 1
+    step = trainer.step  # the stages of RLStep.__call__, with the scores kept
+    rollouts = step.collect()
+    scores = step.score(rollouts)
+    batch = step.prepare(rollouts, scores)
+    step.old_policy(batch, rollouts)
+    row = step.summarize(rollouts, scores, batch, step.update(batch, 0, trainer.optimizer))
+    seen = [(scores.rewards_R.clone(), scores.advantages_R.clone())]
     return {k: v for k, v in row.items() if not k.startswith(_TIMING)}, seen, len(calls)
 
 
@@ -356,7 +343,7 @@ def test_tensor_parallel_peers_get_tp_rank_zeros_rewards(tmp_path):
     """Under TP=2 the verifier runs on TP rank 0 only and its scores (and error / clamp counts) are
     broadcast: a verifier whose answer depends on the process still gives both TP ranks the same rewards,
     advantages and metrics (loss included)."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     reports = run_distributed(_tp_reward_body, world_size=2, args=(str(tmp_path), seed), timeout_s=240)
     (row0, seen0, calls0), (row1, seen1, calls1) = reports
     assert len(seen0) == len(seen1) == 1
@@ -393,7 +380,7 @@ def _tp_generate_fails_body(rank, world_size, out_dir, seed):
 def test_tensor_parallel_generate_failure_raises_on_every_tp_rank(tmp_path):
     """engine.generate runs on TP rank 0 only; when it raises, its TP peer raises too (same type, naming the
     rank-0 failure) instead of waiting forever for the rollouts."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     reports = run_distributed(_tp_generate_fails_body, world_size=2, args=(str(tmp_path), seed), timeout_s=120)
     (kind0, msg0, calls0), (kind1, msg1, calls1) = reports
     assert calls0 == [0] and calls1 == []
@@ -452,7 +439,7 @@ def _gather_and_norm_body(rank, world_size, layout_kwargs, seed):
 def test_full_state_dict_gathers_shards_and_grad_norm_counts_each_element_once(layout):
     """gather_full_state_dict undoes the TP / expert-TP / EP sharding bit for bit (SwiGLU fc1 included), and
     the distributed optimizer's clipping norm of sharded gradients equals the norm of the full gradient."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     reports = run_distributed(_gather_and_norm_body, world_size=2, args=(layout, seed), timeout_s=180)
     for rank, (gathered, full, norm, full_grads, sizes) in enumerate(reports):
         assert sizes[0] == 2 and max(sizes[1], sizes[2]) == 2, sizes
@@ -477,12 +464,12 @@ def test_micro_batch_size_that_does_not_divide_is_refused():
     assert "valid values: 0 (whole mini-batch) or 1, 2, 4, 8" in msg
     # per rank: 2 data-parallel ranks leave 4 sequences per mini-batch, so 8 no longer fits
     cfg = load_config(path, [*BASE, "rl.micro_batch_size=8"])
-    assert check_layout(cfg, 1) == 1
+    assert check_layout(cfg, 1).dp_size == 1
     with pytest.raises(ConfigError, match=r"rl.micro_batch_size = 8 does not divide the 4 sequences.*/ 2 ranks"):
         check_layout(cfg, 2)
     # at TP=2 the two ranks form ONE data-parallel rank: the whole mini-batch of 8 is per rank again
     cfg = load_config(path, [*BASE, "rl.micro_batch_size=8", "parallel.tensor_parallel=2"])
-    assert check_layout(cfg, 2) == 1
+    assert check_layout(cfg, 2).dp_size == 1
     cfg = load_config(path, [*BASE, "sft.micro_batch_size=3"])
     with pytest.raises(ConfigError, match=r"sft.micro_batch_size = 3 does not divide the 8 sequences .*valid "
                                           r"values: 0 \(whole batch\) or 1, 2, 4, 8"):

@@ -4,7 +4,8 @@ place where the run config's `rl.*` keys become a loss and its validated Config.
 A registered loss is `fn(batch: PackedBatch, config) -> (loss, metrics)`; `fn.Config` is its config
 class. Unknown names raise with the list of valid ones.
 
-    loss_fn, loss_cfg = build_loss(cfg.rl)      # the trainer's only route from YAML to a loss
+    loss_cfg = build_loss_config(cfg.rl)        # the loss's validated Config (megagspo.kernels.policy_losses.build_loss
+                                                # adds the torch or fused-kernel function: the trainer's route)
     adv_cfg = build_advantage_config(cfg.rl)    # group advantages (eq. 7)
 
 The run config is flat (`rl.clip_low`, `rl.kl_coef`, `rl.dual_clip`, ...), one key per option, so recipes,
@@ -12,6 +13,8 @@ command-line overrides (`rl.dual_clip=3`), ablation arms and the resume check al
 same way. LOSS_OPTION_KEYS maps each `rl.*` key onto a field (dotted: `kl.coef`) of the loss Configs; a
 key whose field the chosen loss lacks is refused when it is set away from its default, naming the losses
 that take it. Every field of every registered Config has a key (tests/test_config_loss_options.py).
+The built-in losses register themselves when `megagspo.algorithm.losses` is imported, which the package
+`megagspo.algorithm` does before any of its modules is used (this module never imports the losses back).
 This module stays free of megagspo.config (the algorithm core imports no run-config code): `rl_cfg` is any
 object with the keys as attributes, and errors are LossOptionError (a ValueError) naming the `rl.*` key.
 """
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict
+
+from .advantages import GroupAdvantageConfig
 
 _LOSSES: Dict[str, Callable] = {}
 
@@ -43,18 +48,15 @@ def register_loss(name: str, config_cls: type) -> Callable[[Callable], Callable]
 
 def available_losses() -> list:
     """Registered loss names, sorted."""
-    _register_builtin()
     return sorted(_LOSSES)
 
 
 def registered_losses() -> list:
     """Registered loss names in registration order (gspo, gspo_token, grpo): the order the docs use."""
-    _register_builtin()
     return list(_LOSSES)
 
 
 def get_loss(name: str) -> Callable:
-    _register_builtin()
     try:
         return _LOSSES[name]
     except KeyError:
@@ -64,11 +66,6 @@ def get_loss(name: str) -> Callable:
 def make_loss_config(name: str, **fields):
     """Build and validate the Config of loss `name` from plain fields (e.g. a YAML mapping)."""
     return get_loss(name).Config(**fields)
-
-
-def _register_builtin() -> None:
-    # The built-in losses register themselves on import; importing here lets `registry` be used on its own.
-    from . import losses  # noqa: F401
 
 
 # ------------------------------------------------------------------------------------ rl.* keys -> Config
@@ -177,44 +174,8 @@ def build_loss_config(rl_cfg):
         raise LossOptionError(f"rl.loss = {name!r}: {_as_rl_keys(str(exc), LOSS_OPTION_KEYS)}") from None
 
 
-def build_loss(rl_cfg) -> Tuple[Callable, Any]:
-    """-> (loss_fn, loss_cfg): the registered loss `rl_cfg.loss` and its Config built from the rl.* keys.
-
-    rl_cfg.loss_impl == "kernels" returns the fused segmented-GSPO entry point (megagspo.kernels.policy_losses)
-    forced onto the megagspo._C kernels: where they cannot serve the tensors' device the first call raises,
-    it never falls back to the pure-torch reference. Losses and options the kernel cannot compute (grpo,
-    the rollout correction's per-sequence weights) are refused here, before any compute.
-    """
-    loss_cfg = build_loss_config(rl_cfg)
-    if check_loss_impl(rl_cfg) == "torch":
-        return get_loss(rl_cfg.loss), loss_cfg
-    from megagspo.kernels.policy_losses import fused_loss
-
-    return fused_loss(rl_cfg.loss, impl="fused"), loss_cfg
-
-
-def check_loss_impl(rl_cfg) -> str:
-    """rl.loss_impl, refused (LossOptionError) where the fused kernel cannot compute the configured loss."""
-    impl = getattr(rl_cfg, "loss_impl", "torch")
-    if impl == "torch":
-        return impl
-    if impl != "kernels":
-        raise LossOptionError(f"rl.loss_impl = {impl!r} is not valid; valid values: torch, kernels")
-    from megagspo.kernels.policy_losses import FUSED_LOSSES
-
-    if rl_cfg.loss not in FUSED_LOSSES:
-        raise LossOptionError(f"rl.loss_impl = 'kernels' has no fused kernel for rl.loss = {rl_cfg.loss!r} (fused: "
-                              f"{', '.join(FUSED_LOSSES)}); set rl.loss_impl=torch")
-    if getattr(rl_cfg, "rollout_correction", False):
-        raise LossOptionError("rl.loss_impl = 'kernels': the fused GSPO kernel has no per-sequence weights, so "
-                              "rl.rollout_correction=true needs rl.loss_impl=torch")
-    return impl
-
-
 def build_advantage_config(rl_cfg):
     """GroupAdvantageConfig (eq. 7) from the rl.* keys; pass its fields to group_advantages."""
-    from .advantages import GroupAdvantageConfig
-
     fields = {field: getattr(rl_cfg, key) for key, field in ADVANTAGE_OPTION_KEYS.items() if hasattr(rl_cfg, key)}
     try:
         return GroupAdvantageConfig(**fields)

@@ -58,7 +58,7 @@ class StopRequest:
         """The signal number when any rank got one (collective when several processes run), else None."""
         local = self.signum or 0
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            from megagspo.collective import collective_device
+            from moe.collective import collective_device
 
             t = torch.tensor([local], dtype=torch.int64, device=collective_device())
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)

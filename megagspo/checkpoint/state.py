@@ -41,7 +41,7 @@ from typing import Callable, Dict, Optional
 import torch
 from safetensors import SafetensorError
 
-from megagspo.collective import run_on_rank0
+from moe.collective import run_on_rank0
 from moe.json_files import JsonFileError, loads_bounded, read_json
 
 from . import store
@@ -222,19 +222,19 @@ class RunParts:
     metrics: object                   # megagspo.metrics_log.MetricsLogger
     summary: dict
     arch: object                      # moe.architecture.Qwen3MoeArchitecture
-    data_parallel: int
-    data_parallel_rank: int
 
 
 # ------------------------------------------------------------------------------------------- manager
 class CheckpointManager:
-    """Saving, pruning and resume for one run. `save` and `find_resume` are collective (every rank calls)."""
+    """Saving, pruning and resume for one run. `save` and `find_resume` are collective (every rank calls).
+    `dims`: the run's moe.parallel.ParallelDims (ranks, world size, the layout a checkpoint records)."""
 
-    def __init__(self, cfg, rank: int, world: int, say: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, cfg, dims, say: Optional[Callable[[str], None]] = None) -> None:
         self.cfg = cfg
         self.ck = cfg.checkpoint
-        self.rank = rank
-        self.world = world
+        self.dims = dims
+        self.rank = dims.rank
+        self.world = dims.world_size
         self._say = say or (lambda msg: print(msg, flush=True))
         self.root = os.path.join(cfg.run_dir(), "checkpoints")
         self.run_id = uuid.uuid4().hex[:12]
@@ -373,17 +373,12 @@ class CheckpointManager:
             self.say("optimizer hyper-parameters differ from the checkpoint's; the config's are used: "
                      + "; ".join(changed))
 
-    def _layout(self, data_parallel: int) -> dict:
-        p = self.cfg.parallel
-        return {"tensor_parallel": p.tensor_parallel, "expert_parallel": p.expert_parallel,
-                "pipeline_parallel": p.pipeline_parallel, "data_parallel": data_parallel}
-
     def restore_rng_and_data(self, parts: "RunParts", point: dict) -> None:
         """The data-loader position and every RNG of this rank from the checkpoint `point` (RNGs reseeded
         from (seed, step, DP rank) when it was written by another process layout)."""
         state = point["state"]
         parts.dataset.load_state_dict(state["data"])
-        layout_now = self._layout(parts.data_parallel)
+        layout_now = self.dims.shape.as_dict()
         saved = dict(state.get("layout") or {})
         saved.setdefault("pipeline_parallel", 1)  # written before pipeline parallelism existed
         if state["world"] == self.world and saved == layout_now:
@@ -392,7 +387,7 @@ class CheckpointManager:
         else:
             # Seeded by the DATA-parallel rank, as a fresh run is: tensor-parallel peers must draw the same
             # mini-batch permutation (they hold chunks of the same rows under sequence parallelism).
-            parts.rng.reseed(self.cfg.seed * 7919 + 1_000_003 * int(state["step"]) + parts.data_parallel_rank)
+            parts.rng.reseed(self.cfg.seed * 7919 + 1_000_003 * int(state["step"]) + self.dims.dp_rank)
             self.say(f"checkpoint written by {state['world']} processes with layout {state.get('layout')}, resumed "
                      f"on {self.world} with {layout_now}: RNG states reseeded (the run continues; it is not a "
                      "bit-for-bit replay of the uninterrupted one)")
@@ -485,7 +480,7 @@ class CheckpointManager:
         """trainer_state.json: step, identity, layout, model, tokenizer, config, every part's state."""
         return {
             "step": steps_done, "phase": phase, "run_id": self.run_id, "world": self.world,
-            "layout": self._layout(parts.data_parallel),
+            "layout": self.dims.shape.as_dict(),
             "arch": arch_dict(parts.arch), "tokenizer": self.cfg.data.tokenizer,
             "dataset_size": len(parts.dataset), "config": _jsonable(self.cfg.to_dict()),
             "data": parts.dataset.state_dict(),

@@ -1,5 +1,6 @@
 """The registered policy losses through the fused segmented GSPO kernel: drop-in `(batch, config)` entry points
-for `megagspo.algorithm.get_loss(name)` with the same loss, gradient and metrics (config rl.loss_impl=kernels).
+for `megagspo.algorithm.get_loss(name)` with the same loss, gradient and metrics (config rl.loss_impl=kernels);
+and `build_loss(cfg.rl)`, the run's one route from the rl.* keys to a loss (torch or fused) and its Config.
 
 Legend (docs/architecture.md): T packed tokens; packed sequences spelled `_S` in names here, `_S1` their
 count + 1 offsets (`cu_seqlens_S1`).
@@ -23,9 +24,18 @@ logits: O(T) torch ops on detached tensors).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable, Tuple
 
 from torch import Tensor
+
+from megagspo.algorithm.losses import finish_loss
+from megagspo.algorithm.metrics import clip_metrics
+from megagspo.algorithm.old_policy import resolve_old_logp
+from megagspo.algorithm.packing import as_bool_mask, segment_ids
+from megagspo.algorithm.ratios import masked_segment_mean, token_log_ratio
+from megagspo.algorithm.registry import LossOptionError, build_loss_config, get_loss
+from megagspo.algorithm.validation import check_finite, check_same_shape
+from megagspo.kernels import IMPLS, gspo_segment_loss
 
 FUSED_LOSSES = ("gspo", "gspo_token")
 
@@ -38,8 +48,6 @@ def fused_loss(name: str, impl: str = "fused") -> Callable:
     if name not in FUSED_LOSSES:
         raise ValueError(f"megagspo.kernels: no fused kernel for loss {name!r}; fused losses: "
                          f"{', '.join(FUSED_LOSSES)} (use the torch loss, rl.loss_impl=torch)")
-    from . import IMPLS
-
     if impl not in IMPLS:
         raise ValueError(f"megagspo.kernels.fused_loss: impl must be one of {IMPLS}; got {impl!r}")
     return functools.partial(_fused_gspo, impl=impl)
@@ -47,15 +55,6 @@ def fused_loss(name: str, impl: str = "fused") -> Callable:
 
 def _fused_gspo(batch, config, *, impl: str = "fused") -> tuple[Tensor, dict]:
     """GSPO / GSPO-token with per-sequence advantages through megagspo.kernels.gspo_segment_loss."""
-    from megagspo.algorithm.losses import finish_loss
-    from megagspo.algorithm.metrics import clip_metrics
-    from megagspo.algorithm.old_policy import resolve_old_logp
-    from megagspo.algorithm.packing import as_bool_mask, segment_ids
-    from megagspo.algorithm.ratios import masked_segment_mean, token_log_ratio
-    from megagspo.algorithm.validation import check_finite, check_same_shape
-
-    from . import gspo_segment_loss
-
     if batch.advantages_S is None:
         raise ValueError("megagspo.kernels fused GSPO loss: needs per-sequence advantages_S (the kernel takes A_i); "
                          "per-token advantages_T need the torch loss (rl.loss_impl=torch)")
@@ -92,4 +91,35 @@ def _fused_gspo(batch, config, *, impl: str = "fused") -> tuple[Tensor, dict]:
     return finish_loss(batch, config, loss, metrics, extra)  # the torch losses' KL term and totals
 
 
-__all__ = ["FUSED_LOSSES", "fused_loss"]
+# ---- the choice between the torch losses and the fused kernel (rl.loss_impl) -------------------------------
+def build_loss(rl_cfg) -> Tuple[Callable, Any]:
+    """-> (loss_fn, loss_cfg): the registered loss `rl_cfg.loss` and its Config built from the rl.* keys.
+
+    rl_cfg.loss_impl == "kernels" returns the fused segmented-GSPO entry point (megagspo.kernels.policy_losses)
+    forced onto the megagspo._C kernels: where they cannot serve the tensors' device the first call raises,
+    it never falls back to the pure-torch reference. Losses and options the kernel cannot compute (grpo,
+    the rollout correction's per-sequence weights) are refused here, before any compute.
+    """
+    loss_cfg = build_loss_config(rl_cfg)
+    if check_loss_impl(rl_cfg) == "torch":
+        return get_loss(rl_cfg.loss), loss_cfg
+    return fused_loss(rl_cfg.loss, impl="fused"), loss_cfg
+
+
+def check_loss_impl(rl_cfg) -> str:
+    """rl.loss_impl, refused (LossOptionError) where the fused kernel cannot compute the configured loss."""
+    impl = getattr(rl_cfg, "loss_impl", "torch")
+    if impl == "torch":
+        return impl
+    if impl != "kernels":
+        raise LossOptionError(f"rl.loss_impl = {impl!r} is not valid; valid values: torch, kernels")
+    if rl_cfg.loss not in FUSED_LOSSES:
+        raise LossOptionError(f"rl.loss_impl = 'kernels' has no fused kernel for rl.loss = {rl_cfg.loss!r} (fused: "
+                              f"{', '.join(FUSED_LOSSES)}); set rl.loss_impl=torch")
+    if getattr(rl_cfg, "rollout_correction", False):
+        raise LossOptionError("rl.loss_impl = 'kernels': the fused GSPO kernel has no per-sequence weights, so "
+                              "rl.rollout_correction=true needs rl.loss_impl=torch")
+    return impl
+
+
+__all__ = ["FUSED_LOSSES", "build_loss", "check_loss_impl", "fused_loss"]

@@ -84,23 +84,14 @@ def register_engine(name: str):
 
 
 def available_engines() -> list:
-    from . import hf_engine  # noqa: F401  (registers "hf")
-
-    return sorted(set(_ENGINES) | {"sglang"})
+    """The registered engines' names (every engine module registers itself when `megagspo.rollout` loads)."""
+    return sorted(_ENGINES)
 
 
 def get_engine_class(name: str) -> type:
-    if name == "sglang" and name not in _ENGINES:
-        try:
-            from . import sglang_engine  # noqa: F401  (registers "sglang"; the sglang package itself is optional)
-        except ImportError:
-            pass
-    if name == "sglang" and name not in _ENGINES:
-        try:  # registers "sglang"; needs only the stdlib HTTP client (launching servers needs sglang itself)
-            from . import sglang_engine  # noqa: F401
-        except ImportError as exc:
-            raise RuntimeError(f"rollout.engine = 'sglang' could not be loaded ({exc}); it needs running SGLang "
-                               "servers or `pip install sglang` on a GPU host. Use rollout.engine = 'hf' on CPU.") from exc
+    """The engine registered as `name`. The package `megagspo.rollout` imports every engine module (each
+    registers itself; the SGLang client needs only the stdlib, the sglang package is imported where a server
+    is launched), so this module never imports its engines back."""
     try:
         return _ENGINES[name]
     except KeyError:

@@ -523,7 +523,7 @@ class SGLangEngine(RolloutEngine):
         collectives complete everywhere."""
         import torch.distributed as dist
 
-        from megagspo.collective import run_on_rank0
+        from moe.collective import run_on_rank0
 
         count = len(buckets) if hasattr(buckets, "__len__") else None
         it = iter(buckets)

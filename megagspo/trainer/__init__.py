@@ -1,6 +1,4 @@
-"""Cold-start SFT and GSPO / GSPO-token / GRPO training on Megatron-Core with an embedded rollout engine."""
+"""Cold-start SFT and GSPO / GSPO-token / GRPO training on Megatron-Core with an embedded rollout engine.
 
-from .layout import check_layout
-from .trainer import Trainer
-
-__all__ = ["Trainer", "check_layout"]
+The package imports nothing itself, so that the checks a dry run shares with the trainer (`layout`,
+`preflight`) load without the model code: the run is `megagspo.trainer.trainer.Trainer`."""

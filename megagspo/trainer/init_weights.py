@@ -118,7 +118,7 @@ def _failed_anywhere(failed: bool) -> bool:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return failed
-    from megagspo.collective import collective_device
+    from moe.collective import collective_device
 
     flag = torch.tensor([int(failed)], dtype=torch.int64, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)

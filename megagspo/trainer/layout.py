@@ -6,27 +6,44 @@ from __future__ import annotations
 import os
 
 from megagspo.config import Config, ConfigError
+from moe.hf_config import architecture_from_hf_config
+from moe.parallel import LayoutError, ParallelShape
 
 
 def world_from_env() -> int:
+    """The processes torchrun started (1 without torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_layout(cfg: Config, world: int, arch=None) -> int:
+def planned_world_size(cfg: Config) -> int:
+    """The world a dry run / plan checks: parallel.world_size when the recipe sizes a cluster, else this launch's."""
+    return cfg.parallel.world_size or world_from_env()
+
+
+def check_layout(cfg: Config, world: int, arch=None) -> ParallelShape:
     """Batch sizes against ranks and mini-batches, and the model's sizes against TP / EP / PP (check_model_sizes),
-    before any compute. -> data-parallel size. `arch`: the architecture the model is built from (the preflight
-    passes it); None reads it from the recipe the same way, without the tokenizer's vocabulary."""
+    before any compute. -> the run's ParallelShape (the sizes its ParallelDims will have). `arch`: the
+    architecture the model is built from (the preflight passes it); None reads it from the recipe the same
+    way, without the tokenizer's vocabulary."""
     tp = cfg.parallel.tensor_parallel
     ep = cfg.parallel.expert_parallel
     pp = cfg.parallel.pipeline_parallel
     if cfg.parallel.world_size and world != cfg.parallel.world_size:
         raise ConfigError(f"parallel.world_size = {cfg.parallel.world_size} but {world} processes were started")
-    if world % (tp * pp) or world % (ep * pp):
+    try:
+        shape = ParallelShape(cfg.parallel.layout(), world)
+    except LayoutError:
         raise ConfigError(f"{world} processes do not divide into parallel.tensor_parallel={tp} x "
                           f"parallel.pipeline_parallel={pp} (and parallel.expert_parallel={ep} x "
-                          f"parallel.pipeline_parallel={pp})")
+                          f"parallel.pipeline_parallel={pp})") from None
     check_model_sizes(cfg, arch)
-    dp = world // (tp * pp)  # the TP x PP ranks of one data-parallel rank share its prompts, rollouts and batches
+    check_batch_sizes(cfg, shape.dp_size)
+    return shape
+
+
+def check_batch_sizes(cfg: Config, dp: int) -> None:
+    """RL and SFT batches over `dp` data-parallel ranks (the TP x PP ranks of one data-parallel rank share its
+    prompts, rollouts and batches), mini-batches and micro-batches."""
     rl = cfg.rl
     if rl.prompts_per_step % dp:
         raise ConfigError(f"rl.prompts_per_step = {rl.prompts_per_step} does not divide over {dp} data-parallel ranks")
@@ -50,7 +67,6 @@ def check_layout(cfg: Config, world: int, arch=None) -> int:
             f"sft.micro_batch_size = {cfg.sft.micro_batch_size} does not divide the {sft_local} sequences of each "
             f"SFT batch on each data-parallel rank (sft.batch_size {cfg.sft.batch_size} / {dp} ranks); valid "
             f"values: 0 (whole batch) or {', '.join(str(d) for d in _divisors(sft_local))}")
-    return dp
 
 
 def architecture_source(model_cfg) -> str:
@@ -68,25 +84,19 @@ def check_model_sizes(cfg: Config, arch=None) -> None:
     from: `arch` (moe.architecture.Qwen3MoeArchitecture), else model.arch_file / model.init_from's config.json /
     the model.* fields, as ModelConfig.architecture chooses (the vocabulary is then checked only when it is
     known without the tokenizer). ConfigError names the source and the value that does not divide."""
-    from moe.parallel import LayoutError, ParallelLayout
-
     model = cfg.model
     source = architecture_source(model)
     if arch is None:
         if source == "model":
             arch = model
         else:
-            from moe.hf_config import architecture_from_hf_config
-
             try:
                 arch = architecture_from_hf_config(model.arch_file or model.init_from)
             except ValueError as exc:
                 raise ConfigError(f"{source}: {exc}") from None
     vocab = arch.vocab_size or 0  # 0: the tokenizer's, unknown here (divides everything)
     try:
-        ParallelLayout(tensor_parallel=cfg.parallel.tensor_parallel, expert_parallel=cfg.parallel.expert_parallel,
-                       pipeline_parallel=cfg.parallel.pipeline_parallel
-                       ).check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
+        cfg.parallel.layout().check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
                                      arch.num_key_value_heads, vocab)
     except LayoutError as exc:
         # "num_experts=6 is not divisible by expert_parallel=8" -> the recipe's key names on both sides

@@ -33,29 +33,22 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 import torch
 import torch.nn.functional as F
 
+from megagspo.kernels import linear_token_logprobs, token_logprobs
+from moe.model import build_model, forward_logits
+from moe.optimizer import (build_optimizer, finish_gradients, loss_scale_for_sum, optimizer_step, params_dtype,
+                           wrap_data_parallel, zero_gradients)
+from moe.output_hidden import forward_hidden, output_weight, output_weight_grad_buffer
+from moe.parallel import ParallelDims, setup_process_groups
+from moe.pipeline import gather_vocab_shards, run_schedule, set_aux_loss_scale
+from moe.routing_replay import RoutingReplay
+from moe.sharding import gather_full_state_dict, load_full_state_dict
+
 
 def setup_parallel(parallel_cfg, seed: int):
-    """torch.distributed (gloo on CPU; 1 rank without torchrun) + Megatron groups. -> (layout, rank, world)."""
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
-    from moe.device import use_cuda
-    from moe.parallel import ParallelLayout, init_distributed, initialize_model_parallel
-
-    cuda = use_cuda()
-    if not cuda:
-        apply_cpu_shim()
-    init_distributed()
-    layout = ParallelLayout(tensor_parallel=parallel_cfg.tensor_parallel, expert_parallel=parallel_cfg.expert_parallel,
-                            pipeline_parallel=parallel_cfg.pipeline_parallel)
-    initialize_model_parallel(layout)
-    if cuda:
-        # Megatron's CUDA RNG tracker (per-TP-rank streams for sharded weights and dropout) and the torch seed
-        from megatron.core import tensor_parallel
-
-        torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:
-        initialize_cpu_rng(seed)
-    return layout, torch.distributed.get_rank(), torch.distributed.get_world_size()
+    """torch.distributed + Megatron's groups for the recipe's parallel.* sizes (moe.parallel.setup_process_groups).
+    -> (dims, rank, world size): the run's one ParallelDims, and its global rank and world size."""
+    dims = setup_process_groups(parallel_cfg.layout(), seed)
+    return dims, dims.rank, dims.world_size
 
 
 LOGPROB_PATHS = ("hidden", "logits")
@@ -71,8 +64,6 @@ def _logprob_fn(impl: str, tp_group=None):
     tp_group (TP > 1): logits_TV is this rank's vocab shard; the kernels combine the shards' statistics
     over the group; the naive torch path all-gathers the full [T, V] logits first (differentiably)."""
     if impl in _KERNEL_IMPL:
-        from megagspo.kernels import token_logprobs
-
         return lambda logits, target: token_logprobs(logits, target, with_entropy=True, tp_group=tp_group,
                                                      impl=_KERNEL_IMPL[impl])
     if impl != "torch":
@@ -80,9 +71,7 @@ def _logprob_fn(impl: str, tp_group=None):
 
     def torch_logprobs(logits_TV, target_T):
         if tp_group is not None:
-            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-            logits_TV = gather_from_tensor_model_parallel_region(logits_TV)
+            logits_TV = gather_vocab_shards(logits_TV)
         logsm_TV = torch.log_softmax(logits_TV.float(), dim=-1)
         logp_T = logsm_TV.gather(-1, target_T[:, None]).squeeze(-1)
         entropy_T = -(logsm_TV.exp() * logsm_TV).sum(-1)
@@ -99,17 +88,15 @@ def _linear_logprob_fn(impl: str, chunk_tokens: int, tp_group=None):
         raise ValueError(f"logprob_path = 'hidden' computes log-probs chunk by chunk with megagspo.kernels; "
                          f"logprob_impl = {impl!r} needs the whole logits: use logprob_impl auto or kernels, or "
                          f"logprob_path = 'logits'")
-    from megagspo.kernels import linear_token_logprobs
-
     return lambda hidden, weight, target, weight_grad_buffer: linear_token_logprobs(
         hidden, weight, target, chunk_size=chunk_tokens, with_entropy=True, tp_group=tp_group,
         weight_grad_buffer=weight_grad_buffer, impl=_KERNEL_IMPL[impl])
 
 
 class MegatronPolicy:
-    def __init__(self, arch, layout, parallel_cfg, logprob_impl: str = "auto", *, frozen: bool = False,
+    def __init__(self, arch, dims: ParallelDims, parallel_cfg, logprob_impl: str = "auto", *, frozen: bool = False,
                  precision: str = "fp32", logprob_path: str = "hidden", logprob_chunk_tokens: int = 1024,
-                 implementation=None) -> None:
+                 implementation=None, adamw_class: Optional[type] = None) -> None:
         """frozen=True: the KL reference policy (rl.kl_coef > 0): the same layout and log-prob path, no
         gradients, eval mode, and no routing replay (it always routes with its own router; see rl_step).
 
@@ -123,12 +110,13 @@ class MegatronPolicy:
         the module docstring. Checked before the model is built.
 
         implementation: moe.implementation.ModelImplementation (config model.experts / attention / recompute);
-        None = its defaults."""
-        from megatron.core import parallel_state as ps
+        None = its defaults.
 
-        from moe.model import build_model
-        from moe.optimizer import params_dtype
+        dims: the run's moe.parallel.ParallelDims (setup_parallel); the policy's sizes, ranks and groups are
+        its (`self.dims`).
 
+        adamw_class: the torch optimizer inside Megatron's distributed optimizer (moe.optimizer.build_optimizer;
+        None = torch.optim.AdamW)."""
         if logprob_path not in LOGPROB_PATHS:
             raise ValueError(f"logprob_path = {logprob_path!r} is not valid; valid values: {', '.join(LOGPROB_PATHS)}")
         if isinstance(logprob_chunk_tokens, bool) or not isinstance(logprob_chunk_tokens, int) \
@@ -137,7 +125,9 @@ class MegatronPolicy:
         self.arch = arch
         self.frozen = frozen
         self.logprob_path = logprob_path
-        self.model = build_model(arch, layout, token_dispatcher=parallel_cfg.token_dispatcher,
+        self.dims = dims
+        self.adamw_class = adamw_class
+        self.model = build_model(arch, dims.layout, token_dispatcher=parallel_cfg.token_dispatcher,
                                  routing_replay=not frozen, params_dtype=params_dtype(precision),
                                  **({"implementation": implementation} if implementation is not None else {}))
         self.ddp = None
@@ -146,41 +136,22 @@ class MegatronPolicy:
             self.model.requires_grad_(False)
             self.model.eval()
         else:
-            from moe.optimizer import loss_scale_for_sum, wrap_data_parallel
-
             self.ddp = wrap_data_parallel(self.model, overlap_grad_reduce=parallel_cfg.overlap_grad_reduce)
             # losses are normalised by global counts and summed over ranks; DDP averages: undo its 1 / DP
             self.loss_scale = loss_scale_for_sum(self.ddp)
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.seq_multiple = self.tp_size  # sequence parallelism splits S over the TP ranks
-        tp_group = self.tp_group if self.tp_size > 1 else None
+        tp_group = dims.tp_group if dims.tp_size > 1 else None
         if logprob_path == "hidden":
             self.linear_logprobs_fn = _linear_logprob_fn(logprob_impl, logprob_chunk_tokens, tp_group)
         else:
             self.logprobs_fn = _logprob_fn(logprob_impl, tp_group)
-        self.dp_group = ps.get_data_parallel_group()
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.ep_group = ps.get_expert_model_parallel_group()
-        self.ep_size = ps.get_expert_model_parallel_world_size()
-        self.ep_rank = ps.get_expert_model_parallel_rank()
         # where the model lives (this rank's GPU, or the CPU): the trainer puts each step's batch there
         self.device = next(self.model.parameters()).device
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        # TP x PP: the ranks that hold one copy of the model together (rollouts are generated once per group)
-        self.mp_group = ps.get_model_parallel_group()
-        self.mp_size = torch.distributed.get_world_size(self.mp_group)
-        if self.pp_size > 1:
+        if dims.pp_size > 1:
             # Megatron's p2p buffers take this dtype; the shapes are fixed per call (seq_length, micro-batch)
             self.model.config.pipeline_dtype = next(self.model.parameters()).dtype
         if frozen:
             self.replay = None
             return
-        from moe.routing_replay import RoutingReplay
-
         self.replay = RoutingReplay(self.model)
         self.set_micro_batches(1)
 
@@ -190,11 +161,7 @@ class MegatronPolicy:
         convention), while the policy losses divide by global counts and are summed over ranks and
         micro-batches. The aux loss is a per-micro-batch estimate, so it (alone) changes with the split; TP
         ranks combine their sequence chunks inside Megatron's router."""
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        # shape [1] on the model's device (the aux loss it scales is there), as Megatron's pipeline schedules
-        # set it (they copy_ a [1] tensor into this one)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([1.0 / num_micro_batches], device=self.device))
+        set_aux_loss_scale(1.0 / num_micro_batches, self.device)
 
     # ---- forward ---------------------------------------------------------------------------------------
     def token_logprobs(self, input_ids_BS: torch.Tensor, targets_BS: torch.Tensor, unpadded_len: Optional[int] = None):
@@ -211,19 +178,13 @@ class MegatronPolicy:
         the last stage; on other pipeline stages the activations they send on."""
         padding_mask_BS = self._padding_mask(input_ids_BS, unpadded_len)
         if self.logprob_path == "hidden":
-            from moe.output_hidden import forward_hidden
-
             return forward_hidden(model, input_ids_BS, padding_mask_BS=padding_mask_BS)
-        from moe.model import forward_logits
-
         return forward_logits(model, input_ids_BS, padding_mask_BS=padding_mask_BS)
 
     def _logprobs_of_head_input(self, head_input_BSX: torch.Tensor, targets_BS: torch.Tensor):
         """hidden_BSH (with the LM head weight) or logits_BSV -> logp_BS, entropy_BS."""
         b, s, x = head_input_BSX.shape
         if self.logprob_path == "hidden":
-            from moe.output_hidden import output_weight, output_weight_grad_buffer
-
             # d weight goes straight into DDP's fp32 gradient buffer (no [V/TP, H] gradient tensor)
             grad_buffer = output_weight_grad_buffer(self.model) if torch.is_grad_enabled() else None
             logp_T, ent_T = self.linear_logprobs_fn(head_input_BSX.reshape(b * s, x), output_weight(self.model),
@@ -273,7 +234,7 @@ class MegatronPolicy:
         results: List = [None] * n
         enter = context or (lambda i: contextlib.nullcontext())
         train = loss_fn is not None
-        if self.pp_size == 1:
+        if self.dims.pp_size == 1:
             with torch.set_grad_enabled(train):
                 for i, (input_BS, target_BS) in enumerate(batches):
                     with enter(i):
@@ -288,8 +249,6 @@ class MegatronPolicy:
         return self._run_pipeline(batches, unpadded_len, enter, loss_fn, results)
 
     def _run_pipeline(self, batches, unpadded_len, enter, loss_fn, results):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         n = len(batches)
         train = loss_fn is not None
         batch, seq_len = batches[0][0].shape
@@ -317,59 +276,30 @@ class MegatronPolicy:
 
             return output, loss_func
 
-        from moe.cpu_shim import pipeline_schedule_on_cpu
-
-        with torch.set_grad_enabled(train), pipeline_schedule_on_cpu():
-            store = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(range(n)), model=[self.model],
-                num_microbatches=n, seq_length=seq_len, micro_batch_size=batch, forward_only=not train)
+        with torch.set_grad_enabled(train):
+            store = run_schedule(forward_step, self.model, n, seq_len, batch, forward_only=not train)
         for i, result in store:
             results[i] = result
         return results
 
-    def from_last_stage(self, obj):
-        """A picklable object made on the last pipeline stage (metrics), on every stage of the pipeline."""
-        if self.pp_size == 1:
-            return obj
-        from megatron.core import parallel_state as ps
-
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                                group=self.pp_group)
-        return box[0]
-
-    def pp_sum(self, values: List[float]) -> List[float]:
-        """Per-stage counts (each stage holds its own layers) summed over the pipeline."""
-        from megagspo.collective import sum_over
-
-        return sum_over(values, self.pp_group)
-
     # ---- gradients and updates -------------------------------------------------------------------------
     def make_optimizer(self, settings):
         """Megatron-Core's distributed optimizer over this policy (moe.optimizer.OptimizerSettings)."""
-        from moe.optimizer import build_optimizer
-
-        return build_optimizer(self.ddp, settings)
+        return build_optimizer(self.ddp, settings, adamw_class=self.adamw_class)
 
     def zero_grad(self) -> None:
         """Empty the fp32 gradient buffers before a mini-batch's micro-batches accumulate into them."""
-        from moe.optimizer import zero_gradients
-
         zero_gradients(self.ddp)
 
     def finish_grads(self) -> None:
         """Megatron's finalize_model_grads: gradients SUMMED over data-parallel ranks (dense over DP, experts
         over expert-DP; reduce-scattered for the distributed optimizer), sequence-parallel partial gradients
         over TP, the tied embedding over the first and last pipeline stages."""
-        from moe.optimizer import finish_gradients
-
         finish_gradients(self.ddp)
 
     def step(self, optimizer) -> float:
         """finish_grads, then the optimizer's clip (global L2 norm over the whole model) and update.
         -> the pre-clip gradient norm, equal on every rank."""
-        from moe.optimizer import optimizer_step
-
         self.finish_grads()
         return optimizer_step(optimizer)
 
@@ -377,19 +307,13 @@ class MegatronPolicy:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The TP=EP=1 Megatron state dict on every rank (TP shards and EP experts all-gathered).
         Collective over TP and EP: every rank calls it."""
-        from moe.sharding import gather_full_state_dict
-
         return gather_full_state_dict(self.model)
 
     def gather_full(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Per-parameter tensors keyed by local name (e.g. Adam moments) -> full names and TP=EP=1 shapes."""
-        from moe.sharding import gather_full_state_dict
-
         return gather_full_state_dict(self.model, tensors)
 
     def load_full_state_dict(self, full: Dict[str, torch.Tensor]) -> None:
-        from moe.sharding import load_full_state_dict
-
         load_full_state_dict(self.model, full)
 
 

@@ -13,11 +13,12 @@ from typing import Optional
 from megagspo.config import Config, ConfigError
 from megagspo.trainer.init_weights import InitSource, preflight_init_from
 from megagspo.trainer.layout import check_layout
+from moe.parallel import ParallelShape
 
 
 @dataclass
 class Preflight:
-    data_parallel: int
+    shape: ParallelShape              # the sizes the run's ParallelDims will have
     arch: object                      # moe.architecture.Qwen3MoeArchitecture
     init_source: Optional[InitSource]  # None when model.init_from is not on this machine (dry run only)
 
@@ -28,10 +29,10 @@ def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bo
     arch = cfg.model.architecture(vocab_size)
     # batch sizes over the ranks, and the sizes the model is built from (arch_file / init_from's config.json /
     # the recipe) over TP / EP / PP
-    data_parallel = check_layout(cfg, world, arch)
+    shape = check_layout(cfg, world, arch)
     need = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
     if need > arch.max_position_embeddings:
         raise ConfigError(f"data.max_prompt_tokens + data.max_response_tokens = {need} exceeds "
                           f"model.max_position_embeddings = {arch.max_position_embeddings}")
     init_source = preflight_init_from(cfg.model, arch) if init_from_present else None
-    return Preflight(data_parallel, arch, init_source)
+    return Preflight(shape, arch, init_source)

@@ -11,6 +11,10 @@
                              its micro-batches, one optimizer step; expert volatility against pi_old's routes
     summarize -> metrics     sums over the data-parallel group, by name
 
+`RLStep` is built from what the step uses (the process layout, the policy, the engine link, the loss, the
+reward, the optional KL reference, the rl.* config, the tokenizer, the prompt stream and the sampling
+generator) and never sees the Trainer; `RLStep(...)(step, optimizer)` runs one rollout batch.
+
 Legend (as in docs/architecture.md): B prompts, G samples per prompt, R = B*G responses, S model input length,
 L response length, Ly MoE layers of this pipeline stage, K top-k, T = rows*S tokens in storage order.
 """
@@ -21,12 +25,22 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
+from megagspo.algorithm import PackedBatch, group_advantages, merge_metrics
+from megagspo.algorithm.registry import build_advantage_config
+from megagspo.rewards import RewardStats, score_batch
+from megagspo.rollout import SamplingParams
+from megagspo.trainer.engine_link import EngineLink
+from megagspo.trainer.kl_reference import KLReference
 from megagspo.trainer.layout import micro_slices
+from megagspo.trainer.policy import MegatronPolicy, build_sequences
 from megagspo.trainer.schedule import lr_at
+from moe.optimizer import set_lr
+from moe.parallel import ParallelDims
+from moe.volatility import VolatilityTally
 
 
 @dataclass
@@ -83,194 +97,202 @@ class Updates:
     lr: float = 0.0
 
 
-def rl_step(trainer, step: int) -> dict:
-    """One rollout batch: every stage in order; returns the step's metrics row (timings included)."""
-    times = {}
-    t0 = time.perf_counter()
-    rollouts = collect(trainer)
-    times["time/rollout_s"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    scores = score(trainer, rollouts)
-    times["time/reward_s"] = time.perf_counter() - t1
-    batch = prepare(trainer, rollouts, scores)
-    t2 = time.perf_counter()
-    old_policy(trainer, batch, rollouts)
-    times["time/old_logp_s"] = time.perf_counter() - t2
-    t3 = time.perf_counter()
-    updates = update(trainer, batch, step)
-    times["time/train_s"] = time.perf_counter() - t3
-    times["time/sync_s"] = trainer.sync_weights()
-    row = summarize(trainer, rollouts, scores, batch, updates)
-    row.update(times)
-    step_time = time.perf_counter() - t0
-    row["time/step_s"] = step_time
-    row["throughput/tokens_per_s"] = (float(batch.mask_RS.sum()) * trainer.dp) / step_time
-    return row
+@dataclass
+class RLStep:
+    """One RL step's inputs, named (see the module docstring); call it with the step index and the RL optimizer."""
 
+    dims: ParallelDims
+    policy: MegatronPolicy
+    engine: EngineLink
+    loss_fn: Callable                # (PackedBatch, loss_cfg) -> (loss, metrics): megagspo.kernels.policy_losses.build_loss
+    loss_cfg: object
+    reward_fn: Callable              # (response, answer) -> [0, 1]
+    reference: Optional[KLReference]  # the frozen KL reference (rl.kl_coef > 0), else None
+    rl: object                       # megagspo.config.RLConfig
+    sampling: SamplingParams         # the rollouts' sampling (data.max_response_tokens, rollout.temperature / top_p)
+    tokenizer: object
+    prompts: object                  # megagspo.data.PromptDataset: sample(n) -> Examples
+    sample_gen: torch.Generator      # the mini-batch permutation
 
-# ------------------------------------------------------------------------------------------------ stages
-def collect(trainer) -> Rollouts:
-    from megagspo.rollout import SamplingParams
+    def __call__(self, step: int, optimizer) -> dict:
+        """One rollout batch: every stage in order; returns the step's metrics row (timings included)."""
+        times = {}
+        t0 = time.perf_counter()
+        rollouts = self.collect()
+        times["time/rollout_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        scores = self.score(rollouts)
+        times["time/reward_s"] = time.perf_counter() - t1
+        batch = self.prepare(rollouts, scores)
+        t2 = time.perf_counter()
+        self.old_policy(batch, rollouts)
+        times["time/old_logp_s"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        updates = self.update(batch, step, optimizer)
+        times["time/train_s"] = time.perf_counter() - t3
+        times["time/sync_s"] = self.engine.sync_weights()
+        row = self.summarize(rollouts, scores, batch, updates)
+        row.update(times)
+        step_time = time.perf_counter() - t0
+        row["time/step_s"] = step_time
+        row["throughput/tokens_per_s"] = (float(batch.mask_RS.sum()) * self.dims.dp_size) / step_time
+        return row
 
-    cfg = trainer.cfg
-    prompts = trainer._local_slice(trainer.train_ds.sample(cfg.rl.prompts_per_step))
-    sampling = SamplingParams(cfg.data.max_response_tokens, temperature=cfg.rollout.temperature,
-                              top_p=cfg.rollout.top_p)
-    return Rollouts(prompts, trainer._generate([ex.prompt_ids for ex in prompts], cfg.rl.group_size, sampling))
+    # -------------------------------------------------------------------------------------------- stages
+    def collect(self) -> Rollouts:
+        prompts = self.dims.local_slice(self.prompts.sample(self.rl.prompts_per_step))
+        return Rollouts(prompts, self.engine.generate([ex.prompt_ids for ex in prompts], self.rl.group_size,
+                                                      self.sampling))
 
+    def score(self, rollouts: Rollouts) -> Scores:
+        cfg = self.rl
+        out = rollouts.out
+        texts = [self.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
+        answers = [ex.answer for ex in rollouts.prompts for _ in range(cfg.group_size)]
+        stats = RewardStats()
+        if self.dims.mp_size == 1:
+            scores = score_batch(self.reward_fn, texts, answers, stats)
+        else:  # the verifier (time-limited, maybe non-deterministic) runs once per TP x PP group: peers agree
+            scores, stats = self.dims.on_mp_rank0(
+                "reward scoring", lambda: (score_batch(self.reward_fn, texts, answers, stats), stats))
+        rewards_R = torch.tensor(scores, dtype=torch.float32)
+        advantages_R = group_advantages(rewards_R, group_size=cfg.group_size,
+                                        **dataclasses.asdict(build_advantage_config(cfg)))  # eq. 7, every rl.adv_* key
+        return Scores(rewards_R, advantages_R, stats)
 
-def score(trainer, rollouts: Rollouts) -> Scores:
-    from megagspo.algorithm import group_advantages
-    from megagspo.algorithm.registry import build_advantage_config
-    from megagspo.rewards import RewardStats, score_batch
+    def prepare(self, rollouts: Rollouts, scores: Scores) -> UpdateBatch:
+        cfg = self.rl
+        out = rollouts.out
+        natural = max(map(len, out.prompt_ids)) + out.response_ids_RL.shape[1] - 1
+        input_RS, target_RS, mask_RS, pos_RL = build_sequences(out.prompt_ids, out.response_ids_RL,
+                                                               out.response_mask_RL, self.tokenizer.pad_id,
+                                                               length=self.dims.seq_length(natural))
+        num_rows, seq_len = input_RS.shape
+        rollout_logp_RS = torch.zeros(num_rows, seq_len)
+        rollout_logp_RS.scatter_(1, pos_RL, torch.where(out.response_mask_RL, out.logp_RL, 0.0))
+        # the batch on the model's device (the engine's outputs and the rewards come back on the CPU)
+        dev = self.policy.device
+        input_RS, target_RS, mask_RS, rollout_logp_RS = (t.to(dev) for t in (input_RS, target_RS, mask_RS,
+                                                                              rollout_logp_RS))
+        perm = torch.randperm(num_rows, generator=self.sample_gen)
+        mini_rows = list(perm.chunk(cfg.mini_batches))
+        # the gradients of a mini-batch's micro-batches accumulate before its one reduction / clip / optimizer step
+        minis = [[MicroBatch(k, j, rows[sl]) for j, sl in enumerate(micro_slices(len(rows), cfg.micro_batch_size))]
+                 for k, rows in enumerate(mini_rows)]
+        self.policy.set_micro_batches(len(minis[0]))
+        return UpdateBatch(
+            input_RS=input_RS, target_RS=target_RS, mask_RS=mask_RS, rollout_logp_RS=rollout_logp_RS,
+            advantages_R=scores.advantages_R.to(dev), natural_len=natural, minis=minis,
+            tokens_per_mini=self.dims.dp_sum([float(mask_RS[rows].sum()) for rows in mini_rows]),
+            sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
 
-    cfg = trainer.cfg.rl
-    out = rollouts.out
-    texts = [trainer.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
-    answers = [ex.answer for ex in rollouts.prompts for _ in range(cfg.group_size)]
-    stats = RewardStats()
-    if trainer.policy.mp_size == 1:
-        scores = score_batch(trainer.reward_fn, texts, answers, stats)
-    else:  # the verifier (time-limited, maybe non-deterministic) runs once per TP x PP group: peers agree
-        scores, stats = trainer._from_mp_rank0(
-            "reward scoring", lambda: (score_batch(trainer.reward_fn, texts, answers, stats), stats))
-    rewards_R = torch.tensor(scores, dtype=torch.float32)
-    advantages_R = group_advantages(rewards_R, group_size=cfg.group_size,
-                                    **dataclasses.asdict(build_advantage_config(cfg)))  # eq. 7, every rl.adv_* key
-    return Scores(rewards_R, advantages_R, stats)
-
-
-def prepare(trainer, rollouts: Rollouts, scores: Scores) -> UpdateBatch:
-    from megagspo.trainer.policy import build_sequences
-
-    cfg = trainer.cfg.rl
-    out = rollouts.out
-    natural = max(map(len, out.prompt_ids)) + out.response_ids_RL.shape[1] - 1
-    input_RS, target_RS, mask_RS, pos_RL = build_sequences(out.prompt_ids, out.response_ids_RL, out.response_mask_RL,
-                                                           trainer.tokenizer.pad_id,
-                                                           length=trainer._seq_length(natural))
-    num_rows, seq_len = input_RS.shape
-    rollout_logp_RS = torch.zeros(num_rows, seq_len)
-    rollout_logp_RS.scatter_(1, pos_RL, torch.where(out.response_mask_RL, out.logp_RL, 0.0))
-    # the batch on the model's device (the engine's outputs and the rewards come back on the CPU)
-    dev = trainer.policy.device
-    input_RS, target_RS, mask_RS, rollout_logp_RS = (t.to(dev) for t in (input_RS, target_RS, mask_RS, rollout_logp_RS))
-    perm = torch.randperm(num_rows, generator=trainer.sample_gen)
-    mini_rows = list(perm.chunk(cfg.mini_batches))
-    # the gradients of a mini-batch's micro-batches accumulate before its one reduction / clip / optimizer step
-    minis = [[MicroBatch(k, j, rows[sl]) for j, sl in enumerate(micro_slices(len(rows), cfg.micro_batch_size))]
-             for k, rows in enumerate(mini_rows)]
-    trainer.policy.set_micro_batches(len(minis[0]))
-    return UpdateBatch(
-        input_RS=input_RS, target_RS=target_RS, mask_RS=mask_RS, rollout_logp_RS=rollout_logp_RS,
-        advantages_R=scores.advantages_R.to(dev), natural_len=natural, minis=minis,
-        tokens_per_mini=trainer._all_sum([float(mask_RS[rows].sum()) for rows in mini_rows]),
-        sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
-
-
-def old_policy(trainer, batch: UpdateBatch, rollouts: Rollouts) -> None:
-    """Fill each micro-batch's pi_old log-probs and routes (and the reference's log-probs)."""
-    cfg = trainer.cfg.rl
-    policy = trainer.policy
-    flat = batch.micro_batches
-    seq_len = batch.input_RS.shape[1]
-    routes_RPLyK = rollouts.out.routes_RPLyK
-    if cfg.old_logp == "recompute":
-        if cfg.routing_replay == "r3":
+    def old_policy(self, batch: UpdateBatch, rollouts: Rollouts) -> None:
+        """Fill each micro-batch's pi_old log-probs and routes (and the reference's log-probs)."""
+        cfg = self.rl
+        policy = self.policy
+        flat = batch.micro_batches
+        seq_len = batch.input_RS.shape[1]
+        routes_RPLyK = rollouts.out.routes_RPLyK
+        if cfg.old_logp == "recompute":
+            if cfg.routing_replay == "r3":
+                for mb in flat:
+                    mb.old_routes = _engine_routes_TLK(policy, routes_RPLyK, mb.rows, seq_len)
+                context = lambda i: policy.replay.replaying(flat[i].old_routes)  # noqa: E731
+            else:
+                recorded = [None] * len(flat)
+                context = lambda i: _recording_into(policy, recorded, i)  # noqa: E731
+            results = policy.run_micro_batches(batch.inputs(flat), batch.natural_len, context=context)
+            for i, mb in enumerate(flat):
+                mb.old_logp = results[i][0] if results[i] is not None else None
+                if cfg.routing_replay != "r3":
+                    mb.old_routes = recorded[i]
+        else:
             for mb in flat:
-                mb.old_routes = _engine_routes_TLK(policy, routes_RPLyK, mb.rows, seq_len)
-            context = lambda i: policy.replay.replaying(flat[i].old_routes)  # noqa: E731
-        else:
-            recorded = [None] * len(flat)
-            context = lambda i: _recording_into(policy, recorded, i)  # noqa: E731
-        results = policy.run_micro_batches(batch.inputs(flat), batch.natural_len, context=context)
-        for i, mb in enumerate(flat):
-            mb.old_logp = results[i][0] if results[i] is not None else None
-            if cfg.routing_replay != "r3":
-                mb.old_routes = recorded[i]
-    else:
-        for mb in flat:
-            mb.old_logp = batch.rollout_logp_RS[mb.rows]
-            mb.old_routes = (_engine_routes_TLK(policy, routes_RPLyK, mb.rows, seq_len)
-                             if routes_RPLyK is not None else None)
-    if trainer.reference is not None:
-        # log pi_ref: the frozen reference always routes with its own router, never replaying (its model has
-        # no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the reference
-        # must stay the fixed start-of-RL policy, not follow them.
-        results = trainer.reference.run_micro_batches(batch.inputs(flat), batch.natural_len)
-        for i, mb in enumerate(flat):
-            mb.ref_logp = results[i][0] if results[i] is not None else None
+                mb.old_logp = batch.rollout_logp_RS[mb.rows]
+                mb.old_routes = (_engine_routes_TLK(policy, routes_RPLyK, mb.rows, seq_len)
+                                 if routes_RPLyK is not None else None)
+        if self.reference is not None:
+            # log pi_ref: the frozen reference always routes with its own router, never replaying (its model has
+            # no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the reference
+            # must stay the fixed start-of-RL policy, not follow them.
+            results = self.reference.policy.run_micro_batches(batch.inputs(flat), batch.natural_len)
+            for i, mb in enumerate(flat):
+                mb.ref_logp = results[i][0] if results[i] is not None else None
 
+    def update(self, batch: UpdateBatch, step: int, optimizer) -> Updates:
+        cfg = self.rl
+        policy = self.policy
+        replayed = cfg.routing_replay in ("r2", "r3")
+        result = Updates(lr=lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+        set_lr(optimizer, result.lr)
+        tally = VolatilityTally()
+        for k, micro in enumerate(batch.minis):
+            policy.zero_grad()
+            new_routes = [None] * len(micro)
+            if replayed:
+                context = lambda j, micro=micro: policy.replay.replaying(micro[j].old_routes)  # noqa: E731
+            else:
+                context = lambda j: _recording_into(policy, new_routes, j)  # noqa: E731
+            inputs = batch.inputs(micro)
+            results = policy.run_micro_batches(inputs, batch.natural_len, context=context,
+                                               loss_fn=self._mini_batch_loss(batch, micro, k))
+            result.metric_parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
+            result.grad_norms.append(policy.step(optimizer))
+            # expert volatility: top-k choices of this forward (under replay: a free forward of the updated
+            # policy) vs pi_old's on the same tokens, micro-batch by micro-batch, over this stage's layers
+            if micro[0].old_routes is None:
+                continue
+            if replayed:
+                policy.run_micro_batches(inputs, batch.natural_len,
+                                         context=lambda j: _recording_into(policy, new_routes, j))
+            for j, mb in enumerate(micro):
+                tally.add(mb.old_routes.long(), new_routes[j].long(), batch.mask_RS[mb.rows].reshape(-1))
+        # over pipeline stages
+        result.volatility_changed, result.volatility_total = self.dims.pp_sum(tally.counts())
+        return result
 
-def update(trainer, batch: UpdateBatch, step: int) -> Updates:
-    from megagspo.algorithm import PackedBatch
-    from moe.optimizer import set_lr
-    from moe.volatility import VolatilityTally
+    def _mini_batch_loss(self, batch: UpdateBatch, micro: List[MicroBatch], k: int) -> Callable:
+        """(j, logp, entropy) -> the registered loss of micro-batch j of mini-batch k, normalised by GLOBAL
+        counts (the whole mini-batch over all DP ranks): micro-batch losses add up to the mini-batch loss, and
+        their accumulated gradients to its gradient."""
+        recompute = self.rl.old_logp == "recompute"
 
-    cfg = trainer.cfg.rl
-    policy = trainer.policy
-    replayed = cfg.routing_replay in ("r2", "r3")
-    result = Updates(lr=lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
-    set_lr(trainer.optimizer, result.lr)
-    tally = VolatilityTally()
-    for k, micro in enumerate(batch.minis):
-        policy.zero_grad()
-        new_routes = [None] * len(micro)
-        if replayed:
-            context = lambda j, micro=micro: policy.replay.replaying(micro[j].old_routes)  # noqa: E731
-        else:
-            context = lambda j: _recording_into(policy, new_routes, j)  # noqa: E731
-
-        def policy_loss(j, logp, entropy, micro=micro, k=k):
+        def policy_loss(j, logp, entropy):
             mb = micro[j]
-            # GLOBAL normalisers (the whole mini-batch over all DP ranks): micro-batch losses add up to the
-            # mini-batch loss, and their accumulated gradients to its gradient
             packed = PackedBatch.from_padded(
                 logp_BL=logp, loss_mask_BL=batch.mask_RS[mb.rows], num_global_sequences=batch.sequences_per_mini,
-                old_logp_BL=mb.old_logp if cfg.old_logp == "recompute" else None,
+                old_logp_BL=mb.old_logp if recompute else None,
                 rollout_logp_BL=batch.rollout_logp_RS[mb.rows], advantages_B=batch.advantages_R[mb.rows],
                 num_global_tokens=max(batch.tokens_per_mini[k], 1.0), entropy_BL=entropy, ref_logp_BL=mb.ref_logp)
-            return trainer.loss_fn(packed, trainer.loss_cfg)
+            return self.loss_fn(packed, self.loss_cfg)
 
-        inputs = batch.inputs(micro)
-        results = policy.run_micro_batches(inputs, batch.natural_len, context=context, loss_fn=policy_loss)
-        result.metric_parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
-        result.grad_norms.append(policy.step(trainer.optimizer))
-        # expert volatility: top-k choices of this forward (under replay: a free forward of the updated policy)
-        # vs pi_old's on the same tokens, micro-batch by micro-batch, over this stage's layers
-        if micro[0].old_routes is None:
-            continue
-        if replayed:
-            policy.run_micro_batches(inputs, batch.natural_len, context=lambda j: _recording_into(policy, new_routes, j))
-        for j, mb in enumerate(micro):
-            tally.add(mb.old_routes.long(), new_routes[j].long(), batch.mask_RS[mb.rows].reshape(-1))
-    result.volatility_changed, result.volatility_total = policy.pp_sum(tally.counts())  # over pipeline stages
-    return result
+        return policy_loss
+
+    def summarize(self, rollouts: Rollouts, scores: Scores, batch: UpdateBatch, updates: Updates) -> dict:
+        """The step's metrics: counts summed over the data-parallel group by name, then normalised."""
+        m = self.dims.from_last_stage({k: float(v) for k, v in merge_metrics(updates.metric_parts).items()}
+                                      if updates.metric_parts else None)
+        out, rewards_R = rollouts.out, scores.rewards_R
+        local = {
+            "reward": float(rewards_R.sum()), "correct": float((rewards_R >= 1.0).sum()),
+            "response_tokens": float(out.response_mask_RL.sum(1).float().sum()),
+            "rows": float(batch.input_RS.shape[0]),
+            "reward_errors": float(scores.stats.errors), "vol_changed": updates.volatility_changed,
+            "vol_total": updates.volatility_total, "clip_seq": m["seq/clip_frac"], "clip_tok": m["tok/clip_frac"],
+            "clip_seq_low": m["seq/clip_low_frac"], "clip_seq_high": m["seq/clip_high_frac"],
+            "kl_old": m["kl/approx_old"], "entropy": m.get("entropy/mean", 0.0), "ratio": m["ratio/mean"],
+            "loss": m["loss"], "nonzero_adv": float((scores.advantages_R != 0).sum()),
+            "reward_clamped": float(scores.stats.clamped), "reward_timeouts": float(scores.stats.timeouts),
+        }
+        if self.reference is not None:
+            local.update({"kl_ref": m["kl/ref"], "loss_kl": m["loss/kl"]})
+        total = dict(zip(local, self.dims.dp_sum(list(local.values()))))
+        return _metrics_row(total, self.dims.dp_size, updates, with_reference=self.reference is not None)
 
 
-def summarize(trainer, rollouts: Rollouts, scores: Scores, batch: UpdateBatch, updates: Updates) -> dict:
-    """The step's metrics: counts summed over the data-parallel group by name, then normalised."""
-    from megagspo.algorithm import merge_metrics
-    from moe.volatility import VolatilityTally
-
-    policy = trainer.policy
-    m = policy.from_last_stage({k: float(v) for k, v in merge_metrics(updates.metric_parts).items()}
-                               if updates.metric_parts else None)
-    out, rewards_R = rollouts.out, scores.rewards_R
-    local = {
-        "reward": float(rewards_R.sum()), "correct": float((rewards_R >= 1.0).sum()),
-        "response_tokens": float(out.response_mask_RL.sum(1).float().sum()), "rows": float(batch.input_RS.shape[0]),
-        "reward_errors": float(scores.stats.errors), "vol_changed": updates.volatility_changed,
-        "vol_total": updates.volatility_total, "clip_seq": m["seq/clip_frac"], "clip_tok": m["tok/clip_frac"],
-        "clip_seq_low": m["seq/clip_low_frac"], "clip_seq_high": m["seq/clip_high_frac"],
-        "kl_old": m["kl/approx_old"], "entropy": m.get("entropy/mean", 0.0), "ratio": m["ratio/mean"],
-        "loss": m["loss"], "nonzero_adv": float((scores.advantages_R != 0).sum()),
-        "reward_clamped": float(scores.stats.clamped), "reward_timeouts": float(scores.stats.timeouts),
-    }
-    if trainer.reference is not None:
-        local.update({"kl_ref": m["kl/ref"], "loss_kl": m["loss/kl"]})
-    total = dict(zip(local, trainer._all_sum(list(local.values()))))
-    rows, d, gnorms = total["rows"], trainer.dp, updates.grad_norms
+def _metrics_row(total: dict, d: int, updates: Updates, with_reference: bool) -> dict:
+    """The logged row from the counts summed over the `d` data-parallel ranks."""
+    rows, gnorms = total["rows"], updates.grad_norms
     row = {
         "reward/mean": total["reward"] / rows, "reward/accuracy": total["correct"] / rows,
         "reward/errors": total["reward_errors"], "reward/clamped": total["reward_clamped"],
@@ -285,7 +307,7 @@ def summarize(trainer, rollouts: Rollouts, scores: Scores, batch: UpdateBatch, u
         "loss": total["loss"], "grad_norm": sum(gnorms) / len(gnorms), "grad_norm/max": max(gnorms),
         "lr": updates.lr,
     }
-    if trainer.reference is not None:  # k3 KL to the reference per response token; the KL share of the loss
+    if with_reference:  # k3 KL to the reference per response token; the KL share of the loss
         row["kl/ref"], row["loss/kl"] = total["kl_ref"] / d, total["loss_kl"]
     return row
 

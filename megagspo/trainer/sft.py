@@ -1,84 +1,107 @@
 """Cold-start SFT: cross-entropy on prompt -> answer + eos demonstrations of the training split, with its own
-optimizer (freed afterwards), so that RL starts from a policy with nonzero reward."""
+optimizer (freed afterwards), so that RL starts from a policy with nonzero reward.
+
+`ColdStartSFT` is built from the process layout, the policy, the tokenizer, the prompt stream, the sft.* config,
+the engine link (weights to the engine for evaluation), the evaluator and the run's hooks (log, say, progress,
+stop); it never sees the Trainer."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from megagspo.trainer.engine_link import EngineLink
+from megagspo.trainer.hooks import RunHooks
 from megagspo.trainer.layout import micro_slices
+from megagspo.trainer.policy import MegatronPolicy, build_sequences
 from megagspo.trainer.schedule import lr_at
+from moe.optimizer import OptimizerSettings, set_lr
+from moe.parallel import ParallelDims
 
 
-def run_sft(trainer) -> dict:
-    """Cold start: cross-entropy on prompt -> answer+eos demonstrations (train split only)."""
-    cfg = trainer.cfg.sft
-    if cfg.steps == 0:
-        return {}
-    from moe.optimizer import OptimizerSettings, set_lr
+@dataclass
+class ColdStartSFT:
+    dims: ParallelDims
+    policy: MegatronPolicy
+    tokenizer: object
+    demonstrations: object           # megagspo.data.PromptDataset: sample(n) -> Examples (prompt and answer)
+    sft: object                      # megagspo.config.SFTConfig
+    engine: EngineLink
+    evaluate: Callable[[], dict]     # held-out evaluation (megagspo.trainer.evaluation.Evaluator)
+    hooks: RunHooks
 
-    opt = trainer.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                          beta1=0.9, beta2=0.99, clip_grad=cfg.grad_clip))
-    bar = trainer._progress(cfg.steps, "cold-start SFT")
-    sft_ds = trainer.train_ds
-    per_rank = cfg.batch_size // trainer.dp
-    micro_rows = micro_slices(per_rank, cfg.micro_batch_size)
-    trainer.policy.set_micro_batches(len(micro_rows))
-    t_start = time.perf_counter()
-    for step in range(cfg.steps):
-        lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, "cosine", 0.1)
-        set_lr(opt, lr)
-        inp, tgt, lmask, natural = _demonstrations(trainer, trainer._local_slice(sft_ds.sample(cfg.batch_size)))
-        (n_tok,) = trainer._all_sum([float(lmask.sum())])
-        trainer.policy.zero_grad()
+    def __call__(self) -> dict:
+        """Cold start: cross-entropy on prompt -> answer+eos demonstrations (train split only)."""
+        cfg = self.sft
+        if cfg.steps == 0:
+            return {}
+        opt = self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                           beta1=0.9, beta2=0.99, clip_grad=cfg.grad_clip))
+        bar = self.hooks.progress(cfg.steps, "cold-start SFT")
+        per_rank = cfg.batch_size // self.dims.dp_size
+        micro_rows = micro_slices(per_rank, cfg.micro_batch_size)
+        self.policy.set_micro_batches(len(micro_rows))
+        t_start = time.perf_counter()
+        for step in range(cfg.steps):
+            lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, "cosine", 0.1)
+            set_lr(opt, lr)
+            loss_sum, gnorm = self._step(opt, micro_rows)
+            do_eval = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0
+            if step % 10 == 0 or step == cfg.steps - 1 or do_eval:
+                row = {"phase": "sft", "step": step, "sft/loss": loss_sum, "sft/lr": lr, "grad_norm": float(gnorm)}
+                if do_eval:
+                    self.engine.sync_weights()
+                    row["eval/accuracy"] = self.evaluate()["eval/accuracy"]
+                    self.hooks.say(f"SFT step {step + 1}: loss {loss_sum:.3f}, held-out accuracy "
+                                   f"{row['eval/accuracy']:.3f}")
+                self.hooks.log(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_sum:.3f}")
+            signum = self.hooks.stop_requested() if step < cfg.steps - 1 else None
+            if signum:  # SFT is not checkpointed mid-way (step_000000 follows it): stop now, redo it on resume
+                raise self.hooks.preempted(f"stopped by a signal during cold-start SFT (after step {step + 1} of "
+                                           f"{cfg.steps}); no checkpoint yet: the next run starts over", signum)
+        if bar is not None:
+            bar.close()
+        self.engine.sync_weights()
+        return {"sft/time_s": time.perf_counter() - t_start}
+
+    def _step(self, opt, micro_rows: list):
+        """One optimizer step on a fresh batch of demonstrations. -> (loss summed over ranks, gradient norm)."""
+        inp, tgt, lmask, natural = self._demonstrations(self.dims.local_slice(
+            self.demonstrations.sample(self.sft.batch_size)))
+        (n_tok,) = self.dims.dp_sum([float(lmask.sum())])
+        self.policy.zero_grad()
         lmask = lmask.float()
 
         def lm_loss(i, logp_BS, _entropy_BS):  # gradients accumulate; divided by the GLOBAL token count
             loss = -(logp_BS * lmask[micro_rows[i]]).sum() / n_tok
             return loss, float(loss.detach())
 
-        losses = trainer.policy.run_micro_batches([(inp[rows], tgt[rows]) for rows in micro_rows], natural,
-                                                  loss_fn=lm_loss)
+        losses = self.policy.run_micro_batches([(inp[rows], tgt[rows]) for rows in micro_rows], natural,
+                                               loss_fn=lm_loss)
         loss_local = sum(x for x in losses if x is not None)  # 0 on the stages without the LM head
-        gnorm = trainer.policy.step(opt)
-        (loss_sum,) = trainer._all_sum(trainer.policy.pp_sum([loss_local]))
-        do_eval = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0
-        if step % 10 == 0 or step == cfg.steps - 1 or do_eval:
-            row = {"phase": "sft", "step": step, "sft/loss": loss_sum, "sft/lr": lr, "grad_norm": float(gnorm)}
-            if do_eval:
-                trainer.sync_weights()
-                row["eval/accuracy"] = trainer.evaluate()["eval/accuracy"]
-                trainer._say(f"SFT step {step + 1}: loss {loss_sum:.3f}, held-out accuracy {row['eval/accuracy']:.3f}")
-            trainer.logger.log(row)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum:.3f}")
-        signum = trainer.stop.requested() if step < cfg.steps - 1 else None
-        if signum:  # SFT is not checkpointed mid-way (step_000000 follows it): stop now, redo it on resume
-            raise trainer._preempted(f"stopped by a signal during cold-start SFT (after step {step + 1} of "
-                                     f"{cfg.steps}); no checkpoint yet: the next run starts over", signum)
-    if bar is not None:
-        bar.close()
-    trainer.sync_weights()
-    return {"sft/time_s": time.perf_counter() - t_start}
+        gnorm = self.policy.step(opt)
+        (loss_sum,) = self.dims.dp_sum(self.dims.pp_sum([loss_local]))
+        return loss_sum, gnorm
 
-
-def _demonstrations(trainer, batch: list):
-    """prompt + answer + eos rows of `batch` on the model's device -> (input_BS, target_BS, loss_mask_BS (bool),
-    natural length before TP alignment)."""
-    from megagspo.trainer.policy import build_sequences
-
-    tok = trainer.tokenizer
-    answers = [tok.encode(ex.answer) + [tok.eos_id] for ex in batch]
-    width = max(len(a) for a in answers)
-    resp = torch.full((len(batch), width), tok.pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.bool)
-    for i, a in enumerate(answers):
-        resp[i, :len(a)] = torch.tensor(a)
-        mask[i, :len(a)] = True
-    prompt_ids = [list(ex.prompt_ids) for ex in batch]
-    natural = max(map(len, prompt_ids)) + width - 1
-    inp, tgt, lmask, _ = build_sequences(prompt_ids, resp, mask, tok.pad_id, length=trainer._seq_length(natural))
-    inp, tgt, lmask = (t.to(trainer.policy.device) for t in (inp, tgt, lmask))
-    return inp, tgt, lmask, natural
+    def _demonstrations(self, batch: list):
+        """prompt + answer + eos rows of `batch` on the model's device -> (input_BS, target_BS, loss_mask_BS
+        (bool), natural length before TP alignment)."""
+        tok = self.tokenizer
+        answers = [tok.encode(ex.answer) + [tok.eos_id] for ex in batch]
+        width = max(len(a) for a in answers)
+        resp = torch.full((len(batch), width), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.bool)
+        for i, a in enumerate(answers):
+            resp[i, :len(a)] = torch.tensor(a)
+            mask[i, :len(a)] = True
+        prompt_ids = [list(ex.prompt_ids) for ex in batch]
+        natural = max(map(len, prompt_ids)) + width - 1
+        inp, tgt, lmask, _ = build_sequences(prompt_ids, resp, mask, tok.pad_id, length=self.dims.seq_length(natural))
+        inp, tgt, lmask = (t.to(self.policy.device) for t in (inp, tgt, lmask))
+        return inp, tgt, lmask, natural

@@ -1,12 +1,13 @@
-"""The run: checks, then cold-start SFT, then RL steps, with checkpoints, metrics and evaluation around them.
+"""The run, as the composition root: it checks the inputs, builds the parts, runs the loop, and owns
+checkpoints and preemption. The parts never see it: each is built from explicit inputs.
 
     Trainer(cfg)   preflight (layout, data, tokenizer, architecture, model.init_from: megagspo.trainer.preflight)
-                   -> process groups -> the run folder's lock -> resume point (megagspo.checkpoint)
-                   -> policy (+ frozen KL reference), rollout engine, metrics files
-    train()        held-out accuracy -> cold-start SFT (megagspo.trainer.sft) -> step_000000
-                   -> RL steps: megagspo.trainer.rl_step (collect -> score -> prepare -> old_policy -> update
-                      -> summarize), evaluation every rl.eval_every steps (megagspo.trainer.evaluation),
-                      a checkpoint when due or on SIGTERM / SIGINT
+                   -> process groups (ParallelDims, moe.parallel) -> the run folder's lock -> resume point
+                   -> policy (+ KLReference), rollout engine (EngineLink), metrics files
+                   -> Evaluator, ColdStartSFT, RLStep (megagspo.trainer.evaluation / sft / rl_step)
+    train()        held-out accuracy -> cold-start SFT -> step_000000
+                   -> RL steps (collect -> score -> prepare -> old_policy -> update -> summarize), evaluation
+                      every rl.eval_every steps, a checkpoint when due or on SIGTERM / SIGINT
                    -> summary.json, plots, checkpoint.pt
 
 Tensor and pipeline parallelism: the TP x PP ranks of one data-parallel rank (its model-parallel group) get
@@ -18,26 +19,48 @@ over micro-batches goes through `MegatronPolicy.run_micro_batches` (Megatron's 1
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import yaml
+from tqdm import tqdm
 
+from megagspo.algorithm.registry import LossOptionError
+from megagspo.checkpoint import CheckpointManager, Preempted, StopRequest
+from megagspo.checkpoint.full_state import save_full_checkpoint
+from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
 from megagspo.checkpoint.state import RunParts, RunRng
 from megagspo.config import Config, ConfigError
+from megagspo.data import PromptDataset, build_datasets
+from megagspo.data.datasets import response_check_for
+from megagspo.kernels.policy_losses import build_loss
+from megagspo.metrics_log import MetricsLogger, cold_start_line, eval_record, final_line, write_plots
+from megagspo.rewards import get_reward
+from megagspo.rewards.bounded import with_time_limit
+from megagspo.rollout import SamplingParams, get_engine_class
+from megagspo.trainer.engine_link import EngineLink
+from megagspo.trainer.evaluation import Evaluator
+from megagspo.trainer.hooks import RunHooks
+from megagspo.trainer.init_weights import load_init_weights
+from megagspo.trainer.kl_reference import KLReference
 from megagspo.trainer.layout import world_from_env
+from megagspo.trainer.policy import MegatronPolicy, setup_parallel
 from megagspo.trainer.preflight import preflight
+from megagspo.trainer.rl_step import RLStep
+from megagspo.trainer.sft import ColdStartSFT
+from moe.optimizer import OptimizerSettings
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, quiet: bool = False) -> None:
-        from megagspo.algorithm.registry import LossOptionError, build_loss
-        from megagspo.data import build_datasets
-        from megagspo.data.datasets import response_check_for
-        from megagspo.rewards import get_reward
-        from megagspo.rollout import get_engine_class
-
+    def __init__(self, cfg: Config, *, quiet: bool = False, reward_fn: Optional[Callable] = None,
+                 adamw_class: Optional[type] = None) -> None:
+        """reward_fn: (response, answer) -> [0, 1] in place of reward.name's verifier; adamw_class: the torch
+        optimizer inside Megatron's distributed optimizer (moe.optimizer.build_optimizer). Tests inject both."""
+        self.adamw_class = adamw_class
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
         # ---- everything that can be wrong with the input is checked before any compute ----
@@ -49,41 +72,29 @@ class Trainer:
             raise ConfigError(f"data: {cfg.data.train_path or cfg.data.eval_path!r} (or data.eval_path) is not "
                               f"UTF-8 text ({exc})") from None
         checked = preflight(cfg, world_from_env(), self.tokenizer.vocab_size)
-        self.dp, arch, init_source = checked.data_parallel, checked.arch, checked.init_source
-        from megagspo.rewards.bounded import with_time_limit
-
         # a worker process killed at reward.timeout_s (C-level loops included); started at the first call
-        self.reward_fn = with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
+        self.reward_fn = reward_fn or with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
         try:  # every rl.* loss option through the loss registry (torch, or the fused kernel when asked)
             self.loss_fn, self.loss_cfg = build_loss(cfg.rl)
         except LossOptionError as exc:
             raise ConfigError(str(exc)) from None
         engine_cls = get_engine_class(cfg.rollout.engine)
-
-        # ---- model, engine, optimizer ----
-        from megagspo.trainer.policy import setup_parallel
-
-        self.layout, self.rank, self.world = setup_parallel(cfg.parallel, cfg.seed)
+        # the run's one description of its process layout: sizes, ranks, groups and the step's collectives
+        self.dims, _, _ = setup_parallel(cfg.parallel, cfg.seed)
         # ---- one owner per run folder, before anything in it is read for writing or moved ----
-        from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
-        from megagspo.collective import run_on_rank0
-
         self.run_lock = RunFolderLock(cfg.run_dir(), f"megagspo {'train' if cfg.rl.steps else 'sft'}")
-        run_on_rank0("taking the run folder", lambda: self.run_lock.acquire() and None, peer_error=RunFolderBusy)
+        self.dims.on_rank0("taking the run folder", lambda: self.run_lock.acquire() and None, peer_error=RunFolderBusy)
         try:
-            self._build_run(cfg, arch, train, held_out, init_source, engine_cls, quiet)
+            self._build_run(cfg, checked.arch, train, held_out, checked.init_source, engine_cls, quiet)
         except BaseException:
             self.run_lock.release()  # a start that failed leaves the folder free for the next attempt
             raise
 
     def _build_run(self, cfg: Config, arch, train, held_out, init_source, engine_cls, quiet: bool) -> None:
-        """Everything after the run folder is owned: resume point, models, engine, run files, RNG."""
-        from megagspo.checkpoint import CheckpointManager, StopRequest
-        from megagspo.data import PromptDataset
-
+        """Everything after the run folder is owned: resume point, models, engine, run files, RNG, the parts."""
         # the resume point is chosen, verified and checked against this model before anything in the run
         # folder is written (megagspo.checkpoint; docs/robustness.md)
-        self.ckpt = CheckpointManager(cfg, self.rank, self.world)
+        self.ckpt = CheckpointManager(cfg, self.dims)
         self.resume = self.ckpt.find_resume(arch, len(train))
         self.stop = StopRequest()
         self.arch = arch
@@ -92,39 +103,35 @@ class Trainer:
         engine_kwargs = ({"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang"
                          else {"dtype": cfg.model.precision} if cfg.rollout.engine == "hf" else {})
         self.engine = engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes, **engine_kwargs)
+        self.link = EngineLink(self.dims, self.policy, self.engine, cfg.rollout.sync_bucket_mib)
         self.sync_weights()
         self.train_ds = PromptDataset(train, seed=cfg.seed + 17)
-        self.held_out = held_out
-        self.dp_rank = self.policy.dp_rank
-        self.is_main = self.rank == 0
-        self.quiet = quiet or not self.is_main
+        self.quiet = quiet or not self.dims.is_main
         self._open_run_files(cfg)
-        self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dp_rank)
-        self.rng = RunRng(self.sample_gen)
         # Sampling randomness differs per data-parallel rank; the TP ranks of one DP rank draw the same
-        # (rank == dp_rank without TP). Training rollouts are also broadcast from TP rank 0 (_generate).
-        torch.manual_seed(cfg.seed * 7919 + self.dp_rank)
+        # (rank == dp_rank without TP). Training rollouts are also broadcast from TP rank 0 (EngineLink).
+        self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dims.dp_rank)
+        self.rng = RunRng(self.sample_gen)
+        torch.manual_seed(cfg.seed * 7919 + self.dims.dp_rank)
         self.summary: dict = {"data": self.data_stats, "device": str(self.policy.device),
                               "precision": cfg.model.precision}
         if self.resume:
             self.ckpt.restore_rng_and_data(self.checkpoint_parts(), self.resume)
-        if self.is_main and self.logger.tb_note and not self.quiet:
+        if self.dims.is_main and self.logger.tb_note and not self.quiet:
             print(self.logger.tb_note)
+        self._build_parts(cfg, held_out)
 
     def _build_models(self, cfg: Config, arch, init_source) -> None:
         """The policy (weights from the resumed checkpoint, else model.init_from) and, at rl.kl_coef > 0, the
         frozen KL reference: a second Megatron model of the same layout, built before the RNG is reseeded so
-        that building it changes no random draw of the run. Its weights are the policy's at the start of RL:
-        copied by _start_reference (a fresh run, or a resume from step_000000, whose weights ARE the start of
-        RL) or read back from <run>/reference.safetensors."""
-        from megagspo.trainer.init_weights import load_init_weights
-        from megagspo.trainer.policy import MegatronPolicy
-
+        that building it changes no random draw of the run. Its weights are the policy's at the start of RL
+        (KLReference.start_from: a fresh run, or a resume from step_000000, whose weights ARE the start of RL)
+        or read back from <run>/reference.safetensors (KLReference.resume)."""
         def policy(frozen: bool = False):
-            return MegatronPolicy(arch, self.layout, cfg.parallel, cfg.rl.logprob_impl, frozen=frozen,
+            return MegatronPolicy(arch, self.dims, cfg.parallel, cfg.rl.logprob_impl, frozen=frozen,
                                   precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
                                   logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-                                  implementation=cfg.model.implementation())
+                                  implementation=cfg.model.implementation(), adamw_class=self.adamw_class)
 
         self.policy = policy()
         if self.resume:
@@ -133,18 +140,29 @@ class Trainer:
             load_init_weights(self.policy, init_source, arch)
         self.optimizer = None  # the RL optimizer, made by run_rl (SFT has its own, freed after the cold start)
         self.reference = None
-        self._reference_ready = False
         if cfg.rl.kl_coef > 0:
-            self.reference = policy(frozen=True)
+            self.reference = KLReference(self.dims, policy(frozen=True), cfg.run_dir(), self.ckpt.run_id)
             if self.resume and self.resume["state"]["step"] > 0:
-                self._resume_reference()
+                self.reference.resume(self.resume["path"])
+
+    def _build_parts(self, cfg: Config, held_out: list) -> None:
+        """Held-out evaluation, cold-start SFT and the RL step, each from the inputs it uses."""
+        hooks = RunHooks(log=self.logger.log, say=self._say, progress=self._progress,
+                         stop_requested=self.stop.requested, preempted=self._preempted)
+        self.evaluator = Evaluator(self.dims, self.engine, self.tokenizer, self.reward_fn, held_out,
+                                   cfg.data.max_response_tokens, cfg.rl.eval_samples, cfg.rollout.temperature,
+                                   cfg.rollout.top_p)
+        self.sft = ColdStartSFT(self.dims, self.policy, self.tokenizer, self.train_ds, cfg.sft, self.link,
+                                self.evaluate, hooks)
+        sampling = SamplingParams(cfg.data.max_response_tokens, temperature=cfg.rollout.temperature,
+                                  top_p=cfg.rollout.top_p)
+        self.step = RLStep(self.dims, self.policy, self.link, self.loss_fn, self.loss_cfg, self.reward_fn,
+                           self.reference, cfg.rl, sampling, self.tokenizer, self.train_ds, self.sample_gen)
 
     def _open_run_files(self, cfg: Config) -> None:
         """Everything is checked: from here on the run folder is written. A fresh run first moves earlier
         checkpoints aside; metrics.jsonl (the rows up to a resumed checkpoint) and config.yaml are rewritten.
         Rank 0 writes; a failure (disk full, read-only) reaches every rank."""
-        from megagspo.metrics_log import MetricsLogger
-
         self.ckpt.retire_previous()
         self.logger = MetricsLogger(cfg.run_dir(), enabled=False)
 
@@ -155,125 +173,46 @@ class Trainer:
             for row in prior:
                 self.logger.log(row)
             self.logger.raise_write_error()
-            import yaml
-
             with open(os.path.join(cfg.run_dir(), "config.yaml"), "w") as f:
                 yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
 
-        self._from_rank0("writing metrics.jsonl and config.yaml", write)
-
-    # ------------------------------------------------------------------------------------- KL reference
-    def _start_reference(self) -> None:
-        from megagspo.trainer.kl_reference import start_reference
-
-        start_reference(self)
-
-    def _resume_reference(self) -> None:
-        from megagspo.trainer.kl_reference import resume_reference
-
-        resume_reference(self)
+        self.dims.on_rank0("writing metrics.jsonl and config.yaml", write)
 
     def checkpoint_parts(self) -> RunParts:
         """What a checkpoint holds of this run, by name (megagspo.checkpoint.state.RunParts)."""
         return RunParts(policy=self.policy, optimizer=self.optimizer, dataset=self.train_ds, rng=self.rng,
-                        metrics=self.logger, summary=self.summary, arch=self.arch, data_parallel=self.dp,
-                        data_parallel_rank=self.dp_rank)
+                        metrics=self.logger, summary=self.summary, arch=self.arch)
 
-    # ------------------------------------------------------------------------------------------- utils
-    def _all_sum(self, values: list) -> list:
-        from megagspo.collective import sum_over
-
-        return sum_over(values, self.policy.dp_group)
-
+    # ------------------------------------------------------------------------------------------- the parts
     def sync_weights(self) -> float:
-        """Stream the policy's weights to the rollout engine (collective: every rank calls it); returns seconds.
+        """The policy's weights to the rollout engine (collective; EngineLink.sync_weights); returns seconds."""
+        return self.link.sync_weights()
 
-        The full (TP=EP=PP=1) model goes out in buckets of at most `rollout.sync_bucket_mib` MiB, gathered one
-        bucket at a time over TP / EP / PP (moe.sharding.iter_full_state_buckets), so that no rank ever holds
-        the whole model. Only the ranks
-        whose engine needs the weights receive buckets (engine.weights_needed: for the embedded engine the
-        ranks that generate, model-parallel rank 0 of each data-parallel rank, see _generate; for SGLang rank 0,
-        which sends); the others relay their shards and iterate empty buckets."""
-        from moe.sharding import iter_full_state_buckets
-
-        t0 = time.perf_counter()
-        generates = self.policy.mp_size == 1 or torch.distributed.get_rank(self.policy.mp_group) == 0
-        bucket_bytes = self.cfg.rollout.sync_bucket_mib * 2**20
-        buckets = iter_full_state_buckets(self.policy.model, bucket_bytes,
-                                          receive=self.engine.weights_needed(generates))
-        self.engine.update_weights_from_buckets(buckets)
-        return time.perf_counter() - t0
-
-    def _generate(self, prompts: list, n: int, sampling):
-        """The rollout engine's samples; under TP / PP only rank 0 of each model-parallel group (the TP x PP
-        ranks of one data-parallel rank) generates and broadcasts to its peers, so that they all train on the
-        same rollouts."""
-        if self.policy.mp_size == 1:
-            return self.engine.generate(prompts, n, sampling)
-        return self._from_mp_rank0("rollout generation", lambda: self.engine.generate(prompts, n, sampling))
-
-    def _from_mp_rank0(self, what: str, fn):
-        """fn() on model-parallel rank 0 only, its result broadcast to the TP x PP peers (see _from_rank0)."""
-        return self._from_rank0(what, fn, self.policy.mp_group)
-
-    def _from_rank0(self, what: str, fn, group=None):
-        """fn() on rank 0 of `group` (None: every process) only, its result (or its error) reaching every
-        rank of the group (megagspo.collective.run_on_rank0)."""
-        from megagspo.collective import run_on_rank0
-
-        return run_on_rank0(what, fn, group)
-
-    def _seq_length(self, natural: int) -> int:
-        """Model input length >= natural, a multiple of TP (sequence parallelism splits S over TP ranks)."""
-        m = self.policy.seq_multiple
-        return -(-natural // m) * m
-
-    def _local_slice(self, items: list) -> list:
-        n = len(items) // self.dp
-        return items[self.dp_rank * n:(self.dp_rank + 1) * n]
-
-    def _progress(self, total: int, desc: str):
-        if self.quiet or not self.cfg.log.progress:
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=desc, dynamic_ncols=True)
-
-    # ---------------------------------------------------------------------------------------- evaluation
     def evaluate(self) -> dict:
-        from megagspo.trainer.evaluation import evaluate
+        return self.evaluator()
 
-        return evaluate(self)
-
-    # ----------------------------------------------------------------------------------------------- SFT
     def run_sft(self) -> dict:
-        from megagspo.trainer.sft import run_sft
+        return self.sft()
 
-        return run_sft(self)
-
-    # ------------------------------------------------------------------------------------------------ RL
     def rl_step(self, step: int) -> dict:
         """One rollout batch through the stages of megagspo.trainer.rl_step; its metrics row."""
-        from megagspo.trainer.rl_step import rl_step
-
-        return rl_step(self, step)
+        return self.step(step, self.optimizer)
 
     def make_rl_optimizer(self):
         """Megatron's distributed optimizer (AdamW) for the RL updates (rl.lr, betas, weight decay, clip);
         its fp32 master weights start from the policy's weights now (after cold-start SFT / init / resume)."""
-        from moe.optimizer import OptimizerSettings
-
         cfg = self.cfg.rl
         return self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay,
                                                             beta1=cfg.beta1, beta2=cfg.beta2, clip_grad=cfg.grad_clip))
 
+    # ------------------------------------------------------------------------------------------- the loop
     def run_rl(self, cold_start: dict, start_step: int = 0) -> dict:
         cfg = self.cfg.rl
         self.optimizer = self.make_rl_optimizer()
         if self.resume:
             self.ckpt.load_optimizer(self.policy, self.optimizer, self.resume)
-        if self.reference is not None and not self._reference_ready:
-            self._start_reference()
+        if self.reference is not None and not self.reference.ready:
+            self.reference.start_from(self.policy)
         bar = self._progress(cfg.steps, f"{cfg.loss.upper()} RL")
         last_eval = dict(cold_start)
         if bar is not None and start_step:
@@ -300,42 +239,6 @@ class Trainer:
             bar.close()
         return last_eval
 
-    # ------------------------------------------------------------------------------------------- drivers
-    def _checkpoint_and_maybe_stop(self, steps_done: int, last_eval: dict) -> None:
-        """After each RL step: a checkpoint when due or when SIGTERM/SIGINT arrived; then stop on the signal."""
-        self._stop_if_metrics_unwritable()
-        signum = self.stop.requested()
-        if signum or self.ckpt.due(steps_done, self.cfg.rl.steps):
-            path = self.ckpt.save(self.checkpoint_parts(), steps_done, last_eval)
-        if signum:
-            import signal as _signal
-
-            name = _signal.Signals(signum).name
-            raise self._preempted(f"stopped by {name} after RL step {steps_done}; checkpoint {path} written; "
-                                  "continue with --resume (or checkpoint.resume=auto)", signum)
-
-    def _stop_if_metrics_unwritable(self) -> None:
-        """Collective: when rank 0 could not append to metrics.jsonl (disk full, ...), every rank stops here
-        together, at a step boundary, instead of rank 0 exiting while its peers wait in a collective."""
-        self._from_rank0("appending to metrics.jsonl", self.logger.raise_write_error)
-
-    def _preempted(self, msg: str, signum: int):
-        from megagspo.checkpoint import Preempted
-
-        self.logger.close()
-        return Preempted(msg, 128 + signum)
-
-    def save_checkpoint(self, name: str = "checkpoint.pt") -> Optional[str]:
-        """Collective: the full (TP=EP=PP=1) weights as <run>/<name> (weights-only torch file, atomic), for
-        `megagspo export` and `model.init_from`; a failed write stops every rank together."""
-        from megagspo.checkpoint.full_state import save_full_checkpoint
-
-        state = self.policy.full_state_dict()  # collective under EP: every rank calls it
-        path = os.path.join(self.cfg.run_dir(), name)
-        self._from_rank0(f"writing {name}", lambda: save_full_checkpoint(
-            path, state, self.arch, self.cfg.data.tokenizer, self.cfg.to_dict(), intact=self.ckpt.root))
-        return path if self.is_main else None
-
     def train(self, rl: bool = True) -> dict:
         self.stop.install()
         try:
@@ -356,14 +259,12 @@ class Trainer:
         if self.cfg.sft.steps and self.cfg.log.save_checkpoint and rl and self.cfg.rl.steps:
             self.save_checkpoint("cold_start.pt")  # megagspo train model.init_from=<run>/cold_start.pt sft.steps=0
         cold = self.evaluate()
-        from megagspo.metrics_log import cold_start_line, eval_record, final_line
-
         self.summary.update(eval_record("cold_start", cold, self.cfg.rl.eval_samples))  # only what was measured
         self.logger.log({"phase": "cold_start", "step": 0, "eval/accuracy": cold["eval/accuracy"],
                          "init/accuracy": base["eval/accuracy"]})
         if rl and self.cfg.rl.steps:
             if self.reference is not None:  # written before step_000000: every RL checkpoint has its reference
-                self._start_reference()
+                self.reference.start_from(self.policy)
             self.ckpt.save(self.checkpoint_parts(), 0, cold, phase="cold_start")  # step_000000: SFT is never redone
             signum = self.stop.requested()
             if signum:
@@ -374,7 +275,7 @@ class Trainer:
             t_rl = time.perf_counter()
             final = self.run_rl(cold)
             self.summary["rl/time_s"] = time.perf_counter() - t_rl
-            self.summary.update(eval_record("final", final, self.cfg.rl.eval_samples))  # only what was measured
+            self._record_final(final)
             self._say(final_line(final, cold, self.cfg.rl.steps, self.cfg.rl.loss, self.cfg.sft.steps,
                                  self.cfg.rl.eval_samples, self.cfg.rollout.temperature))
         return self._finish(t0)
@@ -390,12 +291,13 @@ class Trainer:
             self.summary["rl/time_s"] = self.summary.get("rl/time_s", 0.0) + time.perf_counter() - t_rl
         else:
             final = cold
-        from megagspo.metrics_log import eval_record
-
-        self.summary.update(eval_record("final", final, self.cfg.rl.eval_samples))  # only what was measured
+        self._record_final(final)
         self._say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps (resumed at step "
                   f"{state['step']}): greedy {final['eval/accuracy']:.3f}")
         return self._finish(t0)
+
+    def _record_final(self, final: dict) -> None:
+        self.summary.update(eval_record("final", final, self.cfg.rl.eval_samples))  # only what was measured
 
     def _finish(self, t0: float) -> dict:
         if self.cfg.log.save_checkpoint:
@@ -403,12 +305,8 @@ class Trainer:
             if path:
                 self.summary["checkpoint"] = path
         self.summary["total_time_s"] = time.perf_counter() - t0
-        if self.is_main:
-            import json
-
+        if self.dims.is_main:
             if self.cfg.log.plots:
-                from megagspo.metrics_log import write_plots
-
                 self.summary["plots"] = write_plots(
                     self.logger.rows, self.cfg.run_dir(), self.summary["cold_start/accuracy"], loss=self.cfg.rl.loss,
                     sampled_measured=bool(self.cfg.rl.eval_samples),
@@ -419,6 +317,42 @@ class Trainer:
         self.logger.close()
         return self.summary
 
+    # ------------------------------------------------------------------------- checkpoints and preemption
+    def _checkpoint_and_maybe_stop(self, steps_done: int, last_eval: dict) -> None:
+        """After each RL step: a checkpoint when due or when SIGTERM/SIGINT arrived; then stop on the signal."""
+        self._stop_if_metrics_unwritable()
+        signum = self.stop.requested()
+        if signum or self.ckpt.due(steps_done, self.cfg.rl.steps):
+            path = self.ckpt.save(self.checkpoint_parts(), steps_done, last_eval)
+        if signum:
+            name = signal.Signals(signum).name
+            raise self._preempted(f"stopped by {name} after RL step {steps_done}; checkpoint {path} written; "
+                                  "continue with --resume (or checkpoint.resume=auto)", signum)
+
+    def _stop_if_metrics_unwritable(self) -> None:
+        """Collective: when rank 0 could not append to metrics.jsonl (disk full, ...), every rank stops here
+        together, at a step boundary, instead of rank 0 exiting while its peers wait in a collective."""
+        self.dims.on_rank0("appending to metrics.jsonl", self.logger.raise_write_error)
+
+    def _preempted(self, msg: str, signum: int) -> Preempted:
+        self.logger.close()
+        return Preempted(msg, 128 + signum)
+
+    def save_checkpoint(self, name: str = "checkpoint.pt") -> Optional[str]:
+        """Collective: the full (TP=EP=PP=1) weights as <run>/<name> (weights-only torch file, atomic), for
+        `megagspo export` and `model.init_from`; a failed write stops every rank together."""
+        state = self.policy.full_state_dict()  # collective under EP: every rank calls it
+        path = os.path.join(self.cfg.run_dir(), name)
+        self.dims.on_rank0(f"writing {name}", lambda: save_full_checkpoint(
+            path, state, self.arch, self.cfg.data.tokenizer, self.cfg.to_dict(), intact=self.ckpt.root))
+        return path if self.dims.is_main else None
+
+    # ------------------------------------------------------------------------------------------- output
+    def _progress(self, total: int, desc: str):
+        if self.quiet or not self.cfg.log.progress:
+            return None
+        return tqdm(total=total, desc=desc, dynamic_ncols=True)
+
     def _say(self, msg: str) -> None:
-        if self.is_main:
+        if self.dims.is_main:
             print(msg, flush=True)

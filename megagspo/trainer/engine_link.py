@@ -1,0 +1,39 @@
+"""The rollout engine as the training step sees it, under any process layout: the policy's weights go in
+(streamed in buckets), samples come out (generated once per model-parallel group and shared with its peers)."""
+
+from __future__ import annotations
+
+import time
+
+from megagspo.rollout import RolloutEngine, RolloutOutput, SamplingParams
+from megagspo.trainer.policy import MegatronPolicy
+from moe.parallel import ParallelDims
+from moe.sharding import iter_full_state_buckets
+
+
+class EngineLink:
+    def __init__(self, dims: ParallelDims, policy: MegatronPolicy, engine: RolloutEngine, bucket_mib: int) -> None:
+        self.dims = dims
+        self.policy = policy
+        self.engine = engine
+        self.bucket_bytes = bucket_mib * 2**20
+
+    def sync_weights(self) -> float:
+        """Stream the policy's weights to the rollout engine (collective: every rank calls it); returns seconds.
+
+        The full (TP=EP=PP=1) model goes out in buckets of at most `rollout.sync_bucket_mib` MiB, gathered one
+        bucket at a time over TP / EP / PP (moe.sharding.iter_full_state_buckets), so that no rank ever holds
+        the whole model. Only the ranks whose engine needs the weights receive buckets (engine.weights_needed:
+        for the embedded engine the ranks that generate, model-parallel rank 0 of each data-parallel rank; for
+        SGLang rank 0, which sends); the others relay their shards and iterate empty buckets."""
+        t0 = time.perf_counter()
+        buckets = iter_full_state_buckets(self.policy.model, self.bucket_bytes,
+                                          receive=self.engine.weights_needed(self.dims.generates))
+        self.engine.update_weights_from_buckets(buckets)
+        return time.perf_counter() - t0
+
+    def generate(self, prompt_ids: list, n: int, sampling: SamplingParams) -> RolloutOutput:
+        """The engine's samples; under TP / PP only rank 0 of each model-parallel group (the TP x PP ranks of
+        one data-parallel rank) generates and broadcasts to its peers, so that they all train on the same
+        rollouts."""
+        return self.dims.on_mp_rank0("rollout generation", lambda: self.engine.generate(prompt_ids, n, sampling))
