@@ -242,9 +242,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megagspo", description="GSPO RL for Qwen3-MoE on Megatron-Core",
                                      epilog="megagspo COMMAND --help describes a command's options")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    described = {
+        "train": "Cold-start SFT (sft.steps), then RL (rl.steps) with rl.loss = gspo | gspo_token | grpo, into the run "
+                 "folder log.out_dir/name. Where that folder holds a run: --resume continues it, --overwrite moves it "
+                 "aside first; a finished run of the same config is not started over (its summary is printed).",
+        "sft": "Cold-start SFT only (= train with rl.steps=0): held-out accuracy before and after, then the full "
+               "weights in <run>/checkpoint.pt. Start RL runs from it with model.init_from=<run>/checkpoint.pt "
+               "sft.steps=0 (what megagspo ablate does per seed).",
+    }
     for name, help_text in (("train", "cold-start SFT, then RL: GSPO / GSPO-token / GRPO"),
                             ("sft", "cold-start SFT only: a checkpoint for model.init_from")):
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=described[name])
         p.add_argument("--config", default="configs/tiny_cpu.yaml", help="YAML recipe")
         p.add_argument("overrides", nargs="*", help="section.key=value, e.g. rl.steps=20 seed=1")
         p.add_argument("--resume", action="store_true",
