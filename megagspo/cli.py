@@ -19,6 +19,8 @@ import os
 import sys
 import warnings
 
+from megagspo.errors import bounded_message
+
 
 def _quiet_third_party() -> None:
     """What the libraries say that a user cannot act on is dropped; any other warning keeps Python's default
@@ -108,7 +110,7 @@ def _train(args, rl: bool) -> int:
             print("\n".join(summary_lines(exc.summary)), flush=True)
         return 0
     except (ConfigError, ValueError, FileNotFoundError, CheckpointError, RunFolderBusy) as exc:
-        print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
+        print(f"megagspo {args.command}: error: {bounded_message(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:  # the filesystem refused a read or a write: say which path and why, in one line
         print(f"megagspo {args.command}: error: {os_error_message(exc)}", file=sys.stderr)
@@ -120,7 +122,7 @@ def _train(args, rl: bool) -> int:
         print(f"megagspo {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
     except CheckpointError as exc:
-        print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
+        print(f"megagspo {args.command}: error: {bounded_message(exc)}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"megagspo {args.command}: error: {os_error_message(exc)}; the checkpoints written so far are "
@@ -143,9 +145,9 @@ def _plan(args) -> int:
     try:
         with deferred_path_checks() as missing:
             cfg = load_config(args.config, args.overrides)
-        report = dry_run(cfg, missing_paths=missing)
+        report = dry_run(cfg, missing_paths=missing, check_weights=getattr(args, "check_weights", False))
     except (ValueError, FileNotFoundError, PlanError, LayoutError, ArchitectureError, CheckpointError) as exc:
-        print(f"megagspo {args.command}: error: {exc}", file=sys.stderr)
+        print(f"megagspo {args.command}: error: {bounded_message(exc)}", file=sys.stderr)
         return 2
     print(report.text(cfg))
     print(f"megagspo {args.command}: {args.config} is valid for {report.world_size} ranks")
@@ -169,7 +171,7 @@ def _export(args) -> int:
             lock.acquire()
         notes = export_hf(load_checkpoint(args.checkpoint), out)
     except (RunFolderBusy, CheckpointError, ValueError) as exc:
-        print(f"megagspo export: error: {exc}", file=sys.stderr)
+        print(f"megagspo export: error: {bounded_message(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"megagspo export: error: {os_error_message(exc)}", file=sys.stderr)
@@ -218,7 +220,7 @@ def _ablate(args) -> int:
         if not args.report_only:
             failed = AblationRunner(spec, args.overrides, jobs=args.jobs).run()
     except ConfigError as exc:
-        print(f"megagspo ablate: error: {exc}", file=sys.stderr)
+        print(f"megagspo ablate: error: {bounded_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("megagspo ablate: interrupted; running cells were asked to checkpoint; rerun the same command to "
@@ -228,8 +230,8 @@ def _ablate(args) -> int:
         "".join(f" {o}" for o in args.overrides)
     try:
         path = write_report(spec, command=reproduce)
-    except FileNotFoundError as exc:
-        print(f"megagspo ablate: error: {exc}", file=sys.stderr)
+    except (FileNotFoundError, ValueError) as exc:  # ValueError: a cell's summary / config file is not trusted
+        print(f"megagspo ablate: error: {bounded_message(exc)}", file=sys.stderr)
         return 1
     print(f"megagspo ablate: report written to {path}")
     if failed:
@@ -265,6 +267,9 @@ def main(argv=None) -> int:
         if name == "train":
             p.add_argument("--dry-run", action="store_true",
                            help="validate the recipe (config, layout, checkpoint shapes, memory plan) and exit")
+            p.add_argument("--check-weights", action="store_true",
+                           help="with --dry-run: also read every weight of an HF model.init_from folder and refuse "
+                                "NaN / inf (the dry run reads headers only; a run checks the values at start-up)")
     p = sub.add_parser("plan", help="per-GPU memory plan; refuses a recipe that cannot fit")
     p.add_argument("--config", required=True, help="YAML recipe")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.world_size=16")
@@ -296,6 +301,8 @@ def main(argv=None) -> int:
         return _ablate(args)
     if args.command == "export":
         return _export(args)
+    if getattr(args, "check_weights", False) and not args.dry_run:
+        parser.error("--check-weights goes with --dry-run (a run checks the weights as it reads them)")
     if args.command == "plan" or getattr(args, "dry_run", False):
         return _plan(args)
     if args.command == "sft":

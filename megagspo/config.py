@@ -553,9 +553,11 @@ class CheckpointConfig:
 def _check_run_name(name: Any) -> None:
     """The run folder is log.out_dir/<name>: a name must be one plain path component, so a run never lands
     outside log.out_dir (`..`, `../x`, an absolute path) or in log.out_dir itself beside other runs (empty)."""
-    rule = "a run name is one plain folder name: not empty, not '.' or '..', no '/' (so not absolute), no NUL"
+    rule = ("a run name is one plain folder name: not empty, not '.' or '..', no '/' (so not absolute), no NUL, "
+            "at most 255 bytes")
     ok = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name and \
-        (os.sep == "/" or os.sep not in name) and (os.altsep is None or os.altsep not in name)
+        (os.sep == "/" or os.sep not in name) and (os.altsep is None or os.altsep not in name) and \
+        len(name.encode("utf-8", "surrogatepass")) <= 255  # a folder name's limit on every common filesystem
     if not ok:
         raise ConfigError(f"name = {_show(name)}: {rule}")
 
@@ -744,10 +746,9 @@ def parse_overrides(overrides) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {_show(item)} conflicts with an earlier override of {_show(part)}")
-        try:
-            node[parts[-1]] = yaml.safe_load(value) if value != "" else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override {_show(item)}: the value is not valid YAML ({exc})") from None
+        # the recipe's own parser: nesting pre-scanned (a 100,000-deep `[[[…` would crash the loader), duplicate
+        # keys refused, every failure a ConfigError naming the override
+        node[parts[-1]] = parse_yaml(value, f"override {_show(item)}: the value") if value != "" else ""
     return out
 
 
@@ -797,19 +798,10 @@ MAX_YAML_DEPTH = 256  # libyaml's composer recurses per nested collection: ~50,0
 
 
 def _yaml_depth(text: str) -> int:
-    """The deepest nesting of YAML collections in `text`, from libyaml's event stream (its parser does not
-    recurse; building the document does), so a hostile depth is found before it can crash the loader."""
-    depth = deepest = 0
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    for event in yaml.parse(text, Loader=loader):
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > MAX_YAML_DEPTH:
-                break
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
-    return deepest
+    """The deepest nesting of YAML collections in `text` (the non-recursive pre-scan shared with moe)."""
+    from moe.yaml_files import yaml_depth
+
+    return yaml_depth(text, MAX_YAML_DEPTH)
 
 
 def parse_yaml(text: str, where: str):

@@ -73,6 +73,26 @@ def _describe_loss(rl) -> str:
     return f"{rl.loss} ({impl}): {options}"
 
 
+def _hf_weights_check(folder: str, check_weights: bool) -> str:
+    """What the dry run says about an HF folder's values. By default it reads headers only (a 30B folder is
+    ~61 GB: minutes of disk) and says that NaN / inf are found at start-up, where every rank checks each
+    slice it reads before anything is trained or written; --check-weights reads every tensor now (one at a
+    time, one aminmax each), e.g. before queueing a cluster job."""
+    if not check_weights:
+        return ("values not read here (headers only): NaN / inf weights are refused at start-up, before anything "
+                "is written; add --check-weights to read them now")
+    from moe.hf_checkpoint import CheckpointError, first_nonfinite_hf_tensor
+
+    try:
+        bad = first_nonfinite_hf_tensor(folder)
+    except (CheckpointError, OSError) as exc:
+        raise ConfigError(f"model.init_from = {folder!r}: {exc}") from None
+    if bad:
+        raise ConfigError(f"model.init_from = {folder!r}: {bad} holds NaN or infinite values; a model cannot start "
+                          "from non-finite weights")
+    return "every value read and finite (--check-weights)"
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -83,10 +103,12 @@ def _world_size(cfg: Config) -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> DryRunReport:
+def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True,
+            check_weights: bool = False) -> DryRunReport:
     """Every check a real run makes before touching a GPU; raises ConfigError / LayoutError / PlanError /
     CheckpointError naming what is wrong. `missing_paths`: (key, path) pairs that the config loader found
-    absent under `deferred_path_checks()` (cluster paths); they are reported, and skipped here."""
+    absent under `deferred_path_checks()` (cluster paths); they are reported, and skipped here. `check_weights`:
+    read every value of an HF model.init_from folder too (else headers only, and the report says so)."""
     from megagspo.data import load_tokenizer
     from megagspo.trainer.preflight import preflight
     from moe.hf_checkpoint import hf_tensor_shapes
@@ -113,6 +135,8 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True) -> D
         checkpoint = f"expected {len(shapes)} HF tensors; {init_from} is checked against them when the run starts"
     else:
         checkpoint = checked.init_source.description
+        if checked.init_source.kind == "hf":
+            checkpoint += "; " + _hf_weights_check(checked.init_source.path, check_weights)
     numel = sum(math.prod(shape) for shape in shapes.values())
     if numel != counts.total(arch):
         raise ConfigError(f"checkpoint tensors hold {numel} parameters but the architecture has "

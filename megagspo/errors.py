@@ -43,10 +43,16 @@ LOW_SPACE_BYTES = 1 << 20
 def os_error_message(exc: OSError) -> str:
     """'<path>: <cause>' (both paths for a rename), e.g. 'runs/x/metrics.jsonl: disk full (no space left on device)'."""
     cause = _CAUSES.get(exc.errno) or (exc.strerror.lower() if exc.strerror else str(exc) or type(exc).__name__)
-    where = exc.filename if exc.filename is not None else ""
+    where = _cut_path(exc.filename) if exc.filename is not None else ""
     if exc.filename2 is not None:
-        where = f"{where} -> {exc.filename2}"
+        where = f"{where} -> {_cut_path(exc.filename2)}"
     return f"{where}: {cause}" if where else cause
+
+
+def _cut_path(path, limit: int = 300) -> str:
+    """A path from user input, cut for a one-line message (a 10 MB path is refused as too long, not printed)."""
+    text = os.fsdecode(path) if isinstance(path, (bytes, os.PathLike)) else str(path)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _os_error_in_chain(exc: BaseException):
@@ -68,6 +74,16 @@ def free_bytes(path: str):
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+MAX_MESSAGE = 4000  # an error names its inputs cut to ~200 characters each; this bounds what any message prints
+
+
+def bounded_message(exc: BaseException, limit: int = MAX_MESSAGE) -> str:
+    """The message of an error printed to the user, cut to `limit` characters with its length said: a message
+    built around a hostile input (a 10 MB name, key or value) must never become a 10 MB line."""
+    text = str(exc)
+    return text if len(text) <= limit else f"{text[:limit]}... (cut: the message has {len(text)} characters)"
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

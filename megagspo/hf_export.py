@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 
-from moe.json_files import loads_bounded
+from moe.json_files import loads_bounded, read_json, read_json_text
 
 # What a Hugging Face loader reads from a model folder besides the weights and config.json.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -89,11 +89,13 @@ def export_hf(ckpt: dict, out: str) -> list:
     source = source_folder(ckpt)
     tok_dir = "" if ckpt["tokenizer"] == "builtin" else ckpt["tokenizer"]
     notes = []
+    for folder in (source, tok_dir):  # its generation_config.json is copied below: never pass on a hostile one
+        if folder and os.path.isfile(os.path.join(folder, GENERATION_CONFIG)):
+            read_json(os.path.join(folder, GENERATION_CONFIG))
     os.makedirs(out, exist_ok=True)
     if source:
-        with open(os.path.join(source, CONFIG), encoding="utf-8") as f:
-            config_text = f.read()
-        key, old = _source_dtype(loads_bounded(config_text, os.path.join(source, CONFIG), want=dict))
+        config_text, config = read_json_text(os.path.join(source, CONFIG))  # bounded: size, depth, UTF-8
+        key, old = _source_dtype(config)
         precision = ((ckpt.get("config") or {}).get("model") or {}).get("precision", "fp32")
         dtype = export_dtype(old, precision) if old in _DTYPES else "float32"
         model = model.to(getattr(torch, dtype))

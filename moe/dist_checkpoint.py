@@ -129,6 +129,45 @@ def check_folder(directory: str) -> None:
             raise DistCheckpointError(f"{os.path.join(directory, rel)}: shard file named by {METADATA} is missing")
 
 
+def first_nonfinite_chunk(directory: str):
+    """None when every floating-point chunk stored in the torch_dist folder `directory` is finite, else
+    "<shard file>: <key> holds NaN or infinite values". Reads one chunk at a time, in file order, the way
+    torch.distributed.checkpoint does (`torch.load(weights_only=True)` of the chunk's bytes), and checks it
+    with one `aminmax` (moe.hf_checkpoint.all_finite): a checkpoint that passes its checksums can still hold a
+    NaN (written so, or re-checksummed by someone else), and a resume or export of it would train or ship
+    nothing. Raises DistCheckpointError when the folder cannot be read that way, OSError when a file vanishes."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from moe.hf_checkpoint import all_finite
+
+    check_folder(directory)
+    metadata = read_metadata_safely(directory)
+    by_file: Dict[str, list] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        md = metadata.state_dict_metadata.get(index.fqn)
+        if isinstance(md, TensorStorageMetadata) and md.properties.dtype.is_floating_point:
+            by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn, info))
+    for rel, items in sorted(by_file.items()):
+        with open(os.path.join(directory, rel), "rb") as f:
+            for offset, length, key, info in sorted(items, key=lambda item: item[0]):
+                if getattr(info, "transform_descriptors", None):
+                    raise DistCheckpointError(f"{os.path.join(directory, rel)}: chunk of {key!r} is stored with "
+                                              f"transforms {list(info.transform_descriptors)}, which megagspo "
+                                              "never writes")
+                f.seek(offset)
+                data = f.read(length)
+                try:
+                    chunk = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - any unreadable chunk is the same one-line error
+                    raise DistCheckpointError(f"{os.path.join(directory, rel)}: chunk of {key!r} is unreadable "
+                                              f"({type(exc).__name__})") from None
+                if not isinstance(chunk, torch.Tensor):
+                    raise DistCheckpointError(f"{os.path.join(directory, rel)}: chunk of {key!r} is not a tensor")
+                if not all_finite(chunk):
+                    return f"{rel}: {key} holds NaN or infinite values"
+    return None
+
+
 # ------------------------------------------------------------------------------------------ save internals
 # parameter names at Megatron-Core 0.16.1 (their annotations print object addresses, so names are compared)
 _SAVE_SIGNATURES = {

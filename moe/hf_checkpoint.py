@@ -214,6 +214,11 @@ def detect_expert_layout(keys: Iterable[str]) -> str:
     return PER_EXPERT if per_expert else FUSED
 
 
+def _cut(name: str, limit: int = 200) -> str:
+    """A tensor or file name read from a checkpoint, cut for an error message (the file is user input)."""
+    return name if len(name) <= limit else f"{name[:limit]}... ({len(name)} characters)"
+
+
 def validate_hf_tensors(actual: Mapping[str, tuple[int, ...]], arch: Qwen3MoeArchitecture,
                         expert_layout: str) -> None:
     """Raise CheckpointError listing every missing, wrongly shaped or unexpected tensor with both shapes."""
@@ -229,7 +234,7 @@ def validate_hf_tensors(actual: Mapping[str, tuple[int, ...]], arch: Qwen3MoeArc
             continue
         if key == "lm_head.weight" and arch.tie_word_embeddings and tuple(shape) == expected["model.embed_tokens.weight"]:
             continue  # some tied checkpoints store the head anyway; the embedding is authoritative
-        problems.append(f"{key}: unexpected tensor of shape {tuple(shape)} (expected: no such tensor "
+        problems.append(f"{_cut(key)}: unexpected tensor of shape {tuple(shape)} (expected: no such tensor "
                         f"for this architecture, {expert_layout} expert layout)")
     if problems:
         shown = problems[:40] + ([f"... and {len(problems) - 40} more"] if len(problems) > 40 else [])
@@ -290,6 +295,10 @@ class SafetensorsSource(_Source):
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointError(f"{index}: no 'weight_map' mapping of tensor names to shard files")
             files = sorted(set(weight_map.values()))
+            for name in files:  # a shard is a file of this folder: never a path that leaves it
+                if not name or "/" in name or name in (".", "..") or "\0" in name or len(name) > 255:
+                    raise CheckpointError(f"{index}: names shard {_cut(name)!r}, which is not a file name in "
+                                          f"{self.path} (no '/', not '.' or '..', at most 255 characters)")
         elif (self.path / SAFE_WEIGHTS).is_file():
             weight_map, files = None, [SAFE_WEIGHTS]
         else:
@@ -299,7 +308,7 @@ class SafetensorsSource(_Source):
         for name in files:
             file = self.path / name
             if not file.is_file():
-                raise CheckpointError(f"{index}: names shard {name!r}, which does not exist")
+                raise CheckpointError(f"{index}: names shard {_cut(name)!r}, which does not exist")
             try:
                 handle = safe_open(str(file), framework="pt", device="cpu")
             except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for a bad header
@@ -309,15 +318,17 @@ class SafetensorsSource(_Source):
             self._handles[name] = handle
             for key in handle.keys():
                 if key in self._file_of:
-                    raise CheckpointError(f"tensor {key!r} is stored twice ({self._file_of[key]} and {name})")
+                    raise CheckpointError(f"tensor {_cut(key)!r} is stored twice ({self._file_of[key]} and "
+                                          f"{name})")
                 self._file_of[key] = name
         if weight_map is not None:
             for key, name in weight_map.items():
                 if self._file_of.get(key) != name:
-                    raise CheckpointError(f"{SAFE_INDEX} maps {key!r} to {name!r}, but that shard does not hold it")
+                    raise CheckpointError(f"{SAFE_INDEX} maps {_cut(key)!r} to {_cut(name)!r}, but that shard does "
+                                          "not hold it")
             for key, name in self._file_of.items():
                 if key not in weight_map:
-                    raise CheckpointError(f"shard {name!r} holds {key!r}, which {SAFE_INDEX} does not list")
+                    raise CheckpointError(f"shard {name!r} holds {_cut(key)!r}, which {SAFE_INDEX} does not list")
 
     def shapes(self):
         return {k: tuple(self._handles[f].get_slice(k).get_shape()) for k, f in self._file_of.items()}
@@ -330,6 +341,10 @@ class SafetensorsSource(_Source):
         if rank - len(index) == 1:
             index.append(slice(None) if cols is None else slice(*cols))
         return view[tuple(index)]
+
+    def tensor(self, key):
+        """The whole tensor `key` (one at a time: the file is memory-mapped)."""
+        return self._handles[self._file_of[key]].get_tensor(key)
 
     def close(self):
         self._handles.clear()
@@ -511,6 +526,17 @@ def all_finite(t: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(t)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def first_nonfinite_hf_tensor(path: str | os.PathLike) -> str | None:
+    """The first tensor (by name) of the HF folder `path` holding a NaN or an infinity, else None: every
+    tensor read whole, one at a time, in its stored dtype, and checked with one aminmax. For the dry run's
+    --check-weights; a run checks each slice when it reads it (after the cast to the run's precision)."""
+    with SafetensorsSource(path) as source:
+        for key in sorted(source.shapes()):
+            if not all_finite(source.tensor(key)):
+                return key
+    return None
 
 
 def _check_finite(piece: torch.Tensor, entry: MegatronTensor, lp) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,6 +31,19 @@ HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 class HfConfigError(ArchitectureError):
     """A Hugging Face config key is unknown, or holds a value this implementation does not support."""
+
+
+# A key or value quoted in an error is cut to a readable size: config.json is user input, and a 10 MB string
+# (or, from YAML, an alias bomb of billions of elements) must not become a 10 MB error line.
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 120
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+_REPR.maxlevel = 3
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    text = _REPR.repr(value)  # reprlib never writes the whole nested value out
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # HF key -> Qwen3MoeArchitecture field.
@@ -107,16 +121,16 @@ def _rope_parameters(value: Any) -> float | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise HfConfigError(f"config key 'rope_parameters' must be a mapping, got {value!r}")
+        raise HfConfigError(f"config key 'rope_parameters' must be a mapping, got {_shown(value)}")
     extra = set(value) - {"rope_theta", "rope_type", "type"}
     if extra:
         raise HfConfigError(
-            f"config key 'rope_parameters' holds {sorted(extra)}: only default RoPE (rope_theta, "
-            f"rope_type='default') is supported, got {dict(value)!r}"
+            f"config key 'rope_parameters' holds {_shown(sorted(extra))}: only default RoPE (rope_theta, "
+            f"rope_type='default') is supported, got {_shown(dict(value))}"
         )
     rope_type = value.get("rope_type", value.get("type", "default"))
     if rope_type != "default":
-        raise HfConfigError(f"config key 'rope_parameters.rope_type' = {rope_type!r} is not supported "
+        raise HfConfigError(f"config key 'rope_parameters.rope_type' = {_shown(rope_type)} is not supported "
                             "(only 'default' RoPE)")
     return value.get("rope_theta")
 
@@ -126,21 +140,21 @@ def _coerce(field_name: str, hf_key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise HfConfigError(f"config key {hf_key!r} must be an integer, got {value!r}")
+            raise HfConfigError(f"config key {_shown(hf_key)} must be an integer, got {_shown(value)}")
         return value
     if field_name in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise HfConfigError(f"config key {hf_key!r} must be a number, got {value!r}")
+            raise HfConfigError(f"config key {_shown(hf_key)} must be a number, got {_shown(value)}")
         return float(value)
     if field_name in _BOOL_FIELDS:
         if not isinstance(value, bool):
-            raise HfConfigError(f"config key {hf_key!r} must be true or false, got {value!r}")
+            raise HfConfigError(f"config key {_shown(hf_key)} must be true or false, got {_shown(value)}")
         return value
     if field_name == "mlp_only_layers":
         if value is None:
             return ()
         if not isinstance(value, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in value):
-            raise HfConfigError(f"config key 'mlp_only_layers' must be a list of layer indices, got {value!r}")
+            raise HfConfigError(f"config key 'mlp_only_layers' must be a list of layer indices, got {_shown(value)}")
         return tuple(value)
     raise AssertionError(field_name)
 
@@ -155,9 +169,12 @@ def load_config_dict(source: str | os.PathLike | Mapping[str, Any]) -> dict[str,
     if not path.is_file():
         raise HfConfigError(f"no Hugging Face config at {path}")
     if path.suffix in (".yaml", ".yml"):
-        import yaml
+        from moe.yaml_files import YamlFileError, read_yaml
 
-        data = yaml.safe_load(path.read_text())
+        try:
+            data = read_yaml(path)
+        except YamlFileError as exc:
+            raise HfConfigError(str(exc)) from None
     else:
         from moe.json_files import JsonFileError, read_json
 
@@ -180,8 +197,8 @@ def architecture_from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -
         value = _coerce(field_name, hf_key, value)
         if field_name in fields and fields[field_name] != value:
             raise HfConfigError(
-                f"config keys {origin[field_name]!r} ({fields[field_name]!r}) and {hf_key!r} ({value!r}) "
-                f"disagree on {field_name}"
+                f"config keys {origin[field_name]!r} ({_shown(fields[field_name])}) and {_shown(hf_key)} "
+                f"({_shown(value)}) disagree on {field_name}"
             )
         fields[field_name] = value
         origin[field_name] = hf_key
@@ -204,12 +221,12 @@ def architecture_from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -
             except (TypeError, ValueError):
                 ok = False
             if not ok:
-                raise HfConfigError(f"config key {key!r} = {value!r} is not supported (supported: {wanted})")
+                raise HfConfigError(f"config key {_shown(key)} = {_shown(value)} is not supported (supported: {wanted})")
         elif key in _DEPENDENT_KEYS or key in _IGNORED_KEYS:
             continue
         else:
             raise HfConfigError(
-                f"config key {key!r} (= {value!r}) is not supported by the Qwen3-MoE model builder; "
+                f"config key {_shown(key)} (= {_shown(value)}) is not supported by the Qwen3-MoE model builder; "
                 "it is neither an architecture field nor a known key without architecture meaning"
             )
 
@@ -268,10 +285,10 @@ def hf_config_from_architecture(arch: Qwen3MoeArchitecture, dtype: str = "bfloat
     }
     for key, value in (extra or {}).items():
         if key not in _IGNORED_KEYS:
-            raise HfConfigError(f"extra config key {key!r} is not a key without architecture meaning")
+            raise HfConfigError(f"extra config key {_shown(key)} is not a key without architecture meaning")
         config[key] = value
     if not math.isfinite(rope_theta):
-        raise HfConfigError(f"rope_theta must be finite, got {rope_theta!r}")
+        raise HfConfigError(f"rope_theta must be finite, got {_shown(rope_theta)}")
     return config
 
 

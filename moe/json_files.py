@@ -57,6 +57,11 @@ def read_json(path, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, want
     """The JSON value in the file `path` (by default it must be an object). Raises JsonFileError naming the
     file when it is missing, unreadable, larger than `max_bytes`, not UTF-8, not JSON, nested deeper than
     `max_depth` or of another top-level type."""
+    return read_json_text(path, max_bytes, max_depth, want)[1]
+
+
+def read_json_text(path, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, want: Optional[type] = dict):
+    """(the file's text, its JSON value) under read_json's checks, for a caller that copies the text as it is."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -65,4 +70,5 @@ def read_json(path, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, want
         raise JsonFileError(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})") from None
     if len(data) > max_bytes:
         raise JsonFileError(f"{path}: larger than {max_bytes} bytes, the limit for a JSON file")
-    return loads_bounded(data, path, max_depth, want)
+    value = loads_bounded(data, path, max_depth, want)
+    return data.decode("utf-8"), value

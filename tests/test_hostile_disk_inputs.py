@@ -286,3 +286,192 @@ def test_non_finite_weights_in_a_megagspo_state_are_refused_by_the_dry_run(runs,
                 f"model.init_from={tmp_path / 'w.safetensors'}", f"log.out_dir={tmp_path / 'runs'}")
     assert proc.returncode == 2 and key in proc.stderr and "NaN or infinite" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------- non-finite values in the run's own checkpoints and KL reference
+def _poison_chunk(sub_dir: str, value: float) -> tuple:
+    """Write `value` over the first element of one stored chunk of a torch_dist folder, in place (the bytes of
+    a chunk are a torch.save zip whose tensor data is stored uncompressed). -> (shard file, checkpoint key)."""
+    import io
+
+    from moe.dist_checkpoint import read_metadata_safely
+
+    metadata = read_metadata_safely(sub_dir)
+    for index, info in sorted(metadata.storage_data.items(), key=lambda item: item[0].fqn):
+        path = os.path.join(sub_dir, info.relative_path)
+        blob = bytearray(open(path, "rb").read())
+        chunk = torch.load(io.BytesIO(bytes(blob[info.offset:info.offset + info.length])), weights_only=True)
+        if not chunk.is_floating_point() or chunk.numel() < 16 or float(chunk.reshape(-1)[:4].abs().min()) == 0:
+            continue
+        raw = chunk.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        at = blob.find(raw, info.offset, info.offset + info.length)
+        assert at >= 0, index.fqn
+        blob[at:at + chunk.element_size()] = torch.tensor([value], dtype=chunk.dtype).view(torch.uint8).numpy().tobytes()
+        with open(path, "wb") as f:
+            f.write(blob)
+        again = torch.load(io.BytesIO(bytes(blob[info.offset:info.offset + info.length])), weights_only=True)
+        assert not torch.isfinite(again.reshape(-1)[0])  # the poison took
+        return info.relative_path, index.fqn
+    raise AssertionError(f"no chunk to poison in {sub_dir}")
+
+
+@pytest.mark.slow
+def test_a_nan_weight_in_the_newest_checkpoint_falls_back_for_export_and_resume(runs, tmp_path):
+    """A step checkpoint whose checksums agree (re-written by whoever wrote the NaN) but which holds a NaN
+    weight: export and --resume both say which file and tensor, and take the previous checkpoint."""
+    run = tmp_path / "r"
+    shutil.copytree(runs["a_only"], run)
+    os.remove(run / "checkpoint.pt")
+    newest = run / "checkpoints" / "step_000002"
+    shard, key = _poison_chunk(str(newest / "model"), float("nan"))
+    _rewrite_manifest(str(newest))
+    proc = _cli("export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = f"step_000002 is corrupt (model/{shard}: {key} holds NaN or infinite values); falling back to step_000001"
+    assert said in proc.stdout, proc.stdout
+    proc = _cli("train", "--config", "configs/tiny_cpu.yaml", *TINY, "rl.steps=3", f"log.out_dir={tmp_path}",
+                "name=r", "--resume")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert said in proc.stdout and "resuming from" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_an_infinite_adam_moment_in_the_newest_checkpoint_falls_back(runs, tmp_path):
+    """The optimizer state counts too: an inf moment would turn the first resumed update into NaN weights.
+    model.init_from=<run folder> (and export) reads the same answer."""
+    from megagspo.checkpoint.full_state import load_checkpoint
+    from megagspo.checkpoint.state import resolve_checkpoint
+
+    run = tmp_path / "r"
+    shutil.copytree(runs["a_only"], run)
+    os.remove(run / "checkpoint.pt")
+    newest = run / "checkpoints" / "step_000002"
+    shard, key = _poison_chunk(str(newest / "optimizer"), float("inf"))
+    _rewrite_manifest(str(newest))
+    said = []
+    assert resolve_checkpoint(str(run), said.append).endswith("step_000001")
+    assert f"optimizer/{shard}: {key} holds NaN or infinite values" in said[0], said
+    assert load_checkpoint(str(run), said.append)["path"].endswith("step_000001")
+    # every checkpoint poisoned: one error naming each, no fall-back left
+    _poison_chunk(str(run / "checkpoints" / "step_000001" / "model"), float("-inf"))
+    _rewrite_manifest(str(run / "checkpoints" / "step_000001"))
+    shutil.rmtree(run / "checkpoints" / "step_000000")
+    from megagspo.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no intact checkpoint under .*holds NaN or infinite values"):
+        resolve_checkpoint(str(run), said.append)
+
+
+@pytest.mark.slow
+def test_a_non_finite_checkpoint_pt_is_refused_by_export_naming_the_tensor(runs, tmp_path):
+    from megagspo.checkpoint.guards import safe_torch_load
+
+    ckpt = safe_torch_load(os.path.join(runs["a_only"], "checkpoint.pt"))
+    key = sorted(ckpt["state"])[2]
+    ckpt["state"][key].view(-1)[1] = float("inf")
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    proc = _cli("export", "--checkpoint", str(tmp_path / "checkpoint.pt"), "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{tmp_path / 'checkpoint.pt'}: 1 tensor(s) hold NaN or infinite values ({key})" in proc.stderr, \
+        proc.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_non_finite_kl_reference_is_refused_naming_the_tensor(tmp_path):
+    """reference.safetensors whose record (size, sha256, run id) agrees but which holds a NaN: a resume with a
+    KL penalty is refused, naming the file and the tensor, instead of training against NaN log-probs."""
+    from megagspo.checkpoint import CheckpointError
+    from megagspo.checkpoint.reference import save_reference, verify_reference
+
+    state = {"a.weight": torch.ones(4, 4), "b.weight": torch.ones(3)}
+    state["b.weight"][2] = float("nan")
+    save_reference(str(tmp_path), state, "run")  # a record that agrees with the file
+    with pytest.raises(CheckpointError) as err:
+        verify_reference(str(tmp_path), "run")
+    assert "reference.safetensors: tensor b.weight holds NaN or infinite values" in str(err.value)
+    state["b.weight"][2] = 0.0
+    save_reference(str(tmp_path), state, "run")
+    assert verify_reference(str(tmp_path), "run").endswith("reference.safetensors")
+
+
+# ------------------------------------------------ every YAML / JSON file from disk through a bounded reader
+def test_a_deeply_nested_yaml_architecture_file_is_a_one_line_error(tmp_path):
+    """model.arch_file as YAML: 100,000 levels of nesting crashed PyYAML's loader (RecursionError)."""
+    from megagspo.config import ConfigError, load_config
+
+    deep = tmp_path / "arch.yaml"
+    deep.write_text(DEEP)
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), [])
+    cfg.model.arch_file = str(deep)
+    with pytest.raises(ConfigError) as err:
+        cfg.model.architecture(64)
+    assert f"{deep}: YAML nested deeper than 256 levels" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hf_config_values_and_names_are_cut_in_errors(kit, tmp_path):
+    """A 10 MB value or key in config.json, or a 1 MB shard name in the safetensors index, is named cut to
+    ~200 characters, never echoed whole; a shard name that leaves the folder is refused."""
+    from moe.hf_checkpoint import CheckpointError, SafetensorsSource
+    from moe.hf_config import HfConfigError, architecture_from_hf_config
+
+    base = json.loads(open(os.path.join(kit["model"], "config.json")).read())
+    for key, value in (("hidden_size", "x" * 10_000_000), ("k" * 10_000_000, 1), ("mlp_only_layers", ["a" * 99] * 10**5)):
+        (tmp_path / "config.json").write_text(json.dumps({**base, key: value}))
+        with pytest.raises(HfConfigError) as err:
+            architecture_from_hf_config(tmp_path)
+        assert len(str(err.value)) < 600, len(str(err.value))
+    folder = tmp_path / "sharded"
+    _sharded(kit, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    for name in ("b" * 1_000_000, "../model-00001-of-00002.safetensors", "/etc/passwd"):
+        bad = dict(index, weight_map={**index["weight_map"], "x.weight": name})
+        (folder / "model.safetensors.index.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match="which is not a file name in") as err:
+            SafetensorsSource(folder)
+        assert len(str(err.value)) < 600
+
+
+@pytest.mark.slow
+def test_export_refuses_a_hostile_generation_config_in_the_source_folder(kit, tmp_path):
+    """An HF-initialised run whose tokenizer lives elsewhere: export copies the source folder's
+    generation_config.json; a deeply nested one is refused, naming it, never passed on."""
+    from safetensors.torch import load_file
+
+    from megagspo.hf_export import export_hf
+    from moe.hf_checkpoint import megatron_state_dict_from_hf
+    from moe.hf_config import architecture_from_hf_config
+    from moe.json_files import JsonFileError
+
+    source = shutil.copytree(kit["model"], tmp_path / "source")
+    tokenizer = shutil.copytree(kit["model"], tmp_path / "tokenizer")
+    arch = architecture_from_hf_config(source)
+    ckpt = {"state": megatron_state_dict_from_hf(load_file(os.path.join(source, "model.safetensors")), arch),
+            "arch": dict(arch.__dict__), "tokenizer": str(tokenizer),
+            "config": {"model": {"init_from": str(source), "precision": "fp32"}}}
+    with open(os.path.join(source, "generation_config.json"), "w") as f:
+        f.write(DEEP)
+    with pytest.raises(JsonFileError) as err:
+        export_hf(ckpt, str(tmp_path / "out"))
+    assert f"{source}/generation_config.json: JSON nested deeper than 64 levels" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------- the dry run and an HF folder's values
+@pytest.mark.slow
+def test_the_dry_run_says_values_are_checked_at_start_up_and_check_weights_reads_them(kit, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    proc = _cli("train", "--dry-run", *_hf_args(kit, kit["model"], tmp_path / "runs"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NaN / inf weights are refused at start-up" in proc.stdout and "--check-weights" in proc.stdout
+    folder = shutil.copytree(kit["model"], tmp_path / "hf")
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    key = sorted(tensors)[5]
+    tensors[key].view(-1)[3] = float("nan")
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    proc = _cli("train", "--dry-run", "--check-weights", *_hf_args(kit, folder, tmp_path / "runs"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{key} holds NaN or infinite values" in proc.stderr, proc.stderr
+    proc = _cli("train", "--dry-run", "--check-weights", *_hf_args(kit, kit["model"], tmp_path / "runs"))
+    assert proc.returncode == 0 and "every value read and finite" in proc.stdout, proc.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()

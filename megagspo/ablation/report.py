@@ -20,11 +20,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-import yaml
-
 from moe.json_files import loads_bounded, read_json
 
 from megagspo.ablation.spec import AblationSpec
+from megagspo.config import read_yaml_mapping
 
 
 @dataclass
@@ -83,8 +82,7 @@ def load_results(spec: AblationSpec) -> Tuple[Dict[str, ArmResult], List[str]]:
                 continue
             summary = read_json(paths[0])
             rows = _read_rows(paths[1])
-            with open(paths[2]) as f:
-                config = yaml.safe_load(f)
+            config = read_yaml_mapping(paths[2], "run config")  # the recipe reader: size, depth, duplicate keys
             rl = [r for r in rows if r.get("phase") == "rl"]
             if not rl or "final/accuracy" not in summary:
                 missing.append(run_dir)

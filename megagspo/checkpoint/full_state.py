@@ -57,5 +57,29 @@ def load_checkpoint(path: str, say=print) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path!r}")
     if path.endswith(".safetensors"):
-        return {"state": load_safetensors(path)}
-    return safe_torch_load(path)  # weights_only=True: never unpickles code from a user path
+        ckpt = {"state": load_safetensors(path)}
+    else:
+        ckpt = safe_torch_load(path)  # weights_only=True: never unpickles code from a user path
+    state = ckpt.get("state") if isinstance(ckpt, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                              for k, t in state.items()):
+        raise CheckpointError(f"{path}: not a megagspo checkpoint (expected {{'state': {{name: tensor}}, ...}})")
+    require_finite(path, state)
+    return ckpt
+
+
+class NonFiniteCheckpoint(CheckpointError):
+    """A checkpoint file that reads cleanly but holds NaN or infinite weights."""
+
+
+def require_finite(path: str, state: dict) -> None:
+    """NonFiniteCheckpoint naming the file and the first tensors when any floating-point tensor of `state`
+    holds a NaN or an infinity (one aminmax per tensor: moe.hf_checkpoint.all_finite). A step checkpoint
+    folder is checked the same way, chunk by chunk, before it is chosen (state.check_run_checkpoint), so an
+    older one is taken instead; a single file has nothing older to fall back to."""
+    from moe.hf_checkpoint import all_finite
+
+    bad = [name for name, t in state.items() if not all_finite(t)]
+    if bad:
+        raise NonFiniteCheckpoint(f"{path}: {len(bad)} tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
+                                  f"{', ...' if len(bad) > 3 else ''}); a model cannot start from non-finite weights")

@@ -90,4 +90,27 @@ def verify_reference(run_dir: str, run_id: str) -> str:
         raise CheckpointError(f"{path} has {size} bytes, {REFERENCE_META} says {want_bytes} (truncated?)")
     if sha256_file(path) != want_sha:
         raise CheckpointError(f"{path}: sha256 differs from {REFERENCE_META} (corrupt)")
+    bad = first_nonfinite_tensor(path)
+    if bad:
+        raise CheckpointError(f"{path}: tensor {bad} holds NaN or infinite values: a KL penalty against it would "
+                              "be NaN; this run cannot be resumed with a KL penalty (start a fresh run, or resume "
+                              "with rl.kl_coef=0)")
     return path
+
+
+def first_nonfinite_tensor(path: str):
+    """The name of the first floating-point tensor of the safetensors file `path` holding a NaN or an infinity
+    (None when all are finite), read one tensor at a time and checked with one aminmax each
+    (moe.hf_checkpoint.all_finite): the checksums only say the file is the one its record names."""
+    from safetensors import SafetensorError, safe_open
+
+    from moe.hf_checkpoint import all_finite
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            for name in sorted(handle.keys()):
+                if not all_finite(handle.get_tensor(name)):
+                    return name
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from None
+    return None

@@ -68,7 +68,11 @@ def read_trainer_state(path: str) -> dict:
 def check_run_checkpoint(path: str) -> Optional[str]:
     """None when the step checkpoint `path` can be used, else why not (one line): the manifest's sizes and
     checksums (store.verify), then every JSON file in it (trainer_state.json, the shards' metadata.json)
-    through the bounded reader. Whatever the corruption, the caller falls back to the previous checkpoint."""
+    through the bounded reader, then every floating-point chunk of the weights and the optimizer state
+    (master weights, moments) finite. Whatever the corruption, the caller falls back to the previous
+    checkpoint."""
+    from moe.dist_checkpoint import DistCheckpointError, first_nonfinite_chunk
+
     reason = store.verify(path, REQUIRED)
     if reason:
         return reason
@@ -77,8 +81,16 @@ def check_run_checkpoint(path: str) -> Optional[str]:
         for sub in (MODEL_DIR, OPTIMIZER_DIR):
             if os.path.isfile(os.path.join(path, sub, "metadata.json")):
                 read_json(os.path.join(path, sub, "metadata.json"))
-    except JsonFileError as exc:
+        for sub in (MODEL_DIR, OPTIMIZER_DIR):
+            if os.path.isdir(os.path.join(path, sub)):
+                bad = first_nonfinite_chunk(os.path.join(path, sub))
+                if bad:
+                    return f"{sub}/{bad}"
+    except (JsonFileError, DistCheckpointError) as exc:
         return str(exc).replace(os.path.join(path, ""), "", 1)
+    except OSError as exc:
+        return store.VANISHED if not os.path.isdir(path) else \
+            f"a file cannot be read ({type(exc).__name__}: {exc.strerror or exc})"
     return None
 
 

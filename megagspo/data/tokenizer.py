@@ -89,7 +89,9 @@ def _token_ids(value, where: str) -> list[int]:
         return []
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ValueError(f"{where} must be a token id or a list of token ids, got {value!r}")
+        from megagspo.config import _show
+
+        raise ValueError(f"{where} must be a token id or a list of token ids, got {_show(value)}")
     return values
 
 
@@ -131,7 +133,9 @@ class HFTokenizer:
             raise ValueError(f"tokenizer {path!r} has no eos token (neither its eos_token nor "
                              "generation_config.json's eos_token_id): responses could never end")
         if any(i >= len(self.tok) for i in eos_ids):
-            raise ValueError(f"{gen_file}: eos_token_id {eos_ids} lies outside the tokenizer's {len(self.tok)} ids")
+            outside = [i for i in eos_ids if i >= len(self.tok)]
+            raise ValueError(f"{gen_file}: eos_token_id {outside[:8]}{' ...' if len(outside) > 8 else ''} lies "
+                             f"outside the tokenizer's {len(self.tok)} ids ({len(outside)} of {len(eos_ids)} ids)")
         self.eos_ids = tuple(eos_ids)
         self.eos_id = eos_ids[0]  # the tokenizer's own eos ends a demonstration (SFT)
         gen_pad = _token_ids(gen.get("pad_token_id"), f"{gen_file}: pad_token_id")

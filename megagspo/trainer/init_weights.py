@@ -30,8 +30,6 @@ class InitSource:
 def preflight_init_from(model_cfg, arch) -> InitSource:
     """Check model.init_from against `arch` without touching the model; ConfigError names what does not fit
     (each missing or wrongly shaped tensor with both shapes, or each differing config.json field)."""
-    import torch
-
     from moe.architecture import ArchitectureError
     from moe.hf_checkpoint import CheckpointError, inspect_hf_checkpoint
 
@@ -45,19 +43,15 @@ def preflight_init_from(model_cfg, arch) -> InitSource:
             raise ConfigError(f"model.init_from = {path!r} does not fit this model: {exc}") from None
         return InitSource("hf", path, f"{path}: {len(shapes)} Hugging Face tensors match the architecture "
                                       f"({layout} experts); each rank reads only its slices")
-    from megagspo.checkpoint.full_state import load_checkpoint
+    from megagspo.checkpoint.full_state import NonFiniteCheckpoint, load_checkpoint
 
     try:
-        ckpt = load_checkpoint(path)
+        ckpt = load_checkpoint(path)  # every tensor checked finite (NaN / inf), a step checkpoint before it is chosen
+    except NonFiniteCheckpoint as exc:
+        raise ConfigError(f"model.init_from = {path!r}: {exc}") from None
     except CheckpointError as exc:
         raise ConfigError(f"model.init_from = {path!r}: {exc} (or a Hugging Face folder: config.json with "
                           "model.safetensors or model.safetensors.index.json)") from None
-    from moe.hf_checkpoint import all_finite
-
-    bad = [name for name, t in ckpt["state"].items() if isinstance(t, torch.Tensor) and not all_finite(t)]
-    if bad:
-        raise ConfigError(f"model.init_from = {path!r}: {len(bad)} tensor(s) hold NaN or infinite values "
-                          f"({', '.join(bad[:3])}); a model cannot start from non-finite weights")
     saved_arch = ckpt.get("arch")
     if saved_arch:
         differ = [f"{k}: checkpoint {v!r}, model {getattr(arch, k)!r}" for k, v in saved_arch.items()
