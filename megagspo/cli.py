@@ -34,6 +34,8 @@ def _quiet_third_party() -> None:
                             message=r".*torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
     logging.getLogger("moe.cpu_shim").setLevel(logging.WARNING)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # transformers' own bars ("Writing model shards" for one file, "Loading weights"): our bars say the progress
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for name in ("moe.cpu_shim", "moe.megatron_compat"):
         logging.getLogger(name).addFilter(_PATCH_LINES)
     megatron = logging.getLogger("megatron")
