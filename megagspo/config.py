@@ -373,6 +373,8 @@ SCHEDULES = ("constant", "cosine", "linear")
 _SPELLED = {("rl.routing_replay", "off"): "none", ("rl.routing_replay", False): "none",
             ("rl.loss_impl", "fused"): "kernels", ("rl.logprob_impl", "fused"): "kernels"}
 _SPELLED_CHOICES = {"rl.routing_replay": ROUTING_REPLAY, "rl.loss_impl": LOSS_IMPLS, "rl.logprob_impl": LOGPROB_IMPLS}
+# keys that were booleans and became a choice: the boolean an earlier recipe or checkpoint holds -> its choice
+_FORMER_BOOLEANS = {"rl.rollout_correction": {True: "seq_tis", False: "none"}}
 
 
 @dataclass
@@ -403,10 +405,17 @@ class RLConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"        # k3 = exp(d) - d - 1 (>= 0, low variance) | k1 = -d, d = log pi_ref - log pi
     old_logp: str = "recompute"     # recompute (Megatron no-grad forward) | rollout (engine log-probs, §5.4)
-    # old_logp = recompute: weight each sequence by rho_i = min(exp(mean_t log pi_old / pi_rollout), cap), the
-    # length-normalised rollout -> trainer mismatch (algorithm/old_policy.py); a constant, no gradient.
-    rollout_correction: bool = False
+    # old_logp = recompute: how the loss corrects for the rollout -> trainer mismatch
+    # (algorithm/rollout_correction.py): none | seq_tis (rho_i = min(exp(mean_t log pi_old / pi_rollout), cap);
+    # `true` in earlier recipes) | token_tis | seq_mask_geo | token_mask (IcePop) | opsm (DeepSeek-V3.2);
+    # constants on the gradient, never on pi_old.
+    rollout_correction: str = "none"
     rollout_correction_cap: float = 2.0
+    seq_mask_low: float = 0.999     # seq_mask_geo keeps a sequence whose exp(mean_t log pi_old/pi_rollout) is in band
+    seq_mask_high: float = 1.001
+    token_mask_low: float = 0.5     # token_mask keeps tokens whose pi_old/pi_rollout is in the band
+    token_mask_high: float = 5.0
+    opsm_delta: float = 1e-4        # opsm masks A_i < 0 sequences whose mean log pi_rollout/pi_theta exceeds this
     loss_input_checks: bool = True  # check each batch's shapes and finiteness in the loss (host syncs; false = skip)
     # The policy loss: torch (megagspo.algorithm) | kernels (the fused segmented GSPO kernel for gspo and
     # gspo_token, forced: an error where megagspo._C cannot serve the device; grpo has none and is refused)
@@ -503,11 +512,11 @@ class ParallelConfig:
         _nonneg_int("parallel", "world_size", self.world_size)
         _num("parallel", "gpu_memory_gib", self.gpu_memory_gib, 0.0, lo_open=True)
 
-
     def layout(self) -> ParallelLayout:
         """The TP / EP / PP sizes as moe.parallel describes them (the only place a recipe's sizes become one)."""
         return ParallelLayout(tensor_parallel=self.tensor_parallel, expert_parallel=self.expert_parallel,
                               pipeline_parallel=self.pipeline_parallel)
+
 
 @dataclass
 class LogConfig:
@@ -674,6 +683,8 @@ def _coerce_value(path: str, value: Any, default: Any) -> Any:
         shown = "off (YAML reads a bare off as false)" if value is False else _show(value)
         raise ConfigError(f"{path} = {shown} is spelled {_SPELLED[(path, value)]!r} here; valid values: "
                           f"{', '.join(_SPELLED_CHOICES[path])}")
+    if isinstance(value, bool) and path in _FORMER_BOOLEANS:
+        return _FORMER_BOOLEANS[path][value]
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{path} must be true or false, got {_show(value)}")

@@ -5,12 +5,11 @@ the memory plan. Used by `megagspo plan` and `megagspo train --dry-run`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from megagspo.config import Config, ConfigError
-from megagspo.trainer.layout import planned_world_size
 from megagspo.planner import MemoryPlan, PlanInputs, parameter_counts, plan_memory, require_fit
+from megagspo.trainer.layout import planned_world_size
 
 
 @dataclass(frozen=True)
@@ -62,15 +61,17 @@ def _pipeline_line(stages: int, micro_batches: int) -> str:
 def _describe_loss(rl) -> str:
     """Build the loss exactly as the trainer does (the same validation) and list the options it received."""
     from megagspo.algorithm.registry import LossOptionError, loss_option_keys
+    from megagspo.algorithm.rollout_correction import describe_correction
     from megagspo.kernels.policy_losses import build_loss
 
     try:
-        build_loss(rl)
+        _, loss_config = build_loss(rl)
     except LossOptionError as exc:
         raise ConfigError(str(exc)) from None
     impl = "fused segmented GSPO kernel" if rl.loss_impl == "kernels" else "torch"
     options = ", ".join(f"{k}={getattr(rl, k)!r}" for k in loss_option_keys(rl.loss))
-    return f"{rl.loss} ({impl}): {options}"
+    return (f"{rl.loss} ({impl}): {options}; rollout correction "
+            f"{describe_correction(loss_config.old_policy)}")
 
 
 def _hf_weights_check(folder: str, check_weights: bool) -> str:
@@ -95,12 +96,6 @@ def _hf_weights_check(folder: str, check_weights: bool) -> str:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def _world_size(cfg: Config) -> int:
-    if cfg.parallel.world_size:
-        return cfg.parallel.world_size
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True,

@@ -96,4 +96,5 @@ def test_correction_weights_scale_each_sequence_and_carry_no_gradient(gen):
 def test_correction_config_rules():
     with pytest.raises(ValueError, match="needs source='recompute'"):
         OldPolicyConfig(source="rollout", rollout_correction=True)
-    assert OldPolicyConfig().source == "recompute" and not OldPolicyConfig().rollout_correction
+    assert OldPolicyConfig().source == "recompute" and OldPolicyConfig().rollout_correction == "none"
+    assert OldPolicyConfig(rollout_correction=True).rollout_correction == "seq_tis"  # earlier recipes' true

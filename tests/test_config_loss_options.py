@@ -77,7 +77,8 @@ def test_every_grpo_option_reaches_its_config_from_the_command_line():
     assert loss_fn is get_loss("grpo") and isinstance(c, GRPOConfig)
     assert (c.clip_low, c.clip_high, c.dual_clip, c.aggregation) == (0.2, 0.27, 3.0, "token_mean")
     assert (c.kl.coef, c.kl.estimator) == (0.01, "k1")
-    assert (c.old_policy.source, c.old_policy.rollout_correction, c.old_policy.correction_cap) == ("recompute", True, 1.5)
+    # `true` of earlier recipes is seq_tis, the one correction there was
+    assert (c.old_policy.source, c.old_policy.rollout_correction, c.old_policy.correction_cap) == ("recompute", "seq_tis", 1.5)
     assert c.validate is False
 
 
@@ -132,7 +133,11 @@ def test_advantage_options_reach_group_advantages():
     (["rl.old_logp=rollout", "rl.rollout_correction=true"], ["rl.rollout_correction", "needs rl.old_logp='recompute'"]),
     (["rl.rollout_correction_cap=0.5"], ["rl.rollout_correction_cap"]),
     (["rl.adv_eps=0"], ["rl.adv_eps"]),
-    (["rl.rollout_correction=1"], ["rl.rollout_correction must be true or false"]),
+    (["rl.rollout_correction=1"], ["rl.rollout_correction must be a string"]),
+    (["rl.rollout_correction=icepop"], ["rl.rollout_correction must be one of", "token_mask", "opsm"]),
+    (["rl.token_mask_low=2"], ["rl.token_mask_low must be <= 1"]),
+    (["rl.token_mask_high=0.5"], ["rl.token_mask_high must be a finite number >= 1"]),
+    (["rl.loss_impl=kernels", "rl.rollout_correction=opsm"], ["rl.loss_impl = 'kernels'", "per-sequence weights"]),
     (["rl.loss=grpo", "rl.loss_impl=kernels"], ["rl.loss_impl = 'kernels'", "rl.loss = 'grpo'", "gspo, gspo_token"]),
     (["rl.loss_impl=kernels", "rl.rollout_correction=true"], ["rl.loss_impl = 'kernels'", "rl.rollout_correction"]),
     (["rl.dual_clipp=3"], ["unknown config key 'rl.dual_clipp'", "dual_clip", "aggregation", "kl_estimator"]),
@@ -150,7 +155,9 @@ def test_build_loss_refuses_on_its_own_without_the_config_loader():
     with pytest.raises(LossOptionError, match=r"rl\.aggregation must be one of"):
         build_loss(rl)
     assert loss_option_keys("gspo") == ["clip_low", "clip_high", "kl_coef", "kl_estimator", "old_logp",
-                                        "rollout_correction", "rollout_correction_cap", "loss_input_checks"]
+                                        "rollout_correction", "rollout_correction_cap", "seq_mask_low",
+                                        "seq_mask_high", "token_mask_low", "token_mask_high", "opsm_delta",
+                                        "loss_input_checks"]
 
 
 # ------------------------------------------------------------------------------------ one spelling per concept

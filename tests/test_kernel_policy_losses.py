@@ -100,7 +100,7 @@ def test_refused_configurations():
     corrected = get_loss("gspo").Config(old_policy={"source": "recompute", "rollout_correction": True})
     batch = PackedBatch.from_padded(logp_BL=logp, loss_mask_BL=mask, num_global_sequences=5, old_logp_BL=old,
                                     advantages_B=adv, rollout_logp_BL=old - 0.1)
-    with pytest.raises(ValueError, match="rollout importance correction"):
+    with pytest.raises(ValueError, match="the rollout correction weights sequences"):
         fused_loss("gspo")(batch, corrected)
     bad = logp.clone()
     bad[2, 0] = float("nan")

@@ -28,6 +28,7 @@ from torch import Tensor
 from .kl import KLConfig, token_kl
 from .metrics import clip_metrics, masked_mean
 from .old_policy import OldPolicyConfig, resolve_old_logp
+from .rollout_correction import apply_token_weights
 from .packing import Count, PackedBatch, as_bool_mask, compute_dtype, segment_ids, segment_sum
 from .ratios import masked_segment_mean, token_log_ratio
 from .registry import register_loss
@@ -424,11 +425,14 @@ def finish_loss(batch: PackedBatch, config, policy_loss: Tensor, metrics: dict, 
     return loss, metrics
 
 
-def _old_logp(batch: PackedBatch, config) -> tuple[Tensor, Optional[Tensor], dict]:
-    if config.validate and config.old_policy.rollout_correction and batch.rollout_logp_T is not None:
+def _old_logp(batch: PackedBatch, config) -> tuple[Tensor, Tensor, Optional[Tensor], dict]:
+    """-> (logp_T with the rollout correction's token weights on its gradient, old_logp_T, sequence weights
+    or None, metrics)."""
+    if config.validate and config.old_policy.source == "recompute" and batch.rollout_logp_T is not None:
         check_same_shape("logp_T", batch.logp_T, rollout_logp_T=batch.rollout_logp_T)
         check_finite("rollout_logp_T", batch.rollout_logp_T, as_bool_mask(batch.loss_mask_T))
-    return resolve_old_logp(batch, config.old_policy)
+    old_logp_T, weights_S, weights_T, extra = resolve_old_logp(batch, config.old_policy)
+    return apply_token_weights(batch.logp_T, weights_T, batch.loss_mask_T), old_logp_T, weights_S, extra
 
 
 @register_loss("gspo", GSPOConfig)
@@ -436,9 +440,9 @@ def gspo(batch: PackedBatch, config: GSPOConfig) -> tuple[Tensor, dict]:
     """GSPO (eq. 6) on a PackedBatch; needs advantages_S."""
     if batch.advantages_S is None:
         raise ValueError("loss 'gspo' needs per-sequence advantages_S (use 'gspo_token' for per-token advantages)")
-    old_logp_T, weights_S, extra = _old_logp(batch, config)
+    logp_T, old_logp_T, weights_S, extra = _old_logp(batch, config)
     loss, metrics = gspo_sequence_loss(
-        batch.logp_T, old_logp_T, batch.loss_mask_T, batch.cu_seqlens_S1, batch.advantages_S,
+        logp_T, old_logp_T, batch.loss_mask_T, batch.cu_seqlens_S1, batch.advantages_S,
         clip_low=config.clip_low, clip_high=config.clip_high, num_global_sequences=batch.num_global_sequences,
         seq_weights_S=weights_S, entropy_T=batch.entropy_T, validate=config.validate,
     )
@@ -448,9 +452,9 @@ def gspo(batch: PackedBatch, config: GSPOConfig) -> tuple[Tensor, dict]:
 @register_loss("gspo_token", GSPOTokenConfig)
 def gspo_token(batch: PackedBatch, config: GSPOTokenConfig) -> tuple[Tensor, dict]:
     """GSPO-token (eqs. 14-15) on a PackedBatch; advantages_T, or advantages_S broadcast to tokens."""
-    old_logp_T, weights_S, extra = _old_logp(batch, config)
+    logp_T, old_logp_T, weights_S, extra = _old_logp(batch, config)
     loss, metrics = gspo_token_loss(
-        batch.logp_T, old_logp_T, batch.loss_mask_T, batch.cu_seqlens_S1, _token_advantages(batch),
+        logp_T, old_logp_T, batch.loss_mask_T, batch.cu_seqlens_S1, _token_advantages(batch),
         clip_low=config.clip_low, clip_high=config.clip_high, num_global_sequences=batch.num_global_sequences,
         seq_weights_S=weights_S, entropy_T=batch.entropy_T, validate=config.validate,
     )
@@ -460,9 +464,9 @@ def gspo_token(batch: PackedBatch, config: GSPOTokenConfig) -> tuple[Tensor, dic
 @register_loss("grpo", GRPOConfig)
 def grpo(batch: PackedBatch, config: GRPOConfig) -> tuple[Tensor, dict]:
     """GRPO (eq. 2) on a PackedBatch; advantages_T, or advantages_S broadcast to tokens."""
-    old_logp_T, weights_S, extra = _old_logp(batch, config)
+    logp_T, old_logp_T, weights_S, extra = _old_logp(batch, config)
     loss, metrics = grpo_loss(
-        batch.logp_T, old_logp_T, batch.loss_mask_T, batch.cu_seqlens_S1, _token_advantages(batch),
+        logp_T, old_logp_T, batch.loss_mask_T, batch.cu_seqlens_S1, _token_advantages(batch),
         clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
         aggregation=config.aggregation, num_global_sequences=batch.num_global_sequences,
         num_global_tokens=batch.num_global_tokens, seq_weights_S=weights_S, entropy_T=batch.entropy_T,

@@ -44,7 +44,17 @@ _WEIGHTS = {
     "rollout_is/mean": "seq/nonempty",
     "rollout_is/truncated_frac": "seq/nonempty",
     "rollout_is/log_ratio_mean": "seq/nonempty",
+    "mismatch/abs_log_ratio": "tok/count",
+    "mismatch/k3_kl": "tok/count",
+    "mismatch/frac_over_ln2": "tok/count",
 }
+# the rollout-correction menu's metrics (megagspo.algorithm.rollout_correction): rollout_correction/<mode>/<what>
+_WEIGHTS.update({f"rollout_correction/{mode}/{what}": weight
+                 for mode in ("token_tis", "token_mask")
+                 for what, weight in (("token_frac", "tok/count"), ("seq_frac", "seq/nonempty"),
+                                      ("weight_mean", "tok/count"))})
+_WEIGHTS.update({f"rollout_correction/{mode}/{what}": "seq/nonempty"
+                 for mode in ("seq_mask_geo", "opsm") for what in ("seq_frac", "weight_mean")})
 _SUMS = ("seq/count", "seq/nonempty", "seq/empty", "tok/count", "ratio/count", "loss", "loss/policy", "loss/kl")
 
 

@@ -80,8 +80,13 @@ LOSS_OPTION_KEYS: Dict[str, str] = {
     "kl_coef": "kl.coef",                              # loss += kl_coef * KL(pi_theta || pi_ref); 0 = off
     "kl_estimator": "kl.estimator",                    # k1 | k3 (algorithm/kl.py)
     "old_logp": "old_policy.source",                   # recompute | rollout (§5.4)
-    "rollout_correction": "old_policy.rollout_correction",  # rho_i = min(exp(mean log pi_old/pi_rollout), cap)
-    "rollout_correction_cap": "old_policy.correction_cap",
+    "rollout_correction": "old_policy.rollout_correction",  # none | seq_tis | token_tis | seq_mask_geo | ...
+    "rollout_correction_cap": "old_policy.correction_cap",  # C of seq_tis / token_tis
+    "seq_mask_low": "old_policy.seq_mask_low",         # seq_mask_geo's band for exp(mean log pi_old/pi_rollout)
+    "seq_mask_high": "old_policy.seq_mask_high",
+    "token_mask_low": "old_policy.token_mask_low",     # token_mask's band for pi_old/pi_rollout per token
+    "token_mask_high": "old_policy.token_mask_high",
+    "opsm_delta": "old_policy.opsm_delta",             # opsm: drift threshold of negative-advantage sequences
     "loss_input_checks": "validate",                   # check every batch tensor (shapes, finiteness)
 }
 

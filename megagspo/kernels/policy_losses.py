@@ -31,6 +31,7 @@ from torch import Tensor
 from megagspo.algorithm.losses import finish_loss
 from megagspo.algorithm.metrics import clip_metrics
 from megagspo.algorithm.old_policy import resolve_old_logp
+from megagspo.algorithm.rollout_correction import SEQUENCE_CORRECTIONS, apply_token_weights, normalize_correction
 from megagspo.algorithm.packing import as_bool_mask, segment_ids
 from megagspo.algorithm.ratios import masked_segment_mean, token_log_ratio
 from megagspo.algorithm.registry import LossOptionError, build_loss_config, get_loss
@@ -58,10 +59,12 @@ def _fused_gspo(batch, config, *, impl: str = "fused") -> tuple[Tensor, dict]:
     if batch.advantages_S is None:
         raise ValueError("megagspo.kernels fused GSPO loss: needs per-sequence advantages_S (the kernel takes A_i); "
                          "per-token advantages_T need the torch loss (rl.loss_impl=torch)")
-    old_logp_T, weights_S, extra = resolve_old_logp(batch, config.old_policy)
+    old_logp_T, weights_S, weights_T, extra = resolve_old_logp(batch, config.old_policy)
     if weights_S is not None:
-        raise ValueError("megagspo.kernels fused GSPO loss: the rollout importance correction weights sequences, "
-                         "which the kernel does not; use the torch loss (rl.loss_impl=torch)")
+        raise ValueError("megagspo.kernels fused GSPO loss: the rollout correction weights sequences, which the "
+                         "kernel does not; use the torch loss (rl.loss_impl=torch)")
+    # a token correction scales the gradient of logp_T per token, ahead of the kernel (its value is unchanged)
+    logp_T = apply_token_weights(batch.logp_T, weights_T, batch.loss_mask_T)
     mask_T = as_bool_mask(batch.loss_mask_T)
     if config.validate:
         check_same_shape("logp_T", batch.logp_T, old_logp_T=old_logp_T, loss_mask_T=batch.loss_mask_T)
@@ -69,7 +72,7 @@ def _fused_gspo(batch, config, *, impl: str = "fused") -> tuple[Tensor, dict]:
         check_finite("old_logp_T", old_logp_T, mask_T)
         check_finite("advantages_S", batch.advantages_S)
     loss, k = gspo_segment_loss(
-        batch.logp_T, old_logp_T, mask_T, batch.cu_seqlens_S1, batch.advantages_S,
+        logp_T, old_logp_T, mask_T, batch.cu_seqlens_S1, batch.advantages_S,
         clip_low=config.clip_low, clip_high=config.clip_high, num_global_sequences=batch.num_global_sequences,
         impl=impl)
 
@@ -116,9 +119,11 @@ def check_loss_impl(rl_cfg) -> str:
     if rl_cfg.loss not in FUSED_LOSSES:
         raise LossOptionError(f"rl.loss_impl = 'kernels' has no fused kernel for rl.loss = {rl_cfg.loss!r} (fused: "
                               f"{', '.join(FUSED_LOSSES)}); set rl.loss_impl=torch")
-    if getattr(rl_cfg, "rollout_correction", False):
-        raise LossOptionError("rl.loss_impl = 'kernels': the fused GSPO kernel has no per-sequence weights, so "
-                              "rl.rollout_correction=true needs rl.loss_impl=torch")
+    correction = normalize_correction(getattr(rl_cfg, "rollout_correction", "none"))
+    if correction in SEQUENCE_CORRECTIONS:
+        raise LossOptionError(f"rl.loss_impl = 'kernels': the fused GSPO kernel has no per-sequence weights, so "
+                              f"rl.rollout_correction={correction} needs rl.loss_impl=torch (token_tis and "
+                              "token_mask work with the kernel)")
     return impl
 
 
