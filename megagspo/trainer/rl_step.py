@@ -286,8 +286,15 @@ class RLStep:
         }
         if self.reference is not None:
             local.update({"kl_ref": m["kl/ref"], "loss_kl": m["loss/kl"]})
+        # the rollout -> trainer mismatch and what the rollout correction did (whenever the engine's log-probs
+        # met a recomputed pi_old): the same keys on every rank, as the config is
+        local.update({k: m[k] for k in sorted(m) if k.startswith(DIAGNOSTIC_PREFIXES)})
         total = dict(zip(local, self.dims.dp_sum(list(local.values()))))
         return _metrics_row(total, self.dims.dp_size, updates, with_reference=self.reference is not None)
+
+
+# loss metrics logged as they are (means over the data-parallel ranks): megagspo.algorithm.rollout_correction
+DIAGNOSTIC_PREFIXES = ("mismatch/", "rollout_correction/", "rollout_is/")
 
 
 def _metrics_row(total: dict, d: int, updates: Updates, with_reference: bool) -> dict:
@@ -309,6 +316,7 @@ def _metrics_row(total: dict, d: int, updates: Updates, with_reference: bool) ->
     }
     if with_reference:  # k3 KL to the reference per response token; the KL share of the loss
         row["kl/ref"], row["loss/kl"] = total["kl_ref"] / d, total["loss_kl"]
+    row.update({k: v / d for k, v in total.items() if k.startswith(DIAGNOSTIC_PREFIXES)})  # per-rank means
     return row
 
 
