@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megagspo.algorithm.rollout_correction import describe_correction
 from megagspo.config import Config, ConfigError
 from megagspo.planner import MemoryPlan, PlanInputs, parameter_counts, plan_memory, require_fit
 from megagspo.trainer.layout import planned_world_size
@@ -61,7 +62,6 @@ def _pipeline_line(stages: int, micro_batches: int) -> str:
 def _describe_loss(rl) -> str:
     """Build the loss exactly as the trainer does (the same validation) and list the options it received."""
     from megagspo.algorithm.registry import LossOptionError, loss_option_keys
-    from megagspo.algorithm.rollout_correction import describe_correction
     from megagspo.kernels.policy_losses import build_loss
 
     try:
