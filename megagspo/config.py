@@ -417,6 +417,11 @@ class RLConfig:
     token_mask_high: float = 5.0
     opsm_delta: float = 1e-4        # opsm masks A_i < 0 sequences whose mean log pi_rollout/pi_theta exceeds this
     loss_input_checks: bool = True  # check each batch's shapes and finiteness in the loss (host syncs; false = skip)
+    # Dynamic sampling (DAPO; megagspo/trainer/dynamic_sampling.py): drop the groups whose rewards are all equal
+    # (zero advantage) and draw more prompts until the batch is full, in at most filter_max_rounds rounds of
+    # generation (then zero-advantage groups fill what is left, reported as filter/filled_frac)
+    filter_groups: bool = False
+    filter_max_rounds: int = 3
     # The policy loss: torch (megagspo.algorithm) | kernels (the fused segmented GSPO kernel for gspo and
     # gspo_token, forced: an error where megagspo._C cannot serve the device; grpo has none and is refused)
     loss_impl: str = "torch"
@@ -443,7 +448,7 @@ class RLConfig:
     eval_samples: int = 4           # also score this many T=1 samples per held-out prompt (0 = greedy only)
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "group_size", "mini_batches", "eval_every"):
+        for name in ("prompts_per_step", "group_size", "mini_batches", "eval_every", "filter_max_rounds"):
             _pos_int("rl", name, getattr(self, name))
         _nonneg_int("rl", "steps", self.steps)
         _nonneg_int("rl", "warmup_steps", self.warmup_steps)

@@ -198,7 +198,8 @@ DEFINING_KEYS = ("seed", "model", "data", "reward", "rl.loss", "rl.clip_low", "r
                  "rl.old_logp", "rl.routing_replay", "rl.group_size", "rl.dual_clip", "rl.aggregation",
                  "rl.kl_estimator", "rl.rollout_correction", "rl.rollout_correction_cap", "rl.seq_mask_low",
                  "rl.seq_mask_high", "rl.token_mask_low", "rl.token_mask_high", "rl.opsm_delta",
-                 "rl.scale_adv_by_std", "rl.adv_eps", "rl.adv_unbiased_std")
+                 "rl.scale_adv_by_std", "rl.adv_eps", "rl.adv_unbiased_std", "rl.filter_groups",
+                 "rl.filter_max_rounds")
 # How the same model is computed (kernels, attention and expert implementations, recompute) may change.
 IMPLEMENTATION_KEYS = ("model.experts", "model.attention", "model.recompute", "model.logprob_path",
                        "model.logprob_chunk_tokens", "reward.timeout_s")

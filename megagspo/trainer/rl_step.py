@@ -33,6 +33,7 @@ from megagspo.algorithm import PackedBatch, group_advantages, merge_metrics
 from megagspo.algorithm.registry import build_advantage_config
 from megagspo.rewards import RewardStats, score_batch
 from megagspo.rollout import SamplingParams
+from megagspo.trainer.dynamic_sampling import GroupFilter, merge_stats
 from megagspo.trainer.engine_link import EngineLink
 from megagspo.trainer.kl_reference import KLReference
 from megagspo.trainer.layout import micro_slices
@@ -118,11 +119,15 @@ class RLStep:
         """One rollout batch: every stage in order; returns the step's metrics row (timings included)."""
         times = {}
         t0 = time.perf_counter()
-        rollouts = self.collect()
-        times["time/rollout_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        scores = self.score(rollouts)
-        times["time/reward_s"] = time.perf_counter() - t1
+        if self.rl.filter_groups:
+            rollouts, scores, filter_metrics = self.collect_scored(times)
+        else:
+            rollouts = self.collect()
+            times["time/rollout_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            scores = self.score(rollouts)
+            times["time/reward_s"] = time.perf_counter() - t1
+            filter_metrics = {}
         batch = self.prepare(rollouts, scores)
         t2 = time.perf_counter()
         self.old_policy(batch, rollouts)
@@ -132,6 +137,7 @@ class RLStep:
         times["time/train_s"] = time.perf_counter() - t3
         times["time/sync_s"] = self.engine.sync_weights()
         row = self.summarize(rollouts, scores, batch, updates)
+        row.update(filter_metrics)
         row.update(times)
         step_time = time.perf_counter() - t0
         row["time/step_s"] = step_time
@@ -145,20 +151,55 @@ class RLStep:
                                                       self.sampling))
 
     def score(self, rollouts: Rollouts) -> Scores:
-        cfg = self.rl
+        rewards_R, stats = self.rewards(rollouts)
+        return self.scores_of(rewards_R, stats)
+
+    def rewards(self, rollouts: Rollouts) -> tuple:
+        """(rewards_R, RewardStats) of the verifier on the rollouts' responses."""
         out = rollouts.out
         texts = [self.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
-        answers = [ex.answer for ex in rollouts.prompts for _ in range(cfg.group_size)]
+        answers = [ex.answer for ex in rollouts.prompts for _ in range(self.rl.group_size)]
         stats = RewardStats()
         if self.dims.mp_size == 1:
             scores = score_batch(self.reward_fn, texts, answers, stats)
         else:  # the verifier (time-limited, maybe non-deterministic) runs once per TP x PP group: peers agree
             scores, stats = self.dims.on_mp_rank0(
                 "reward scoring", lambda: (score_batch(self.reward_fn, texts, answers, stats), stats))
-        rewards_R = torch.tensor(scores, dtype=torch.float32)
-        advantages_R = group_advantages(rewards_R, group_size=cfg.group_size,
-                                        **dataclasses.asdict(build_advantage_config(cfg)))  # eq. 7, every rl.adv_* key
+        return torch.tensor(scores, dtype=torch.float32), stats
+
+    def scores_of(self, rewards_R: torch.Tensor, stats) -> Scores:
+        advantages_R = group_advantages(rewards_R, group_size=self.rl.group_size,
+                                        **dataclasses.asdict(build_advantage_config(self.rl)))  # eq. 7, rl.adv_*
         return Scores(rewards_R, advantages_R, stats)
+
+    def collect_scored(self, times: dict) -> tuple:
+        """Dynamic sampling (rl.filter_groups; megagspo.trainer.dynamic_sampling): rounds of collect + rewards
+        until every data-parallel rank holds its share of informative groups, at most rl.filter_max_rounds.
+        -> (Rollouts, Scores, the filter's metrics); times gets the rounds' rollout and reward seconds."""
+        cfg = self.rl
+        need = len(self.dims.local_slice(list(range(cfg.prompts_per_step))))
+        kept = GroupFilter(need, cfg.group_size)
+        stats, rollout_s, reward_s = [], 0.0, 0.0
+        while True:
+            t0 = time.perf_counter()
+            rollouts = self.collect()
+            t1 = time.perf_counter()
+            rewards_R, round_stats = self.rewards(rollouts)
+            reward_s += time.perf_counter() - t1
+            rollout_s += t1 - t0
+            stats.append(round_stats)
+            kept.add_round(rollouts.prompts, rollouts.out, rewards_R)
+            ranks_short = self.dims.dp_sum([float(kept.short > 0)])[0]
+            if ranks_short == 0 or kept.rounds >= cfg.filter_max_rounds:
+                break
+        prompts, out, rewards_R, filled = kept.result(self.tokenizer.pad_id)
+        times["time/rollout_s"], times["time/reward_s"] = rollout_s, reward_s
+        generated, informative, filled_total = self.dims.dp_sum([float(kept.generated), float(kept.informative),
+                                                                 float(filled)])
+        metrics = {"filter/rounds": float(kept.rounds),
+                   "filter/informative_frac": informative / max(generated, 1.0),  # of the groups generated
+                   "filter/filled_frac": filled_total / cfg.prompts_per_step}    # of the batch: zero-advantage fill
+        return Rollouts(prompts, out), self.scores_of(rewards_R, merge_stats(stats)), metrics
 
     def prepare(self, rollouts: Rollouts, scores: Scores) -> UpdateBatch:
         cfg = self.rl
