@@ -175,6 +175,7 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+# Over 60 lines: one memory term per line of the table it returns; split, the terms' shared sizes would repeat.
 def _stage_terms(arch: Qwen3MoeArchitecture, inputs: PlanInputs, first: bool, last: bool) -> dict:
     shape = inputs.shape
     tp, ep, pp, etp = shape.tp_size, shape.ep_size, shape.pp_size, shape.layout.expert_tensor_parallel

@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from moe.cpu_shim import CPU_TRANSFORMER_SETTINGS
+from moe.implementation import ModelImplementation
+
 
 class ArchitectureError(ValueError):
     """An architecture field is missing, unsupported or out of range; the message names it."""
@@ -107,8 +110,6 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    from moe.implementation import ModelImplementation
-
     if token_dispatcher not in ("alltoall", "allgather"):
         raise ArchitectureError(f"token_dispatcher must be 'alltoall' or 'allgather', got {token_dispatcher!r}")
     params_dtype = params_dtype or torch.float32
@@ -154,8 +155,6 @@ def transformer_config(
         pipeline_dtype=params_dtype,
     )
     if cpu:
-        from moe.cpu_shim import CPU_TRANSFORMER_SETTINGS
-
         settings.update(CPU_TRANSFORMER_SETTINGS)
     settings.update(ModelImplementation(recompute=recompute).transformer_settings())
     settings.update(overrides)

@@ -247,6 +247,7 @@ def is_applied() -> bool:
     return bool(_APPLIED)
 
 
+# Over 60 lines: the patches in one place, in the order Megatron-Core needs them, each logged once.
 def apply_cpu_shim(force: bool = False) -> list[str]:
     """Patch Megatron-Core for a CUDA-less host; return (and log) a line per change.
 

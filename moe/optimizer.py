@@ -45,6 +45,8 @@ from typing import Optional
 
 import torch
 
+from moe.cpu_shim import cuda_tensor_types
+
 logger = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -87,8 +89,6 @@ class OptimizerSettings:
 
 
 def _optimizer_scope():
-    from moe.cpu_shim import cuda_tensor_types
-
     return cuda_tensor_types()
 
 

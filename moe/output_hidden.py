@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from moe.model import forward_logits
+
 log = logging.getLogger(__name__)
 _LOGGED = []
 
@@ -78,8 +80,6 @@ def forward_hidden(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Ten
     """Last pipeline stage: the output layer's input, hidden_BSH [B, S, H], full sequence on every TP rank
     (all-gathered under sequence parallelism, with the output layer's gradient semantics). Other stages: the
     activations the stage sends on, as the plain forward returns them. Arguments as moe.model.forward_logits."""
-    from moe.model import forward_logits
-
     if not model.post_process:  # not the last stage: nothing to stop
         return forward_logits(model, input_ids_BS, position_ids_BS, padding_mask_BS)
     _check_supported(model)

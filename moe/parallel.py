@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Optional, Type, TypeVar
 import torch
 
 from moe.collective import run_on_rank0, sum_over
+from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
 from moe.device import use_cuda
 
 T = TypeVar("T")
@@ -278,8 +279,6 @@ def initialize_model_parallel(layout: ParallelLayout) -> ParallelDims:
 def setup_process_groups(layout: ParallelLayout, seed: int) -> ParallelDims:
     """torch.distributed (NCCL on GPU, gloo with the CPU shim on CPU; one rank without torchrun), Megatron's
     groups for `layout`, and its RNG: the one place a run's process layout is made. -> ParallelDims."""
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
-
     cuda = use_cuda()
     if not cuda:
         apply_cpu_shim()

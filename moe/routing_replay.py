@@ -448,6 +448,7 @@ class RoutingReplay:
 
     # --- replaying --------------------------------------------------------------------------------------
 
+    # Over 60 lines: route checks, per-layer hook install and the guaranteed removal, one context manager.
     @contextlib.contextmanager
     def replaying(self, routes: Union[Tensor, Sequence[Tensor], None], *,
                   validate: bool = True) -> Iterator[ReplayHandle]:

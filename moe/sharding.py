@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moe.device import model_device
+
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts\.local_experts\.)(?P<index>\d+)(?P<suffix>\..*)$")
 _LAYER = re.compile(r"^(?P<prefix>decoder\.layers\.)(?P<index>\d+)(?P<suffix>\..*)$")
 
@@ -304,8 +306,6 @@ class FullStateBuckets:
         if first is not None:
             self.device = first.device
         else:
-            from moe.device import model_device
-
             self.device = model_device()
         self.stage = ps.get_pipeline_model_parallel_rank()
         self._groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group(),

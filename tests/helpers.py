@@ -14,3 +14,12 @@ def fresh_seed() -> int:
     seed = int(os.environ.get("MEGAGSPO_TEST_SEED") or torch.randint(0, 2**20, ()).item())
     print(f"seed {seed}")
     return seed
+
+
+def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, what: str, *, rtol: float, atol_scale: float,
+                        atol_floor: float = 1e-7) -> None:
+    """torch.testing.assert_close with an absolute tolerance relative to the reference's largest value
+    (atol = atol_scale * max|expected| + atol_floor): float reductions in another order differ by a few ulps
+    of the largest value, not of each element. `what` starts the failure message."""
+    atol = atol_scale * float(expected.abs().max()) + atol_floor
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
 
 
 def test_first_signal_sets_flag_and_restores_handlers():

@@ -13,10 +13,11 @@ import time
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tools", "gpu_check.sh")
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import gpu_goals  # noqa: E402
+
+from helpers import REPO
 
 
 def _run(tmp_path, *args):

@@ -21,7 +21,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
+
 ARGS = ["sft.steps=60", "rl.steps=4", "rl.eval_every=2", "data.eval_size=64",
         "rl.eval_samples=0", "log.progress=false", "log.plots=false", "log.tensorboard=false",
         "checkpoint.every_steps=2"]

@@ -19,9 +19,9 @@ import sys
 import pytest
 import torch
 
+from helpers import REPO
 from multiprocess import cpu_pinned_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["threads=1", "log.progress=false", "log.plots=false", "log.tensorboard=false"]
 
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
+from helpers import REPO
 from multiprocess import cpu_pinned_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
         "rl.mini_batches=1", "data.train_size=50", "data.eval_size=5", "log.progress=false", "threads=1",
         "log.plots=false", "log.tensorboard=false"]

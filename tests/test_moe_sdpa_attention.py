@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from helpers import assert_close_scaled
 from multiprocess import run_distributed
 
 CUDA_ENV = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
@@ -24,8 +25,7 @@ RTOL, ATOL_SCALE = 1e-5, 2e-6
 
 
 def _close(actual, expected, what):
-    atol = ATOL_SCALE * float(expected.abs().max()) + 1e-7
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
+    assert_close_scaled(actual, expected, what, rtol=RTOL, atol_scale=ATOL_SCALE)
 
 
 def _masks():

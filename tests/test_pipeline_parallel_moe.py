@@ -31,6 +31,7 @@ import zlib
 import pytest
 import torch
 
+from helpers import fresh_seed
 from multiprocess import run_distributed
 
 # (label, tie_word_embeddings, build_model config overrides at PP=2)
@@ -41,12 +42,6 @@ VARIANTS = (
 )
 EXPECTED_OFFSETS = {"even": [0, 2], "uneven": [0, 1], "tied": [0, 2]}
 EMBEDDING = "embedding.word_embeddings.weight"
-
-
-def _fresh_seed() -> int:
-    seed = int(os.environ.get("MEGAGSPO_TEST_SEED") or torch.randint(0, 2**20, ()).item())
-    print(f"seed {seed}")
-    return seed
 
 
 def _arch(tie: bool):
@@ -226,7 +221,7 @@ def test_pp2_ep2_gathers_the_full_state_dict_and_clips_like_pp1():
     data-parallel replicas (averaged: they hold the same gradient). Same checks as at PP=2.
     (PP=2 x TP=2 is left out to keep this file under a minute on 2 cores: finalize_model_grads would sum the
     sequence-parallel gradients over TP, so the test would have to split them between the TP ranks.)"""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     layout = {"expert_parallel": 2}
     reports = run_distributed(_gather_and_norm_body, world_size=4, args=(seed, layout), timeout_s=240)
     _check_gather_and_norm(reports, seed, layout)
@@ -348,7 +343,7 @@ def _assert_identical(got: dict, want: dict, where: str) -> None:
 @pytest.fixture(scope="module")
 def pp2_run(tmp_path_factory):
     """-> (checkpoint folder, seed, per-rank results of `_pp2_body`)."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     directory = str(tmp_path_factory.mktemp("pp2"))
     results = run_distributed(_pp2_body, world_size=2, timeout_s=240, args=(directory, seed))
     return directory, seed, results

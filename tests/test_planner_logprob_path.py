@@ -10,7 +10,8 @@ from megagspo.planner import GIB, PlanInputs, plan_memory
 from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import ParallelLayout
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO
+
 TINY = Qwen3MoeArchitecture(vocab_size=100, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
                             num_key_value_heads=2, head_dim=4, moe_intermediate_size=6, num_experts=4,
                             num_experts_per_tok=2)

@@ -24,19 +24,13 @@ import os
 import pytest
 import torch
 
+from helpers import REPO, fresh_seed
 from multiprocess import run_distributed
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["threads=1", "data.train_size=200", "data.eval_size=8", "rl.eval_samples=0", "sft.batch_size=16",
         "sft.steps=6", "sft.warmup_steps=0", "sft.lr=0.003", "log.progress=false", "log.plots=false",
         "log.tensorboard=false", "log.save_checkpoint=false"]
 LOGP_MAX_ABS, LOGP_MEAN_ABS, SFT_LOSS_REL = 0.08, 0.006, 0.01
-
-
-def _fresh_seed() -> int:
-    seed = int(os.environ.get("MEGAGSPO_TEST_SEED") or torch.randint(0, 2**20, ()).item())
-    print(f"seed {seed}")
-    return seed
 
 
 def _trainer(overrides):
@@ -126,14 +120,14 @@ def _check(result, seed, device_type):
 
 @pytest.mark.multiprocess
 def test_bf16_policy_is_mixed_precision_and_tracks_fp32_on_cpu(tmp_path):
-    seed = _fresh_seed()
+    seed = fresh_seed()
     result = run_distributed(_compare_body, world_size=1, args=(str(tmp_path), seed), timeout_s=240)[0]
     _check(result, seed, "cpu")
 
 
 @pytest.mark.gpu
 def test_bf16_policy_is_mixed_precision_and_tracks_fp32_on_cuda(tmp_path):
-    seed = _fresh_seed()
+    seed = fresh_seed()
     env = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
     result = run_distributed(_compare_body, world_size=1, args=(str(tmp_path), seed), timeout_s=300, env=env)[0]
     _check(result, seed, "cuda")
@@ -235,7 +229,7 @@ def test_bf16_resume_continues_exactly_from_the_fp32_master_weights(tmp_path):
     """A bf16 run resumed from a checkpoint updates from the saved fp32 masters (and moments, step), so its next
     steps equal the uninterrupted run's bit for bit; an optimizer that restarts from the rounded bf16 weights
     (and fresh moments) does not."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     uninterrupted, resumed, restarted = run_distributed(_bf16_resume_body, world_size=1,
                                                         args=(str(tmp_path), seed), timeout_s=120)[0]
     assert all(t.dtype == torch.bfloat16 for n, t in uninterrupted.items() if not n.endswith("layernorm.weight"))

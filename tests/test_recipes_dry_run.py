@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from helpers import REPO
 from multiprocess import cpu_pinned_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 # The tiny recipe, shortened to seconds (as in tests/test_train_short.py).
 SHORT = ["sft.steps=2", "sft.batch_size=16", "rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4",

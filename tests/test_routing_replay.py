@@ -33,6 +33,7 @@ from moe.routing_replay import (
 )
 from moe.volatility import VolatilityTally, changed_choices, expert_volatility, volatility_counts
 from devices import DEVICES, child_env
+from helpers import assert_close_scaled
 from multiprocess import run_distributed
 
 # ---------------------------------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ def _close(a, b, what, device="cpu"):
     # CUDA: 1e-5 (non-deterministic atomic scatter-add in the MoE unpermute and in the permute's backward; see
     # the module docstring); the CPU keeps 1e-6.
     rel = 1e-5 if device == "cuda" else 1e-6
-    torch.testing.assert_close(a, b, rtol=rel, atol=rel * float(b.abs().max()) + 1e-9, msg=lambda m: f"{what}: {m}")
+    assert_close_scaled(a, b, what, rtol=rel, atol_scale=rel, atol_floor=1e-9)
 
 
 def _megatron_body(rank, world_size, seed):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import assert_close_scaled
 from multiprocess import run_distributed
 
 ARCH = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -106,7 +107,7 @@ LAYOUTS = {
 
 
 def _close(a, b, what):
-    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()) + 1e-9, msg=lambda m: f"{what}: {m}")
+    assert_close_scaled(a, b, what, rtol=1e-6, atol_scale=1e-6, atol_floor=1e-9)
 
 
 def _all_layouts_body(rank, world_size, seed):

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
+from helpers import REPO
 from multiprocess import cpu_pinned_env
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _smoke(env):

@@ -38,15 +38,10 @@ import pytest
 import torch
 
 from devices import DEVICES, child_env
+from helpers import fresh_seed
 from multiprocess import run_distributed
 
 EMBEDDING = "embedding.word_embeddings.weight"
-
-
-def _fresh_seed() -> int:
-    seed = int(os.environ.get("MEGAGSPO_TEST_SEED") or torch.randint(0, 2**20, ()).item())
-    print(f"seed {seed}")
-    return seed
 
 
 def _arch(tie: bool = False, big: bool = False):
@@ -337,7 +332,7 @@ def _single_process_body(rank, world_size, seed):
 
 @pytest.fixture(scope="module", params=DEVICES)
 def single_process(request):
-    seed = _fresh_seed()
+    seed = fresh_seed()
     (result,) = run_distributed(_single_process_body, world_size=1, args=(seed,), timeout_s=240,
                                 env=child_env(request.param))
     assert result["device"] == request.param, result["device"]
@@ -498,7 +493,7 @@ _CAP = 3000  # bytes; the tiny models hold ~45-60 kB (largest tensor 12 kB: alon
 def test_two_ranks_stream_equals_gather_at_tp_ep_pp_and_memory_stays_under_two_buckets():
     """TP=2, EP=2, TP=2 x EP=2, PP=2 (even, uneven, tied) on 2 gloo ranks; then the memory check at
     TP=2 x EP=2 (rank 0 receives and feeds its HF engine, rank 1 relays)."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     cases = [
         ("tp2", dict(tensor_parallel=2), {}, False, _CAP),
         ("ep2", dict(expert_parallel=2), {}, False, _CAP),
@@ -537,7 +532,7 @@ def test_two_ranks_stream_equals_gather_at_tp_ep_pp_and_memory_stays_under_two_b
 def test_four_ranks_stream_equals_gather_with_pipeline_relays():
     """PP=2 x TP=2 and PP=2 x EP=2 on 4 gloo ranks: the later stage's tensors are assembled over TP / EP there
     and relayed to stage 0; only model-parallel rank 0 of each data-parallel rank receives."""
-    seed = _fresh_seed()
+    seed = fresh_seed()
     cases = [
         ("pp2_tp2", dict(pipeline_parallel=2, tensor_parallel=2), {}, False, _CAP),
         ("pp2_ep2", dict(pipeline_parallel=2, expert_parallel=2), {}, False, _CAP),

@@ -89,7 +89,7 @@ def _token_ids(value, where: str) -> list[int]:
         return []
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        from megagspo.config import _show
+        from megagspo.errors import show_value as _show
 
         raise ValueError(f"{where} must be a token id or a list of token ids, got {_show(value)}")
     return values

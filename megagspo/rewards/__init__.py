@@ -17,6 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict
 
+from .bounded import VerifierTimeout
+from .math_answers import math_reward
+
 _REWARDS: Dict[str, Callable[[str, str], float]] = {}
 
 
@@ -86,8 +89,6 @@ last_number.in_process = True
 @register_reward("math")
 def math_verified(response: str, answer: str) -> float:
     """1 when the response's final answer equals the answer mathematically (math-verify; GSM8K "####" too)."""
-    from .math_answers import math_reward
-
     return math_reward(response, answer)
 
 
@@ -116,8 +117,6 @@ def score_batch(fn: Callable[[str, str], float], responses, answers, stats: Rewa
         try:
             value = float(fn(response, answer))
         except Exception as exc:  # noqa: BLE001 - a verifier failure scores 0 and is counted
-            from .bounded import VerifierTimeout
-
             stats.errors += 1
             stats.timeouts += isinstance(exc, VerifierTimeout)
             if not stats.first_error:

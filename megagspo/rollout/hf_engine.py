@@ -18,6 +18,9 @@ from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
+from moe.device import model_device
+from moe.hf_config import hf_config_from_architecture
+
 from .base import RolloutEngine, RolloutOutput, SamplingParams, drain, register_engine
 from .weight_sync import HFParamWriter
 
@@ -25,8 +28,6 @@ from .weight_sync import HFParamWriter
 def hf_config_for(arch, tokenizer, dtype: torch.dtype = torch.float32):
     """transformers.Qwen3MoeConfig for a moe.architecture.Qwen3MoeArchitecture (moe.hf_config's mapping)."""
     from transformers import Qwen3MoeConfig
-
-    from moe.hf_config import hf_config_from_architecture
 
     config = Qwen3MoeConfig(**hf_config_from_architecture(arch, dtype=str(dtype).removeprefix("torch.")))
     config.pad_token_id = tokenizer.pad_id
@@ -123,8 +124,6 @@ class HFRolloutEngine(RolloutEngine):
 
         self.arch = arch
         self.tokenizer = tokenizer
-        from moe.device import model_device
-
         # the trainer's device: this process's GPU when the policy runs on CUDA (MEGAGSPO_DEVICE), else the CPU
         self.device = model_device()
         self.dtype = engine_dtype(dtype, self.device)

@@ -57,6 +57,10 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from moe.collective import run_on_rank0
+from moe.hf_checkpoint import PER_EXPERT, HFFolderWriter, hf_tensor_shapes
+from moe.parallel import free_port
+
 from .base import RolloutEngine, RolloutOutput, SamplingParams, drain, register_engine
 from .sglang_schema import (SGLangResponseError, destroy_weights_update_group_json, generate_request_json,
                             init_weights_update_group_json, parse_generate_item, sampling_params_json,
@@ -523,8 +527,6 @@ class SGLangEngine(RolloutEngine):
         collectives complete everywhere."""
         import torch.distributed as dist
 
-        from moe.collective import run_on_rank0
-
         count = len(buckets) if hasattr(buckets, "__len__") else None
         it = iter(buckets)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() != 0:
@@ -556,8 +558,6 @@ class SGLangEngine(RolloutEngine):
         stream ends (or its `count` incoming buckets have come), and sent only when the stream held every HF
         tensor exactly once (else KeyError, before the flush). Holds at most: the incoming bucket, its HF
         tensors, and less than one server bucket carried over."""
-        from moe.hf_checkpoint import PER_EXPERT, hf_tensor_shapes
-
         cap = self.config.bucket_bytes
         expected = hf_tensor_shapes(self.arch, PER_EXPERT)
         seen: set = set()
@@ -662,8 +662,6 @@ class SGLangEngine(RolloutEngine):
             return
         cfg = self.config
         address = cfg.master_address or _address_towards(self.urls[0])
-        from moe.parallel import free_port
-
         port = cfg.master_port or free_port(address)
         world = 1 + sum(self._tp_sizes)
         offsets = [1 + sum(self._tp_sizes[:i]) for i in range(len(self.urls))]
@@ -749,8 +747,6 @@ class SGLangEngine(RolloutEngine):
         """`write_hf_checkpoint` from a stream of Megatron buckets through moe.hf_checkpoint's HF folder writer
         (per-expert layout, each tensor in its own dtype; a shard is written once full, so this holds one shard
         and one bucket), under a temporary name renamed once the stream held every tensor."""
-        from moe.hf_checkpoint import HFFolderWriter
-
         self._version += 1
         path = Path(self.config.sync_dir) / f"weights-v{self._version:06d}"
         if path.exists():

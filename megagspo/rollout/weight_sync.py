@@ -22,13 +22,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from moe.hf_checkpoint import FUSED, PER_EXPERT, hf_state_dict_from_megatron, hf_tensor_shapes, megatron_plan
+
+from .sglang_schema import dtype_name
+
 
 def megatron_to_hf_state_dict(full: Dict[str, torch.Tensor], arch) -> Dict[str, torch.Tensor]:
     """The whole HF state dict (fused experts) of a full Megatron state dict, `lm_head.weight` included even
     when tied (what `Qwen3MoeForCausalLM.load_state_dict` wants). Holds a second copy of the model: the engines
     take buckets instead (`HFParamWriter`); this stays for callers that want the dict."""
-    from moe.hf_checkpoint import FUSED, hf_state_dict_from_megatron
-
     out = hf_state_dict_from_megatron({name: t.detach() for name, t in full.items()}, arch, expert_layout=FUSED)
     if arch.tie_word_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
@@ -38,8 +40,6 @@ def megatron_to_hf_state_dict(full: Dict[str, torch.Tensor], arch) -> Dict[str, 
 def _megatron_plan(arch, expert_layout: str):
     """moe.hf_checkpoint's table for `arch` (full Megatron name -> shape and HF row segments); with tied
     embeddings `output_layer.weight` is left out (a copy of the embedding: skipped when a bucket carries it)."""
-    from moe.hf_checkpoint import megatron_plan
-
     plan = megatron_plan(arch, expert_layout)
     if arch.tie_word_embeddings:
         plan.pop("output_layer.weight")
@@ -68,8 +68,6 @@ class HFParamWriter:
     A tied `lm_head` shares the embedding's parameter, so writing the embedding writes it."""
 
     def __init__(self, model, arch) -> None:
-        from moe.hf_checkpoint import FUSED, hf_tensor_shapes
-
         self.arch = arch
         self.plan = _megatron_plan(arch, FUSED)
         params = dict(model.named_parameters())
@@ -113,8 +111,6 @@ def hf_named_tensors_of_bucket(bucket: Dict[str, torch.Tensor], arch, dtype: Opt
     bucket converts on its own; an HF tensor only partly covered by the bucket (the fused layout's
     `gate_up_proj` with some experts missing) raises. A tensor that is one whole segment is a view of the
     Megatron tensor (no copy unless cast)."""
-    from moe.hf_checkpoint import PER_EXPERT, hf_tensor_shapes
-
     layout = expert_layout or PER_EXPERT
     plan = _megatron_plan(arch, layout)
     shapes = hf_tensor_shapes(arch, layout)
@@ -153,8 +149,6 @@ def hf_named_tensors_for_sync(full: Dict[str, torch.Tensor], arch, dtype: Option
                               ) -> List[Tuple[str, torch.Tensor]]:
     """The full Megatron state as (HF name, tensor) in HF state-dict order, per-expert layout, cast to `dtype`
     when given (SGLang's weight loader copies into its own dtype; casting first halves a bf16 server's traffic)."""
-    from moe.hf_checkpoint import PER_EXPERT, hf_tensor_shapes
-
     named = hf_named_tensors_of_bucket(full, arch, dtype)
     missing = [k for k in hf_tensor_shapes(arch, PER_EXPERT) if k not in {n for n, _ in named}]
     if missing:
@@ -182,8 +176,6 @@ def plan_buckets(sizes: Sequence[Tuple[str, torch.dtype, int]], cap_bytes: int) 
 
 def bucket_metadata(named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[List[str], List[str], List[List[int]]]:
     """names, dtype names ("bfloat16") and shapes of a bucket, as /update_weights_from_distributed wants them."""
-    from .sglang_schema import dtype_name
-
     return ([n for n, _ in named], [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named])
 
 

@@ -19,38 +19,31 @@ over micro-batches goes through `MegatronPolicy.run_micro_batches` (Megatron's 1
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from typing import Callable, Optional
 
 import torch
-import yaml
 from tqdm import tqdm
 
-from megagspo.algorithm.registry import LossOptionError
 from megagspo.checkpoint import CheckpointManager, Preempted, StopRequest
 from megagspo.checkpoint.full_state import save_full_checkpoint
 from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
 from megagspo.checkpoint.state import RunParts, RunRng
-from megagspo.config import Config, ConfigError
-from megagspo.data import PromptDataset, build_datasets
-from megagspo.data.datasets import response_check_for
-from megagspo.kernels.policy_losses import build_loss
-from megagspo.metrics_log import MetricsLogger, cold_start_line, eval_record, final_line, write_plots
-from megagspo.rewards import get_reward
-from megagspo.rewards.bounded import with_time_limit
-from megagspo.rollout import SamplingParams, get_engine_class
+from megagspo.config import Config
+from megagspo.data import PromptDataset
+from megagspo.metrics_log import cold_start_line, eval_record, final_line
+from megagspo.rollout import SamplingParams
 from megagspo.trainer.engine_link import EngineLink
 from megagspo.trainer.evaluation import Evaluator
 from megagspo.trainer.hooks import RunHooks
 from megagspo.trainer.init_weights import load_init_weights
 from megagspo.trainer.kl_reference import KLReference
-from megagspo.trainer.layout import world_from_env
 from megagspo.trainer.policy import MegatronPolicy, setup_parallel
-from megagspo.trainer.preflight import preflight
 from megagspo.trainer.rl_step import RLStep
+from megagspo.trainer.run_files import open_run_files, write_summary
+from megagspo.trainer.run_inputs import RunInputs, read_run_inputs
 from megagspo.trainer.sft import ColdStartSFT
 from moe.optimizer import OptimizerSettings
 
@@ -63,51 +56,38 @@ class Trainer:
         self.adamw_class = adamw_class
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
-        # ---- everything that can be wrong with the input is checked before any compute ----
-        try:
-            # data.max_response_tokens limits the SFT demonstrations, or the answers a whole-answer reward compares
-            self.tokenizer, train, held_out, self.data_stats = build_datasets(
-                cfg.data, response_check=response_check_for(cfg.sft.steps, cfg.reward.name))
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"data: {cfg.data.train_path or cfg.data.eval_path!r} (or data.eval_path) is not "
-                              f"UTF-8 text ({exc})") from None
-        checked = preflight(cfg, world_from_env(), self.tokenizer.vocab_size)
-        # a worker process killed at reward.timeout_s (C-level loops included); started at the first call
-        self.reward_fn = reward_fn or with_time_limit(get_reward(cfg.reward.name), cfg.reward.timeout_s)
-        try:  # every rl.* loss option through the loss registry (torch, or the fused kernel when asked)
-            self.loss_fn, self.loss_cfg = build_loss(cfg.rl)
-        except LossOptionError as exc:
-            raise ConfigError(str(exc)) from None
-        engine_cls = get_engine_class(cfg.rollout.engine)
+        # everything that can be wrong with the input is checked before any compute
+        inputs = read_run_inputs(cfg, reward_fn)
+        self.tokenizer, self.reward_fn, self.data_stats = inputs.tokenizer, inputs.reward_fn, inputs.data_stats
         # the run's one description of its process layout: sizes, ranks, groups and the step's collectives
         self.dims, _, _ = setup_parallel(cfg.parallel, cfg.seed)
         # ---- one owner per run folder, before anything in it is read for writing or moved ----
         self.run_lock = RunFolderLock(cfg.run_dir(), f"megagspo {'train' if cfg.rl.steps else 'sft'}")
         self.dims.on_rank0("taking the run folder", lambda: self.run_lock.acquire() and None, peer_error=RunFolderBusy)
         try:
-            self._build_run(cfg, checked.arch, train, held_out, checked.init_source, engine_cls, quiet)
+            self._build_run(cfg, inputs, quiet)
         except BaseException:
             self.run_lock.release()  # a start that failed leaves the folder free for the next attempt
             raise
 
-    def _build_run(self, cfg: Config, arch, train, held_out, init_source, engine_cls, quiet: bool) -> None:
+    def _build_run(self, cfg: Config, inputs: RunInputs, quiet: bool) -> None:
         """Everything after the run folder is owned: resume point, models, engine, run files, RNG, the parts."""
         # the resume point is chosen, verified and checked against this model before anything in the run
         # folder is written (megagspo.checkpoint; docs/robustness.md)
+        arch = self.arch = inputs.checked.arch
         self.ckpt = CheckpointManager(cfg, self.dims)
-        self.resume = self.ckpt.find_resume(arch, len(train))
+        self.resume = self.ckpt.find_resume(arch, len(inputs.train))
         self.stop = StopRequest()
-        self.arch = arch
-        self._build_models(cfg, arch, init_source)
+        self._build_models(cfg, arch, inputs.checked.init_source)
         # the embedded engine takes the policy's precision on a GPU (bf16 -> bf16), fp32 on the CPU (hf_engine)
         engine_kwargs = ({"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang"
                          else {"dtype": cfg.model.precision} if cfg.rollout.engine == "hf" else {})
-        self.engine = engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes, **engine_kwargs)
+        self.engine = inputs.engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes, **engine_kwargs)
         self.link = EngineLink(self.dims, self.policy, self.engine, cfg.rollout.sync_bucket_mib)
         self.sync_weights()
-        self.train_ds = PromptDataset(train, seed=cfg.seed + 17)
+        self.train_ds = PromptDataset(inputs.train, seed=cfg.seed + 17)
         self.quiet = quiet or not self.dims.is_main
-        self._open_run_files(cfg)
+        self.logger = open_run_files(cfg, self.dims, self.ckpt, self.resume)
         # Sampling randomness differs per data-parallel rank; the TP ranks of one DP rank draw the same
         # (rank == dp_rank without TP). Training rollouts are also broadcast from TP rank 0 (EngineLink).
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dims.dp_rank)
@@ -119,7 +99,7 @@ class Trainer:
             self.ckpt.restore_rng_and_data(self.checkpoint_parts(), self.resume)
         if self.dims.is_main and self.logger.tb_note and not self.quiet:
             print(self.logger.tb_note)
-        self._build_parts(cfg, held_out)
+        self._build_parts(cfg, inputs)
 
     def _build_models(self, cfg: Config, arch, init_source) -> None:
         """The policy (weights from the resumed checkpoint, else model.init_from) and, at rl.kl_coef > 0, the
@@ -145,38 +125,19 @@ class Trainer:
             if self.resume and self.resume["state"]["step"] > 0:
                 self.reference.resume(self.resume["path"])
 
-    def _build_parts(self, cfg: Config, held_out: list) -> None:
+    def _build_parts(self, cfg: Config, inputs: RunInputs) -> None:
         """Held-out evaluation, cold-start SFT and the RL step, each from the inputs it uses."""
         hooks = RunHooks(log=self.logger.log, say=self._say, progress=self._progress,
                          stop_requested=self.stop.requested, preempted=self._preempted)
-        self.evaluator = Evaluator(self.dims, self.engine, self.tokenizer, self.reward_fn, held_out,
+        self.evaluator = Evaluator(self.dims, self.engine, self.tokenizer, self.reward_fn, inputs.held_out,
                                    cfg.data.max_response_tokens, cfg.rl.eval_samples, cfg.rollout.temperature,
                                    cfg.rollout.top_p)
         self.sft = ColdStartSFT(self.dims, self.policy, self.tokenizer, self.train_ds, cfg.sft, self.link,
                                 self.evaluate, hooks)
         sampling = SamplingParams(cfg.data.max_response_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p)
-        self.step = RLStep(self.dims, self.policy, self.link, self.loss_fn, self.loss_cfg, self.reward_fn,
+        self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reward_fn,
                            self.reference, cfg.rl, sampling, self.tokenizer, self.train_ds, self.sample_gen)
-
-    def _open_run_files(self, cfg: Config) -> None:
-        """Everything is checked: from here on the run folder is written. A fresh run first moves earlier
-        checkpoints aside; metrics.jsonl (the rows up to a resumed checkpoint) and config.yaml are rewritten.
-        Rank 0 writes; a failure (disk full, read-only) reaches every rank."""
-        self.ckpt.retire_previous()
-        self.logger = MetricsLogger(cfg.run_dir(), enabled=False)
-
-        def write():
-            prior = self.ckpt.prior_metrics(self.resume, os.path.join(cfg.run_dir(), "metrics.jsonl")) \
-                if self.resume else []
-            self.logger = MetricsLogger(cfg.run_dir(), enabled=True, tensorboard=cfg.log.tensorboard)
-            for row in prior:
-                self.logger.log(row)
-            self.logger.raise_write_error()
-            with open(os.path.join(cfg.run_dir(), "config.yaml"), "w") as f:
-                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-
-        self.dims.on_rank0("writing metrics.jsonl and config.yaml", write)
 
     def checkpoint_parts(self) -> RunParts:
         """What a checkpoint holds of this run, by name (megagspo.checkpoint.state.RunParts)."""
@@ -306,13 +267,7 @@ class Trainer:
                 self.summary["checkpoint"] = path
         self.summary["total_time_s"] = time.perf_counter() - t0
         if self.dims.is_main:
-            if self.cfg.log.plots:
-                self.summary["plots"] = write_plots(
-                    self.logger.rows, self.cfg.run_dir(), self.summary["cold_start/accuracy"], loss=self.cfg.rl.loss,
-                    sampled_measured=bool(self.cfg.rl.eval_samples),
-                    cold_start_label="cold start" if self.cfg.sft.steps else "before RL")
-            with open(os.path.join(self.cfg.run_dir(), "summary.json"), "w") as f:
-                json.dump(self.summary, f, indent=2)
+            write_summary(self.cfg, self.summary, self.logger.rows)
             self._say(f"run folder: {self.cfg.run_dir()} (metrics.jsonl, summary.json, plots)")
         self.logger.close()
         return self.summary
