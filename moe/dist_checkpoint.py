@@ -127,15 +127,50 @@ def check_folder(directory: str) -> None:
         rel = info.relative_path
         if os.path.isabs(rel) or ".." in rel.split("/") or not os.path.isfile(os.path.join(directory, rel)):
             raise DistCheckpointError(f"{os.path.join(directory, rel)}: shard file named by {METADATA} is missing")
+    _check_tensor_layout(metadata, os.path.join(directory, METADATA))
+
+
+def _check_tensor_layout(metadata, where: str) -> None:
+    """Every tensor's chunks lie inside its shape, cover it once, and are each backed by at least as many
+    stored bytes as they hold: a metadata file that claims a [10^7, 10^7] tensor (its checksum rewritten)
+    is refused here instead of becoming a 400 TB allocation in the reader."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = {(index.fqn, tuple(index.offset)): info.length for index, info in (metadata.storage_data or {}).items()}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        shape, element = tuple(md.size), torch.empty((), dtype=md.properties.dtype).element_size()
+        covered = 0
+        for i, chunk in enumerate(md.chunks or []):
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if len(offsets) != len(shape) or len(sizes) != len(shape) or \
+                    any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+                raise DistCheckpointError(f"{where}: chunk {i} of {key!r} (offsets {offsets}, sizes {sizes}) lies "
+                                          f"outside the tensor's shape {shape}")
+            volume = math.prod(sizes)
+            if stored.get((key, offsets), -1) < volume * element:  # chunks are found by (key, offsets)
+                raise DistCheckpointError(f"{where}: chunk {i} of {key!r} holds {volume} values, but "
+                                          f"{stored.get((key, offsets), 0)} bytes are stored for it")
+            covered += volume
+        if covered != math.prod(shape):
+            raise DistCheckpointError(f"{where}: the chunks of {key!r} hold {covered} values, its shape {shape} "
+                                      f"{math.prod(shape)}")
 
 
 def first_nonfinite_chunk(directory: str):
     """None when every floating-point chunk stored in the torch_dist folder `directory` is finite, else
-    "<shard file>: <key> holds NaN or infinite values". Reads one chunk at a time, in file order, the way
-    torch.distributed.checkpoint does (`torch.load(weights_only=True)` of the chunk's bytes), and checks it
-    with one `aminmax` (moe.hf_checkpoint.all_finite): a checkpoint that passes its checksums can still hold a
-    NaN (written so, or re-checksummed by someone else), and a resume or export of it would train or ship
-    nothing. Raises DistCheckpointError when the folder cannot be read that way, OSError when a file vanishes."""
+    "<shard file>: <key> holds NaN or infinite values". A checkpoint that passes its checksums can still hold
+    a NaN (written so, or re-checksummed by someone else), and a resume or export of it would train or ship
+    nothing. Each chunk is checked with one `aminmax` (moe.hf_checkpoint.all_finite) over its stored bytes,
+    memory-mapped in place (`_stored_values`: no copy); a chunk whose bytes are not laid out as
+    torch.distributed.checkpoint writes them is read the way its loader reads it (`torch.load(weights_only=True)`
+    of the chunk). Raises DistCheckpointError when the folder or a chunk cannot be read, OSError when a file
+    vanishes."""
+    import mmap
+
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from moe.hf_checkpoint import all_finite
@@ -146,26 +181,98 @@ def first_nonfinite_chunk(directory: str):
     for index, info in (metadata.storage_data or {}).items():
         md = metadata.state_dict_metadata.get(index.fqn)
         if isinstance(md, TensorStorageMetadata) and md.properties.dtype.is_floating_point:
-            by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn, info))
+            by_file.setdefault(info.relative_path, []).append((index, info, md))
     for rel, items in sorted(by_file.items()):
-        with open(os.path.join(directory, rel), "rb") as f:
-            for offset, length, key, info in sorted(items, key=lambda item: item[0]):
-                if getattr(info, "transform_descriptors", None):
-                    raise DistCheckpointError(f"{os.path.join(directory, rel)}: chunk of {key!r} is stored with "
-                                              f"transforms {list(info.transform_descriptors)}, which megagspo "
-                                              "never writes")
-                f.seek(offset)
-                data = f.read(length)
-                try:
-                    chunk = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                except Exception as exc:  # noqa: BLE001 - any unreadable chunk is the same one-line error
-                    raise DistCheckpointError(f"{os.path.join(directory, rel)}: chunk of {key!r} is unreadable "
-                                              f"({type(exc).__name__})") from None
-                if not isinstance(chunk, torch.Tensor):
-                    raise DistCheckpointError(f"{os.path.join(directory, rel)}: chunk of {key!r} is not a tensor")
-                if not all_finite(chunk):
-                    return f"{rel}: {key} holds NaN or infinite values"
+        path = os.path.join(directory, rel)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            with (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else contextlib.nullcontext(b"")) as mm:
+                for index, info, md in sorted(items, key=lambda item: item[1].offset):
+                    key = index.fqn
+                    if getattr(info, "transform_descriptors", None) or info.offset < 0 or info.length < 0 \
+                            or info.offset + info.length > size:
+                        raise DistCheckpointError(f"{path}: chunk of {key!r} lies outside the file or is stored "
+                                                  "with transforms megagspo never writes")
+                    values = _stored_values(mm, info.offset, info.length, md, index)
+                    if values is None:  # not the usual layout: the loader's own reading
+                        stored = io.BytesIO(mm[info.offset:info.offset + info.length])
+                        try:
+                            values = torch.load(stored, map_location="cpu", weights_only=True)
+                        except Exception as exc:  # noqa: BLE001 - any unreadable chunk is the same error
+                            raise DistCheckpointError(f"{path}: chunk of {key!r} is unreadable "
+                                                      f"({type(exc).__name__})") from None
+                        if not isinstance(values, torch.Tensor):
+                            raise DistCheckpointError(f"{path}: chunk of {key!r} is not a tensor")
+                    finite = all_finite(values)
+                    del values  # a view of the map: gone before the map closes
+                    if not finite:
+                        return f"{rel}: {key} holds NaN or infinite values"
     return None
+
+
+class _Window(io.RawIOBase):
+    """The bytes [start, start + length) of a buffer as a seekable read-only file (zipfile reads through it)."""
+
+    def __init__(self, buffer, start: int, length: int) -> None:
+        self._buffer, self._start, self._length, self._pos = buffer, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = max(0, {0: pos, 1: self._pos + pos, 2: self._length + pos}[whence])
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, out) -> int:
+        n = max(0, min(len(out), self._length - self._pos))
+        out[:n] = self._buffer[self._start + self._pos:self._start + self._pos + n]
+        self._pos += n
+        return n
+
+
+def _stored_values(mm, offset: int, length: int, md, index):
+    """The chunk's values as a flat tensor viewing `mm` in place, when its bytes are what
+    torch.distributed.checkpoint writes for a tensor: a torch.save zip whose one storage record is stored
+    uncompressed, little-endian, exactly as large as the chunk's shape in the metadata says. None otherwise."""
+    import math
+    import zipfile
+
+    chunk = next((c for c in md.chunks or [] if tuple(c.offsets) == tuple(index.offset)), None)
+    if chunk is None:
+        return None
+    element = torch.empty((), dtype=md.properties.dtype).element_size()
+    want = math.prod(chunk.sizes) * element
+    try:
+        window = _Window(mm, offset, length)
+        with zipfile.ZipFile(window) as archive:
+            records = [i for i in archive.infolist() if i.filename.rsplit("/", 2)[-2:-1] == ["data"]]
+            order = [i for i in archive.infolist() if i.filename.endswith("/byteorder")]
+            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or records[0].file_size != want:
+                return None
+            if order and archive.read(order[0]) != b"little":
+                return None
+            record = records[0]
+        window.seek(record.header_offset)
+        header = window.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            return None
+        start = record.header_offset + 30 + int.from_bytes(header[26:28], "little") + \
+            int.from_bytes(header[28:30], "little")
+    except (zipfile.BadZipFile, ValueError, OSError, KeyError, EOFError):
+        return None
+    if start < 0 or start + want > length:
+        return None
+    with warnings.catch_warnings():  # a read-only map: the tensor is only read
+        warnings.simplefilter("ignore")
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=want, offset=offset + start) if want else \
+            torch.empty(0, dtype=torch.uint8)
+    return raw.view(md.properties.dtype)
 
 
 # ------------------------------------------------------------------------------------------ save internals

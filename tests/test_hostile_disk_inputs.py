@@ -363,6 +363,52 @@ def test_an_infinite_adam_moment_in_the_newest_checkpoint_falls_back(runs, tmp_p
 
 
 @pytest.mark.slow
+def test_the_finite_scan_reads_megagspo_chunks_in_place_and_agrees_with_the_loader(runs, tmp_path, monkeypatch):
+    """The scan's cost rests on reading each chunk's stored bytes in place (a memory map, no copy): every
+    chunk megagspo writes takes that path, and the loader's own reading (torch.load of the chunk) gives the
+    same verdict, clean or poisoned."""
+    import moe.dist_checkpoint as dist
+
+    step = tmp_path / "step"
+    shutil.copytree(os.path.join(runs["a_only"], "checkpoints", "step_000002"), step)
+    taken = []
+    real = dist._stored_values
+    monkeypatch.setattr(dist, "_stored_values", lambda *a: taken.append(real(*a) is not None) or real(*a))
+    for sub in ("model", "optimizer"):
+        assert dist.first_nonfinite_chunk(str(step / sub)) is None
+    assert taken and all(taken), taken
+    shard, key = _poison_chunk(str(step / "optimizer"), float("nan"))
+    in_place = dist.first_nonfinite_chunk(str(step / "optimizer"))
+    monkeypatch.setattr(dist, "_stored_values", lambda *a: None)
+    assert in_place == dist.first_nonfinite_chunk(str(step / "optimizer")) == \
+        f"{shard}: {key} holds NaN or infinite values"
+
+
+@pytest.mark.slow
+def test_a_metadata_file_claiming_a_huge_tensor_falls_back(runs, tmp_path):
+    """model/.metadata rewritten (checksums too) to claim a [10^7, 10^7] tensor: the reader would try a 400 TB
+    allocation (a traceback); the checkpoint is corrupt instead and export takes the previous one."""
+    import pickle
+
+    from megagspo.checkpoint.full_state import load_checkpoint
+
+    run = tmp_path / "r"
+    shutil.copytree(runs["a_only"], run)
+    os.remove(run / "checkpoint.pt")
+    newest = run / "checkpoints" / "step_000002"
+    with open(newest / "model" / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own test file
+    key = sorted(metadata.state_dict_metadata)[0]
+    metadata.state_dict_metadata[key].size = torch.Size([10**7, 10**7])
+    with open(newest / "model" / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    _rewrite_manifest(str(newest))
+    said = []
+    assert load_checkpoint(str(run), said.append)["path"].endswith("step_000001")
+    assert len(said) == 1 and f"{key}' (offsets" in said[0] and "lies outside the tensor's shape" in said[0], said
+
+
+@pytest.mark.slow
 def test_a_non_finite_checkpoint_pt_is_refused_by_export_naming_the_tensor(runs, tmp_path):
     from megagspo.checkpoint.guards import safe_torch_load
 

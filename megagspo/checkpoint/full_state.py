@@ -11,7 +11,8 @@ import os
 import torch
 
 from .guards import load_safetensors, safe_torch_load
-from .state import load_run_checkpoint, resolve_checkpoint
+from . import store
+from .state import load_run_checkpoint
 from .store import CheckpointError
 
 
@@ -43,7 +44,7 @@ def load_checkpoint(path: str, say=print) -> dict:
     start; a fresh run moves an earlier run's checkpoint.pt aside): an older one is a leftover of an earlier
     run and is refused."""
     if os.path.isdir(path):
-        if resolve_checkpoint(path, say) is not None:
+        if holds_step_checkpoints(path):  # load_run_checkpoint verifies them (once: the finite scan reads every shard)
             return load_run_checkpoint(path, say)
         full = os.path.join(path, "checkpoint.pt")
         if not os.path.isfile(full):
@@ -66,6 +67,13 @@ def load_checkpoint(path: str, say=print) -> dict:
         raise CheckpointError(f"{path}: not a megagspo checkpoint (expected {{'state': {{name: tensor}}, ...}})")
     require_finite(path, state)
     return ckpt
+
+
+def holds_step_checkpoints(path: str) -> bool:
+    """Whether the folder `path` is a step checkpoint or holds some (itself or under checkpoints/), intact or
+    not: the cases state.resolve_checkpoint answers, told apart from a listing alone."""
+    return os.path.isfile(os.path.join(path, store.MANIFEST)) or \
+        any(store.list_checkpoints(root) for root in (path, os.path.join(path, "checkpoints")))
 
 
 class NonFiniteCheckpoint(CheckpointError):

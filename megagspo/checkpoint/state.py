@@ -65,12 +65,13 @@ def read_trainer_state(path: str) -> dict:
     return state
 
 
-def check_run_checkpoint(path: str) -> Optional[str]:
+def check_run_checkpoint(path: str, compatible: Optional[Callable[[str], None]] = None) -> Optional[str]:
     """None when the step checkpoint `path` can be used, else why not (one line): the manifest's sizes and
     checksums (store.verify), then every JSON file in it (trainer_state.json, the shards' metadata.json)
     through the bounded reader, then every floating-point chunk of the weights and the optimizer state
     (master weights, moments) finite. Whatever the corruption, the caller falls back to the previous
-    checkpoint."""
+    checkpoint. `compatible(path)` (a resume's checks of model, data and settings) runs before the shards are
+    read: a checkpoint of another run is an error naming the differences, not a corruption to fall back past."""
     from moe.dist_checkpoint import DistCheckpointError, first_nonfinite_chunk
 
     reason = store.verify(path, REQUIRED)
@@ -81,6 +82,8 @@ def check_run_checkpoint(path: str) -> Optional[str]:
         for sub in (MODEL_DIR, OPTIMIZER_DIR):
             if os.path.isfile(os.path.join(path, sub, "metadata.json")):
                 read_json(os.path.join(path, sub, "metadata.json"))
+        if compatible is not None:
+            compatible(path)  # raises CheckpointError
         for sub in (MODEL_DIR, OPTIMIZER_DIR):
             if os.path.isdir(os.path.join(path, sub)):
                 bad = first_nonfinite_chunk(os.path.join(path, sub))
@@ -94,19 +97,21 @@ def check_run_checkpoint(path: str) -> Optional[str]:
     return None
 
 
-def resolve_checkpoint(path: str, say: Callable[[str], None] = print) -> Optional[str]:
+def resolve_checkpoint(path: str, say: Callable[[str], None] = print,
+                       compatible: Optional[Callable[[str], None]] = None) -> Optional[str]:
     """The one answer to "which checkpoint does this path hold", shared by --resume / checkpoint.resume=<path>,
     `megagspo export` and `model.init_from`: a step_XXXXXX folder itself (must be intact), else the newest
     intact step checkpoint of a checkpoints folder or a run folder (falling back past corrupt ones, skipping
-    ones pruned while being read). None when the path holds no step checkpoint."""
+    ones pruned while being read). None when the path holds no step checkpoint. `compatible`: see
+    check_run_checkpoint."""
     if os.path.isfile(os.path.join(path, store.MANIFEST)):
-        reason = check_run_checkpoint(path)
+        reason = check_run_checkpoint(path, compatible)
         if reason:
             raise CheckpointError(f"checkpoint {path} is corrupt ({reason})")
         return path
     for root in (path, os.path.join(path, "checkpoints")):
         if store.list_checkpoints(root):
-            return store.latest_good(root, REQUIRED, say, check=check_run_checkpoint)
+            return store.latest_good(root, REQUIRED, say, check=lambda p: check_run_checkpoint(p, compatible))
     return None
 
 
@@ -255,15 +260,19 @@ class CheckpointManager:
         self._retire_pending = False  # a fresh run found earlier checkpoints (rank 0)
 
     # ---- resume ------------------------------------------------------------------------------------
-    def _resolve(self) -> Optional[str]:
+    def _resolve(self, compatible: Callable[[str], None]) -> Optional[str]:
         mode = self.ck.resume
+
+        def check(path):  # intact, and (before its shards are read) this run's
+            return check_run_checkpoint(path, compatible)
+
         if mode in ("", "never"):  # "": a plain start; never: --overwrite
             return self._fresh(refuse_earlier_run=mode == "")
         if mode == "auto":
-            return (store.latest_good(self.root, REQUIRED, self.say, check=check_run_checkpoint)
+            return (store.latest_good(self.root, REQUIRED, self.say, check=check)
                     or self._fresh(refuse_earlier_run=False))
         if mode == "latest":
-            found = store.latest_good(self.root, REQUIRED, self.say, check=check_run_checkpoint)
+            found = store.latest_good(self.root, REQUIRED, self.say, check=check)
             if found is None:
                 raise CheckpointError(f"--resume: no checkpoint under {self.root} to continue; run without --resume "
                                       "to start a fresh run, or pass checkpoint.resume=auto to resume when there is "
@@ -271,11 +280,11 @@ class CheckpointManager:
             return found
         path = mode
         if os.path.isfile(os.path.join(path, store.MANIFEST)):
-            reason = check_run_checkpoint(path)
+            reason = check(path)
             if reason:
                 raise CheckpointError(f"checkpoint.resume = {path!r} is corrupt ({reason})")
             return path
-        found = resolve_checkpoint(path, self.say)
+        found = resolve_checkpoint(path, self.say, compatible)
         if found:
             return found
         raise CheckpointError(f"checkpoint.resume = {path!r}: no checkpoint there (expected a step_XXXXXX folder, "
@@ -300,7 +309,7 @@ class CheckpointManager:
 
         def pick():
             try:
-                path = self._resolve()
+                path = self._resolve(lambda p: self._check_compatible(p, read_trainer_state(p), arch, dataset_size))
                 if path is None:
                     return None
                 state = read_trainer_state(path)
