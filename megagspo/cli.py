@@ -242,7 +242,8 @@ def _ablate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per job, each with its own help."""
     parser = argparse.ArgumentParser(prog="megagspo", description="GSPO RL for Qwen3-MoE on Megatron-Core",
                                      epilog="megagspo COMMAND --help describes a command's options")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
@@ -290,6 +291,11 @@ def main(argv=None) -> int:
                    help="print one command per run (cold starts first) to submit as separate cluster jobs")
     p.add_argument("--launcher", default="", help="with --print-commands: wrap each run, e.g. "
                    "'sbatch --nodes=1 launch/slurm.sbatch' (gets RECIPE key=value ...)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     # Overrides may stand on both sides of a flag (`train --resume rl.steps=9` and `train rl.steps=9 --resume`):
     # argparse stops its positional list at the flag, so the words it leaves over that look like overrides
     # are added to them; anything else is still an error.

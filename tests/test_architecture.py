@@ -227,6 +227,28 @@ def lazy_import_violations(root: str, allowance: Dict[str, int] = LAZY_PROJECT_I
 _LAZY_OK = set(sys.stdlib_module_names) | {"torch", "numpy", "yaml"}
 
 
+def long_functions_without_reason(root: str, limit: int = 60) -> List[str]:
+    """Functions of more than `limit` lines of code (docstring, blank and comment lines not counted) without
+    a `# Over 60 lines: <why>` comment on the line above them (or above their decorators)."""
+    out = []
+    for module, path in _sources(root).items():
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines), filename=path)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            docstring = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+                and isinstance(body[0].value.value, str)
+            start = body[0].end_lineno + 1 if docstring else body[0].lineno
+            code = [ln for ln in lines[start - 1:node.end_lineno] if ln.strip() and not ln.strip().startswith("#")]
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if len(code) > limit and not lines[first - 2].strip().startswith("# Over 60 lines"):
+                out.append(f"{module}:{node.lineno} {node.name} has {len(code)} lines of code: split it, or say why "
+                           f"not on the line above it (# Over 60 lines: ...)")
+    return sorted(out)
+
+
 # ------------------------------------------------------------------------------------------------- tests
 def test_folder_rules_of_docs_architecture_hold():
     assert folder_rule_violations(REPO) == []
@@ -243,6 +265,10 @@ def test_no_import_cycles():
 
 def test_project_imports_are_at_module_top():
     assert lazy_import_violations(REPO) == []
+
+
+def test_long_functions_say_why():
+    assert long_functions_without_reason(REPO) == []
 
 
 def test_the_rules_name_the_folders_of_docs_architecture():
@@ -282,6 +308,7 @@ def _plant(root, files: Dict[str, str]) -> str:
      lambda root: [" -> ".join(c) for c in import_cycles(root)], "megagspo.a -> megagspo.b"),
     ({"megagspo/data/datasets.py": "def load():\n    from megagspo.config import Config\n"},
      lazy_import_violations, "imports project modules inside functions 1 times"),
+    ({"moe/long.py": "def f():\n" + "    x = 1\n" * 61}, long_functions_without_reason, "f has 61 lines of code"),
 ])
 def test_planted_violations_are_found(tmp_path, files, check, expect):
     found = check(_plant(tmp_path, files))

@@ -285,6 +285,7 @@ def _eval_points(cells: List[CellResult], key: str = "eval/accuracy"):
     return steps, [m for m, _ in stats], [0.0 if math.isnan(s) else s for _, s in stats]
 
 
+# Over 60 lines: one matplotlib figure after another (curves, then bars), plotting code with no logic to split.
 def write_plots(arms: Dict[str, ArmResult], out_dir: str) -> Dict[str, str]:
     import matplotlib
 
@@ -399,6 +400,7 @@ def _fmt(ms: Tuple[float, float], digits: int = 3) -> str:
     return f"{mean:.{digits}f}" if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+# Over 60 lines: report.md written top to bottom, one section after another.
 def write_report(spec: AblationSpec, command: str = "") -> str:
     """Writes <out>/report.md and the PNGs next to it. -> path of report.md. Raises FileNotFoundError when no
     arm has a finished run."""

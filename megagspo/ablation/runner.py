@@ -138,6 +138,7 @@ class AblationRunner:
         proc.log_file = log       # type: ignore[attr-defined]
         return proc
 
+    # Over 60 lines: the scheduler's one loop (start, poll, restart, report) over a fixed number of job slots.
     def run(self) -> List[Run]:
         """Runs what is not done yet. -> the runs that failed (their logs are named in the output)."""
         runs = plan_runs(self.spec, self.extra)
