@@ -309,11 +309,16 @@ class RolloutConfig:
     # engine = sglang: the fields of megagspo.rollout.sglang_engine.SGLangEngineConfig (urls of running
     # servers or launch settings, sync_dir, colocate, ...), validated here so a typo fails before any compute.
     sglang: dict = field(default_factory=dict)
+    # 1: one-step-off asynchronous rollouts (megagspo/trainer/rollouts_ahead.py): batch n+1 is generated with
+    # the weights after update n-1 while the trainer updates on batch n; 0: generate, then train (synchronous)
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         from megagspo.rollout import available_engines
 
         _choice("rollout", "engine", self.engine, available_engines())
+        _require("rollout", "staleness", self.staleness in (0, 1) and not isinstance(self.staleness, bool),
+                 self.staleness, "0 (synchronous) or 1 (one step off)")
         if not isinstance(self.sglang, dict):
             raise ConfigError(f"rollout.sglang must be a mapping, got {_show(self.sglang)}")
         if self.engine == "sglang":
@@ -608,6 +613,14 @@ class Config:
             if not ok:
                 raise ConfigError(f"rl.routing_replay = {_show(self.rl.routing_replay)} is not available yet: {why}")
         self._derive_replay_flags()
+        if self.rollout.staleness and self.rl.filter_groups:
+            raise ConfigError("rollout.staleness = 1 with rl.filter_groups = true is not supported: dynamic "
+                              "sampling draws more rounds after seeing the rewards, which a batch generated ahead "
+                              "cannot; set one of them")
+        if self.rollout.staleness and self.parallel.tensor_parallel * self.parallel.pipeline_parallel > 1:
+            raise ConfigError("rollout.staleness = 1 needs parallel.tensor_parallel = pipeline_parallel = 1: under "
+                              "TP x PP the generating rank broadcasts the rollouts to its peers, a collective that "
+                              "cannot run beside the training thread's")
 
     def _derive_replay_flags(self) -> None:
         """rl.routing_replay is the one switch for routing replay; the engine-side flags follow from it (and

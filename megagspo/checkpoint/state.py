@@ -51,6 +51,7 @@ from .store import CheckpointError
 MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
 RNG = "rng.safetensors"
+AHEAD = "rollouts_ahead.safetensors"  # rollout.staleness = 1: the batch generated ahead, per rank
 STATE = "trainer_state.json"
 REQUIRED = (f"{MODEL_DIR}/.metadata", f"{MODEL_DIR}/metadata.json", f"{MODEL_DIR}/common.pt", RNG, STATE)
 MAX_STATE_BYTES = 256 << 20
@@ -241,6 +242,7 @@ class RunParts:
     metrics: object                   # megagspo.metrics_log.MetricsLogger
     summary: dict
     arch: object                      # moe.architecture.Qwen3MoeArchitecture
+    rollouts_ahead: object = None     # megagspo.trainer.rollouts_ahead.RolloutsAhead (rollout.staleness = 1)
 
 
 # ------------------------------------------------------------------------------------------- manager
@@ -415,6 +417,23 @@ class CheckpointManager:
                      f"on {self.world} with {layout_now}: RNG states reseeded (the run continues; it is not a "
                      "bit-for-bit replay of the uninterrupted one)")
 
+    def restore_rollouts_ahead(self, ahead, point: dict) -> None:
+        """rollout.staleness = 1: the batch the checkpoint's run had generated ahead, held again for the next
+        step (when the checkpoint has one for this rank and was written by this process layout; otherwise the
+        next step generates its batch now, with the checkpoint's weights, and says so)."""
+        state = point["state"]
+        metas = state.get("rollouts_ahead") or []
+        meta = metas[self.rank] if self.rank < len(metas) else None
+        same_layout = state["world"] == self.world and dict(state.get("layout") or {}) == self.dims.shape.as_dict()
+        if meta is not None and same_layout:
+            prefix = f"rank{self.rank}/"
+            tensors = load_safetensors(os.path.join(point["path"], AHEAD))
+            ahead.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, meta)
+        elif any(m is not None for m in metas):
+            self.say("the checkpoint's batch generated ahead (rollout.staleness = 1) is for another process layout: "
+                     "the first resumed step generates its batch now (the run continues; it is not a bit-for-bit "
+                     "replay of the uninterrupted one)")
+
     def prior_metrics(self, point: dict, metrics_path: str) -> list:
         """The metrics rows logged up to the checkpoint: from metrics.jsonl when it still holds them all,
         else the checkpoint's own tail."""
@@ -446,6 +465,7 @@ class CheckpointManager:
         earlier checkpoints untouched."""
         t0 = time.perf_counter()
         rngs = self._gather(parts.rng.state_dict())
+        aheads = self._gather(None if parts.rollouts_ahead is None else parts.rollouts_ahead.state_dict())
         # 1. rank 0 opens the temporary folder; every rank learns its path (or that it failed)
         def begin():
             try:
@@ -461,8 +481,9 @@ class CheckpointManager:
         path = None
         if self.rank == 0 and failure is None:
             state = self._trainer_state(parts, steps_done, phase, last_eval, rngs, index, has_optimizer)
+            state["rollouts_ahead"] = [None if a is None else a["meta"] for a in aheads]
             try:
-                path = self._commit(tmp, steps_done, state, rngs)
+                path = self._commit(tmp, steps_done, state, rngs, aheads)
             except (OSError, SafetensorError) as exc:  # disk full, quota, permissions: earlier ones are untouched
                 failure = self._failed(steps_done, exc)
         if failure and self.rank == 0:
@@ -513,7 +534,7 @@ class CheckpointManager:
             "optimizer": has_optimizer, "model_index": index,
         }
 
-    def _commit(self, tmp: str, steps_done: int, state: dict, rngs: list) -> str:
+    def _commit(self, tmp: str, steps_done: int, state: dict, rngs: list, aheads: list = ()) -> str:
         """Rank 0: the RNG tensors and trainer state into `tmp`, then the manifest and the rename; prune."""
         from safetensors.torch import save_file
 
@@ -529,6 +550,10 @@ class CheckpointManager:
                 json.dump(state, f)
 
         writers = {RNG: lambda p: save_file(rng_t, p), STATE: dump_json}
+        ahead_t = {f"rank{r}/{name}": t.contiguous() for r, a in enumerate(aheads) if a is not None
+                   for name, t in a["tensors"].items()}
+        if ahead_t:
+            writers[AHEAD] = lambda p: save_file(ahead_t, p)
         path = store.commit_checkpoint(self.root, steps_done, tmp, writers, {"run_id": self.run_id})
         store.prune(self.root, self.ck.keep_last)
         return path

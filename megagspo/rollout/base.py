@@ -19,6 +19,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
+    # sample with this generator instead of the process's global one (engines that draw from it: see
+    # RolloutEngine.seeded_generator); a generation on a background thread needs its own stream
+    generator: Optional[torch.Generator] = None
 
 
 @dataclass
@@ -57,6 +60,12 @@ class RolloutEngine:
         Every rank calls this with its stream and iterates it TO THE END, also when it fails part-way
         (`drain`): the stream's collectives line up across ranks, so stopping early leaves the others waiting."""
         raise NotImplementedError
+
+    def seeded_generator(self, seed: int) -> Optional[torch.Generator]:
+        """A generator for `SamplingParams.generator` when this engine samples in this process (from the global
+        torch generator otherwise); None for an engine that samples elsewhere (a server), whose generation
+        draws nothing from this process's random state."""
+        return None
 
     def weights_needed(self, generates: bool) -> bool:
         """Whether this process's engine must receive the weights at a sync, given whether this process

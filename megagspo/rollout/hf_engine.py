@@ -36,6 +36,35 @@ def hf_config_for(arch, tokenizer, dtype: torch.dtype = torch.float32):
     return config
 
 
+def _seeded_sampling(sampling: SamplingParams):
+    """The warpers `do_sample=True` would apply (temperature, top-p), then the Gumbel-max draw from
+    sampling.generator: greedy decoding over these scores is a sample."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    processors = []
+    if sampling.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_p < 1.0:
+        processors.append(TopPLogitsWarper(sampling.top_p))
+    return LogitsProcessorList([*processors, _GumbelMax(sampling.generator)])
+
+
+class _GumbelMax:
+    """A logits processor that makes greedy decoding a sample: argmax(scores + Gumbel noise) is distributed as
+    softmax(scores) (the Gumbel-max trick), the noise drawn from `generator`. After the temperature and top-p
+    warpers it samples exactly what `do_sample=True` samples, from the given generator instead of the global
+    one (which Megatron's RNG tracker saves and restores around its forward: a generation on another thread
+    drawing from it would be overwritten)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, input_ids, scores):
+        uniform = torch.rand(scores.shape, generator=self.generator, device=scores.device, dtype=torch.float32)
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+        return scores.float() + gumbel
+
+
 class _StepLogProbs:
     """The log-prob of each sampled token, one decoding step at a time, without keeping any step's logits.
 
@@ -169,6 +198,9 @@ class HFRolloutEngine(RolloutEngine):
             drain(it)  # no-op after a full pass; after a failure, the peers' collectives still complete
 
     @torch.no_grad()
+    def seeded_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> RolloutOutput:
         from transformers import GenerationConfig
 
@@ -184,13 +216,16 @@ class HFRolloutEngine(RolloutEngine):
         if self.record_routes and n_layers:
             routes = torch.full((num, max_prompt + max_new - 1, n_layers, self.arch.num_experts_per_tok), -1,
                                 dtype=torch.int16)
+        seeded = sampling.generator is not None and not sampling.greedy
+        sample = not sampling.greedy and not seeded
         gen_cfg = GenerationConfig(
-            max_new_tokens=max_new, do_sample=not sampling.greedy,
-            temperature=sampling.temperature if not sampling.greedy else None,
-            top_p=sampling.top_p if not sampling.greedy else None, top_k=None,
+            max_new_tokens=max_new, do_sample=sample,
+            temperature=sampling.temperature if sample else None,
+            top_p=sampling.top_p if sample else None, top_k=None,
             pad_token_id=tok.pad_id, eos_token_id=list(tok.eos_ids), bos_token_id=tok.bos_id,
             return_dict_in_generate=True,
         )
+        processors = _seeded_sampling(sampling) if seeded else None
         by_len: Dict[int, list] = defaultdict(list)
         for i, p in enumerate(prompts):
             by_len[len(p)].append(i)
@@ -203,7 +238,8 @@ class HFRolloutEngine(RolloutEngine):
             self._logp.start(len(rows), max_new, self.device)
             try:
                 out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                          generation_config=gen_cfg, stopping_criteria=self._logp.criteria())
+                                          generation_config=gen_cfg, stopping_criteria=self._logp.criteria(),
+                                          logits_processor=processors)
             finally:
                 self._recording = False
                 self._logp.stop()

@@ -38,6 +38,7 @@ from megagspo.trainer.engine_link import EngineLink
 from megagspo.trainer.kl_reference import KLReference
 from megagspo.trainer.layout import micro_slices
 from megagspo.trainer.policy import MegatronPolicy, build_sequences
+from megagspo.trainer.rollouts_ahead import RolloutsAhead
 from megagspo.trainer.schedule import lr_at
 from moe.optimizer import set_lr
 from moe.parallel import ParallelDims
@@ -114,6 +115,17 @@ class RLStep:
     tokenizer: object
     prompts: object                  # megagspo.data.PromptDataset: sample(n) -> Examples
     sample_gen: torch.Generator      # the mini-batch permutation
+    staleness: int = 0               # rollout.staleness: 1 = one-step-off rollouts (megagspo.trainer.rollouts_ahead)
+    ahead_seed: int = 0              # staleness 1: the seed of the engine's own sampling generator
+    ahead: Optional[RolloutsAhead] = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.staleness:
+            # generation on the background thread samples from its own generator, never the global one
+            generator = self.engine.engine.seeded_generator(self.ahead_seed)
+            if generator is not None:
+                self.sampling = dataclasses.replace(self.sampling, generator=generator)
+            self.ahead = RolloutsAhead(self.generate, generator)
 
     def __call__(self, step: int, optimizer) -> dict:
         """One rollout batch: every stage in order; returns the step's metrics row (timings included)."""
@@ -122,7 +134,7 @@ class RLStep:
         if self.rl.filter_groups:
             rollouts, scores, filter_metrics = self.collect_scored(times)
         else:
-            rollouts = self.collect()
+            rollouts = self.collect_ahead(step) if self.ahead is not None else self.collect()
             times["time/rollout_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             scores = self.score(rollouts)
@@ -135,6 +147,8 @@ class RLStep:
         t3 = time.perf_counter()
         updates = self.update(batch, step, optimizer)
         times["time/train_s"] = time.perf_counter() - t3
+        if self.ahead is not None:  # the next batch, generated with the weights before this update, first
+            times["time/rollout_wait_s"] = self.ahead.wait()
         times["time/sync_s"] = self.engine.sync_weights()
         row = self.summarize(rollouts, scores, batch, updates)
         row.update(filter_metrics)
@@ -146,9 +160,23 @@ class RLStep:
 
     # -------------------------------------------------------------------------------------------- stages
     def collect(self) -> Rollouts:
-        prompts = self.dims.local_slice(self.prompts.sample(self.rl.prompts_per_step))
-        return Rollouts(prompts, self.engine.generate([ex.prompt_ids for ex in prompts], self.rl.group_size,
-                                                      self.sampling))
+        prompts = self.draw_prompts()
+        return Rollouts(prompts, self.generate(prompts))
+
+    def draw_prompts(self) -> list:
+        """The next rl.prompts_per_step prompts of the stream (every rank the same draw): this rank's share."""
+        return self.dims.local_slice(self.prompts.sample(self.rl.prompts_per_step))
+
+    def generate(self, prompts: list):
+        return self.engine.generate([ex.prompt_ids for ex in prompts], self.rl.group_size, self.sampling)
+
+    def collect_ahead(self, step: int) -> Rollouts:
+        """rollout.staleness = 1: this step's batch (generated during the previous step, or now when none is
+        held), and the next batch's generation started with the engine's current weights."""
+        rollouts = Rollouts(*self.ahead.take()) if self.ahead.holds_batch else self.collect()
+        if step + 1 < self.rl.steps:
+            self.ahead.launch(self.draw_prompts())
+        return rollouts
 
     def score(self, rollouts: Rollouts) -> Scores:
         rewards_R, stats = self.rewards(rollouts)

@@ -137,12 +137,17 @@ class Trainer:
         sampling = SamplingParams(cfg.data.max_response_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p)
         self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reward_fn,
-                           self.reference, cfg.rl, sampling, self.tokenizer, self.train_ds, self.sample_gen)
+                           self.reference, cfg.rl, sampling, self.tokenizer, self.train_ds, self.sample_gen,
+                           staleness=cfg.rollout.staleness,
+                           ahead_seed=cfg.seed * 7919 + 104_729 + self.dims.dp_rank)
+        if self.resume and self.step.ahead is not None:
+            self.ckpt.restore_rollouts_ahead(self.step.ahead, self.resume)
 
     def checkpoint_parts(self) -> RunParts:
         """What a checkpoint holds of this run, by name (megagspo.checkpoint.state.RunParts)."""
         return RunParts(policy=self.policy, optimizer=self.optimizer, dataset=self.train_ds, rng=self.rng,
-                        metrics=self.logger, summary=self.summary, arch=self.arch)
+                        metrics=self.logger, summary=self.summary, arch=self.arch,
+                        rollouts_ahead=getattr(getattr(self, "step", None), "ahead", None))
 
     # ------------------------------------------------------------------------------------------- the parts
     def sync_weights(self) -> float:

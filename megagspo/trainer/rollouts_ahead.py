@@ -1,0 +1,121 @@
+"""One-step-off asynchronous rollouts (`rollout.staleness: 1`): the engine generates batch n+1 while the trainer
+updates on batch n, so generation and training overlap instead of waiting for each other.
+
+Legend: R = B G responses of this data-parallel rank, L response length.
+
+Timeline of RL step n (`RLStep.__call__`): take batch n (generated during step n-1, or now at the first step and
+after a resume that holds none); draw the prompts of batch n+1 from the stream and start generating them on a
+background thread with the engine's CURRENT weights, those after update n-1; score, recompute pi_old and
+update on batch n; wait for batch n+1; only then stream the weights after update n to the engine. So batch n+1
+comes from the policy one update older than the one it trains, pi_old is the policy before the update
+(recomputed), and the engine's per-token log-probs are the behaviour policy: the gap between the two is what
+`rl.rollout_correction` acts on and the mismatch/* metrics show. Staleness 0 is the synchronous step, bit for
+bit (the draws of the prompt stream come in the same order either way).
+
+Why a thread, not a process: the embedded engine is a transformers model in this process, holding its own
+copy of the weights (the weight sync writes into it), so a thread shares it with no copy and no IPC, and its
+kernels release the GIL; SGLang is a server, so the thread only waits on HTTP. The engine is used by one thread
+at a time (evaluation and the weight sync run after the wait). Its sampling would draw from the global torch
+generator, but Megatron's RNG tracker saves and restores the global generators around parts of its forward, which
+would overwrite the draws of a generation running beside it, so the embedded engine samples batches generated
+ahead from a generator of its own (`RolloutEngine.seeded_generator`: greedy decoding over Gumbel-perturbed
+warped logits, the same distribution as `do_sample`), seeded from the run's seed and checkpointed with the
+batch; the run stays a function of the seed. Only where generation needs no collective:
+without tensor / pipeline parallelism (under TP x PP the generating rank broadcasts to its peers, a
+collective that must not run beside the training thread's).
+
+Checkpoints stay exact: a checkpoint after step n holds batch n+1, complete (the step waited for it), in
+`rollouts_ahead.safetensors` and the trainer state; a resume takes it as its first batch, with the weights
+after update n streamed to the engine for batch n+2, as the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from megagspo.data.datasets import Example
+from megagspo.rollout.base import RolloutOutput
+
+TENSORS = ("response_ids_RL", "response_mask_RL", "logp_RL", "routes_RPLyK")
+
+
+class RolloutsAhead:
+    """The batch being generated (or generated) ahead of the step that trains on it."""
+
+    def __init__(self, generate: Callable[[list], RolloutOutput], generator: Optional[torch.Generator] = None) -> None:
+        self._generate = generate            # prompts -> the engine's RolloutOutput (this rank's share)
+        self.generator = generator           # the engine's sampling generator (None: the engine samples elsewhere)
+        self._thread: Optional[threading.Thread] = None
+        self._prompts: Optional[list] = None
+        self._out: Optional[RolloutOutput] = None
+        self._error: Optional[BaseException] = None
+
+    @property
+    def holds_batch(self) -> bool:
+        return self._prompts is not None
+
+    def launch(self, prompts: list) -> None:
+        """Start generating `prompts` on a background thread with the engine's current weights."""
+        if self.holds_batch:
+            raise RuntimeError("RolloutsAhead.launch: the previous batch was not taken")
+        self._prompts, self._out, self._error = prompts, None, None
+
+        def run():
+            try:
+                self._out = self._generate(prompts)
+            except BaseException as exc:  # re-raised in the training thread by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="megagspo-rollouts-ahead", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> float:
+        """Block until the batch is generated; -> seconds waited (generation the step could not hide)."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error, self._prompts = self._error, None, None
+            raise error
+        return time.perf_counter() - t0
+
+    def take(self) -> tuple:
+        """-> (prompts, RolloutOutput) of the batch, which is then no longer held."""
+        self.wait()
+        prompts, out = self._prompts, self._out
+        self._prompts = self._out = None
+        return prompts, out
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> Optional[dict]:
+        """The held batch, complete (waits for it), as {"tensors": {...}, "meta": JSON-able}; None if none."""
+        if not self.holds_batch:
+            return None
+        self.wait()
+        out = self._out
+        tensors = {name: getattr(out, name) for name in TENSORS if getattr(out, name) is not None}
+        # log-probs only where generated (padding may hold -inf, which a checkpoint's finiteness check refuses;
+        # every reader masks them)
+        tensors["logp_RL"] = out.logp_RL.masked_fill(~out.response_mask_RL, 0.0)
+        if self.generator is not None:  # where the next batch's sampling continues
+            tensors["generator"] = self.generator.get_state()
+        meta = {"prompts": [{"prompt": ex.prompt, "answer": ex.answer, "prompt_ids": list(ex.prompt_ids)}
+                            for ex in self._prompts],
+                "prompt_ids": [list(p) for p in out.prompt_ids]}
+        return {"tensors": tensors, "meta": meta}
+
+    def load_state_dict(self, tensors: dict, meta: dict) -> None:
+        """Hold the checkpoint's batch as generated (the next step takes it)."""
+        self._prompts = [Example(prompt=p["prompt"] if isinstance(p["prompt"], str) else tuple(p["prompt"]),
+                                 answer=p["answer"], prompt_ids=tuple(p["prompt_ids"])) for p in meta["prompts"]]
+        self._out = RolloutOutput(prompt_ids=meta["prompt_ids"], routes_RPLyK=tensors.get("routes_RPLyK"),
+                                  **{name: tensors[name] for name in TENSORS[:3]})
+        self._thread, self._error = None, None
+        if self.generator is not None and "generator" in tensors:
+            self.generator.set_state(tensors["generator"])
+

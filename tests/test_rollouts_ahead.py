@@ -1,0 +1,124 @@
+"""One-step-off asynchronous rollouts (rollout.staleness = 1; megagspo.trainer.rollouts_ahead): each RL batch is
+generated on the background thread from exactly the weights one update old (an engine that counts its weight
+updates records the version each generate call saw), staleness 0 is the synchronous order, the configuration
+refuses what it cannot run, and a run killed mid-way and resumed logs the metrics of the uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from multiprocess import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["sft.steps=2", "sft.batch_size=8", "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=2",
+       "rl.mini_batches=1", "rl.eval_every=100", "rl.eval_samples=0", "data.train_size=60", "data.eval_size=4",
+       "threads=1", "log.progress=false", "log.plots=false", "log.tensorboard=false", "log.save_checkpoint=false",
+       "checkpoint.every_steps=0", "rollout.engine=hf_versioned"]
+
+
+def _versions_body(rank, world_size, out_dir, staleness):
+    from megagspo.config import load_config
+    from megagspo.rollout import get_engine_class, register_engine
+    from megagspo.trainer.trainer import Trainer
+
+    calls = []
+
+    @register_engine("hf_versioned")
+    class VersionedEngine(get_engine_class("hf")):
+        """The embedded engine, counting its weight updates and recording what each generate call saw."""
+        version = 0
+
+        def update_weights_from_buckets(self, buckets):
+            super().update_weights_from_buckets(buckets)
+            type(self).version += 1
+
+        def generate(self, prompts, n, sampling):
+            calls.append((threading.current_thread().name, n, type(self).version))
+            return super().generate(prompts, n, sampling)
+
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
+                      RUN + [f"log.out_dir={out_dir}", f"name=s{staleness}", f"rollout.staleness={staleness}"])
+    trainer = Trainer(cfg, quiet=True)
+    trainer.train()
+    return calls
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_each_batch_comes_from_the_weights_one_update_old(tmp_path, staleness):
+    calls = run_distributed(_versions_body, world_size=1, args=(str(tmp_path), staleness), timeout_s=300)[0]
+    rl = [(thread, version) for thread, n, version in calls if n == 2]  # the RL batches (evaluation: n = 1)
+    assert len(rl) == 4
+    first = rl[0][1]  # the weights at the start of RL: batch 0 is generated with them in either mode
+    if staleness == 0:  # generate, train, sync: batch n sees the weights after update n - 1
+        assert [v for _, v in rl] == [first, first + 1, first + 2, first + 3]
+        assert {t for t, _ in rl} == {"MainThread"}
+    else:  # batch n + 1 is generated during step n, with the weights after update n - 1
+        assert [v for _, v in rl] == [first, first, first + 1, first + 2]
+        assert [t for t, _ in rl] == ["MainThread"] + ["megagspo-rollouts-ahead"] * 3
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["rollout.staleness=2"], ["rollout.staleness must be 0 (synchronous) or 1 (one step off)"]),
+    (["rollout.staleness=1", "rl.filter_groups=true"], ["rl.filter_groups", "not supported"]),
+    (["rollout.staleness=1", "parallel.tensor_parallel=2"], ["tensor_parallel", "pipeline_parallel = 1"]),
+])
+def test_what_one_step_off_cannot_run_is_refused(overrides, words):
+    from megagspo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+STALE_ARGS = ["rollout.staleness=1", "checkpoint.every_steps=1", "rl.steps=4", "rl.eval_every=4",
+              "rl.eval_samples=0"]
+
+
+@pytest.mark.slow
+def test_one_step_off_run_killed_and_resumed_equals_uninterrupted(tmp_path):
+    from test_checkpoint_resume import _assert_same_metrics, _cmd, _rows, _run, _start_and_wait
+
+    _run(_cmd(tmp_path, "ref", *STALE_ARGS))
+    rl = [r for r in _rows(tmp_path / "ref") if r["phase"] == "rl"]
+    assert len(rl) == 4 and rl[1]["mismatch/abs_log_ratio"] > rl[0]["mismatch/abs_log_ratio"]  # one update old
+    proc = _start_and_wait(_cmd(tmp_path, "k", *STALE_ARGS), tmp_path / "k", min_rl_rows=2)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    out = _run(_cmd(tmp_path, "k", *STALE_ARGS, "--resume"))
+    assert "resuming from" in out.stdout
+    _assert_same_metrics(tmp_path / "ref", tmp_path / "k")
+
+
+def test_seeded_sampling_is_reproducible_draws_nothing_global_and_follows_the_warpers(monkeypatch):
+    """The engine's own generator (SamplingParams.generator): the same seed gives the same rollouts whatever the
+    global generator does meanwhile; another seed others; at a near-zero temperature it picks what greedy picks
+    (the temperature warper is applied before the Gumbel-max draw); log-probs stay the temperature-1 ones."""
+    import dataclasses
+
+    import torch
+    from test_rollout_engine_memory import HFRolloutEngine, _arch, _Tok
+
+    from megagspo.rollout import SamplingParams
+
+    monkeypatch.setenv("MEGAGSPO_DEVICE", "cpu")
+    torch.manual_seed(0)
+    engine = HFRolloutEngine(_arch(40), _Tok())
+    prompts = [[5, 6, 7], [8, 9]]
+    base = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9)
+
+    def run(seed, sampling=base, global_seed=0):
+        torch.manual_seed(global_seed)
+        return engine.generate(prompts, 3, dataclasses.replace(sampling, generator=engine.seeded_generator(seed)))
+
+    a, b, c = run(1), run(1, global_seed=99), run(2)
+    assert torch.equal(a.response_ids_RL, b.response_ids_RL) and torch.equal(a.logp_RL, b.logp_RL)
+    assert not torch.equal(a.response_ids_RL, c.response_ids_RL)
+    cold = run(1, dataclasses.replace(base, temperature=1e-4, top_p=1.0))
+    greedy = engine.generate(prompts, 3, SamplingParams(max_new_tokens=10, greedy=True))
+    assert torch.equal(cold.response_ids_RL, greedy.response_ids_RL)
+    assert torch.equal(cold.logp_RL, greedy.logp_RL)
