@@ -47,8 +47,8 @@ LAZY_PROJECT_IMPORTS_LEFT = {
     # files other sessions were changing while the rest moved to the top: the next pass over each moves them
     "megagspo.ablation.runner": 2, "megagspo.checkpoint.full_state": 2, "megagspo.checkpoint.reference": 1,
     "megagspo.checkpoint.run_folder": 2, "megagspo.checkpoint.signals": 1, "megagspo.checkpoint.state": 13,
-    "megagspo.config": 15, "megagspo.data.tokenizer": 4, "megagspo.dry_run": 7, "megagspo.hf_export": 4,
-    "megagspo.trainer.init_weights": 7, "megagspo.trainer.replay": 1,
+    "megagspo.config": 15, "megagspo.data.tokenizer": 4, "megagspo.dry_run": 6, "megagspo.hf_export": 4,
+    "megagspo.trainer.replay": 1,
     "moe.cpu_shim": 1, "moe.dist_checkpoint": 5, "moe.hf_checkpoint": 5, "moe.hf_config": 2,
     "moe.model": 10, "moe.smoke": 6,
 }

@@ -12,7 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megagspo.checkpoint.full_state import NonFiniteCheckpoint, load_checkpoint
 from megagspo.config import ConfigError
+from megagspo.errors import first_line, os_error_message
+from moe.architecture import ArchitectureError
+from moe.collective import collective_device
+from moe.hf_checkpoint import CheckpointError, inspect_hf_checkpoint, load_hf_checkpoint
 
 
 # Training-time fields a checkpoint may carry with other values than the run (as in the HF config check).
@@ -30,9 +35,6 @@ class InitSource:
 def preflight_init_from(model_cfg, arch) -> InitSource:
     """Check model.init_from against `arch` without touching the model; ConfigError names what does not fit
     (each missing or wrongly shaped tensor with both shapes, or each differing config.json field)."""
-    from moe.architecture import ArchitectureError
-    from moe.hf_checkpoint import CheckpointError, inspect_hf_checkpoint
-
     path = model_cfg.init_from
     if not path:
         return InitSource("random", "", "random init")
@@ -43,8 +45,6 @@ def preflight_init_from(model_cfg, arch) -> InitSource:
             raise ConfigError(f"model.init_from = {path!r} does not fit this model: {exc}") from None
         return InitSource("hf", path, f"{path}: {len(shapes)} Hugging Face tensors match the architecture "
                                       f"({layout} experts); each rank reads only its slices")
-    from megagspo.checkpoint.full_state import NonFiniteCheckpoint, load_checkpoint
-
     try:
         ckpt = load_checkpoint(path)  # every tensor checked finite (NaN / inf), a step checkpoint before it is chosen
     except NonFiniteCheckpoint as exc:
@@ -84,8 +84,6 @@ def _load(policy, source: InitSource, arch) -> None:
     if source.kind == "random":
         return
     if source.kind == "hf":
-        from moe.hf_checkpoint import CheckpointError, load_hf_checkpoint
-
         try:
             load_hf_checkpoint(policy.model, source.path, arch)
         except CheckpointError as exc:
@@ -99,8 +97,6 @@ def _load(policy, source: InitSource, arch) -> None:
 
 
 def _one_line(exc: BaseException) -> str:
-    from megagspo.errors import first_line, os_error_message
-
     if isinstance(exc, OSError):
         return os_error_message(exc)
     return f"{type(exc).__name__}: {first_line(exc)}"
@@ -112,8 +108,6 @@ def _failed_anywhere(failed: bool) -> bool:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return failed
-    from moe.collective import collective_device
-
     flag = torch.tensor([int(failed)], dtype=torch.int64, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
