@@ -122,3 +122,42 @@ def test_seeded_sampling_is_reproducible_draws_nothing_global_and_follows_the_wa
     greedy = engine.generate(prompts, 3, SamplingParams(max_new_tokens=10, greedy=True))
     assert torch.equal(cold.response_ids_RL, greedy.response_ids_RL)
     assert torch.equal(cold.logp_RL, greedy.logp_RL)
+
+
+def _sglang_body(rank, world_size, url, out_dir, staleness):
+    from megagspo.config import load_config
+    from megagspo.trainer.trainer import Trainer
+
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), [
+        "sft.steps=0", "rl.steps=3", "rl.prompts_per_step=2", "rl.group_size=2", "rl.mini_batches=1",
+        "rl.eval_every=100", "rl.eval_samples=0", "data.train_size=20", "data.eval_size=3", "threads=1",
+        "log.progress=false", "log.plots=false", "log.tensorboard=false", "log.save_checkpoint=false",
+        "checkpoint.every_steps=0", "rollout.engine=sglang", f"rollout.staleness={staleness}",
+        f"log.out_dir={out_dir}", f"name=s{staleness}",
+        "rollout.sglang={urls: [" + url + "], sync_dir: " + out_dir + "/sync}"])
+    Trainer(cfg, quiet=True).train()
+    return True
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_sglang_batches_come_from_the_weights_one_update_old(tmp_path, staleness):
+    """The SGLang engine against its test double (tests/test_sglang_engine.py's fake server): the order of the
+    server's /generate requests (4 rows: an RL batch; 3: the held-out set) and weight updates."""
+    from test_sglang_engine import FakeSGLang
+
+    fake = FakeSGLang()
+    try:
+        run_distributed(_sglang_body, world_size=1, args=(fake.url, str(tmp_path), staleness), timeout_s=300)
+        events = []
+        for method, path, body in fake.requests:
+            if method == "POST" and path == "/generate":
+                events.append("rl" if len(body["input_ids"]) == 4 else "eval")
+            elif method == "POST" and path.startswith("/update_weights"):
+                events.append("sync")
+    finally:
+        fake.close()
+    order = [e for e in events if e != "eval"]  # the held-out evaluations (before and after RL) left out
+    if staleness == 0:  # the sync at start, then per step: its batch, the update's sync
+        assert order == ["sync", "rl", "sync", "rl", "sync", "rl", "sync"], events
+    else:  # batch n + 1 is requested before update n's weights reach the server
+        assert order == ["sync", "rl", "rl", "sync", "rl", "sync", "sync"], events
