@@ -89,7 +89,9 @@ def table() -> str:
     for name, section in sections:
         comments = _comments(source, type(section).__name__)
         doc = (type(section).__doc__ or "").strip().splitlines()[0]
-        lines += ["", f"## `{name}`", "", doc, "", "| key | default | meaning |", "|---|---|---|"]
+        if doc.startswith(type(section).__name__ + "("):  # a dataclass without a docstring: its generated signature
+            doc = ""
+        lines += ["", f"## `{name}`", "", *([doc, ""] if doc else []), "| key | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(section):
             text = comments.get(f.name, "").replace("|", "\\|")
             lines.append(f"| `{name}.{f.name}` | {_default(_declared_default(f))} | {text} |")
