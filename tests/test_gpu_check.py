@@ -12,12 +12,11 @@ import time
 
 import pytest
 import torch
+from helpers import REPO
 
 SCRIPT = os.path.join(REPO, "tools", "gpu_check.sh")
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import gpu_goals  # noqa: E402
-
-from helpers import REPO
 
 
 def _run(tmp_path, *args):
