@@ -18,7 +18,8 @@ from .losses import (
     kl_penalty,
 )
 from .metrics import merge_metrics
-from .old_policy import OLD_LOGP_SOURCES, OldPolicyConfig, resolve_old_logp, rollout_correction_weights
+from .old_policy import OLD_LOGP_SOURCES, OldPolicyConfig, resolve_old_logp
+from .rollout_correction import rollout_correction_weights
 from .packing import (
     PackedBatch,
     broadcast_to_tokens,

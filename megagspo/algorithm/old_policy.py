@@ -25,12 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch import Tensor
 
-from .metrics import masked_mean, masked_min_max_mean
 from .packing import PackedBatch
-from .ratios import sequence_log_ratio
 from .rollout_correction import correction_weights, mismatch_metrics, normalize_correction
 from .validation import check_same_shape, require_choice
 
@@ -72,31 +69,6 @@ class OldPolicyConfig:
             )
 
 
-def rollout_correction_weights(
-    old_logp_T: Tensor,
-    rollout_logp_T: Tensor,
-    loss_mask_T: Tensor,
-    cu_seqlens_S1: Tensor,
-    *,
-    cap: float = 2.0,
-) -> tuple[Tensor, dict]:
-    """rho_S = min(exp(mean log(pi_old / pi_rollout)), cap), detached; plus rollout_is/* metrics."""
-    log_rho_S, lengths_S = sequence_log_ratio(old_logp_T.detach(), rollout_logp_T, loss_mask_T, cu_seqlens_S1)
-    log_cap = math.log(cap)
-    truncated_S = log_rho_S > log_cap
-    rho_S = torch.exp(log_rho_S.clamp(max=log_cap))
-    nonempty_S = lengths_S > 0
-    stats = masked_min_max_mean(rho_S, nonempty_S)
-    metrics = {
-        "rollout_is/mean": stats["mean"],
-        "rollout_is/min": stats["min"],
-        "rollout_is/max": stats["max"],
-        "rollout_is/truncated_frac": masked_mean(truncated_S.to(rho_S.dtype), nonempty_S),
-        "rollout_is/log_ratio_mean": masked_mean(log_rho_S, nonempty_S),
-    }
-    return rho_S.detach(), metrics
-
-
 def resolve_old_logp(batch: PackedBatch, config: OldPolicyConfig
                      ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], dict]:
     """-> (old_logp_T to use as pi_old, per-sequence weights or None, per-token weights or None, metrics).
@@ -117,11 +89,6 @@ def resolve_old_logp(batch: PackedBatch, config: OldPolicyConfig
         return batch.old_logp_T, None, None, {}
     check_same_shape("old_logp_T", batch.old_logp_T, rollout_logp_T=batch.rollout_logp_T)
     metrics = mismatch_metrics(batch.old_logp_T, batch.rollout_logp_T, batch.loss_mask_T)
-    if config.rollout_correction == "seq_tis":  # with its earlier metric names, which the plots read
-        weights_S, tis_metrics = rollout_correction_weights(batch.old_logp_T, batch.rollout_logp_T,
-                                                            batch.loss_mask_T, batch.cu_seqlens_S1,
-                                                            cap=config.correction_cap)
-        return batch.old_logp_T, weights_S, None, {**metrics, **tis_metrics}
     weights_S, weights_T, correction_metrics = correction_weights(
         config.rollout_correction, logp_T=batch.logp_T, old_logp_T=batch.old_logp_T,
         rollout_logp_T=batch.rollout_logp_T, loss_mask_T=batch.loss_mask_T, cu_seqlens_S1=batch.cu_seqlens_S1,

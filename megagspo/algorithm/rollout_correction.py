@@ -44,7 +44,7 @@ import math
 import torch
 from torch import Tensor
 
-from .metrics import masked_mean
+from .metrics import masked_mean, masked_min_max_mean
 from .packing import as_bool_mask, segment_ids, segment_sum
 from .ratios import sequence_log_ratio
 
@@ -83,6 +83,31 @@ def mismatch_metrics(old_logp_T: Tensor, rollout_logp_T: Tensor, loss_mask_T: Te
         "mismatch/k3_kl": masked_mean(torch.expm1(d_T) - d_T, mask_T),
         "mismatch/frac_over_ln2": masked_mean((d_T.abs() > LN2).to(d_T.dtype), mask_T),
     }
+
+
+def rollout_correction_weights(
+    old_logp_T: Tensor,
+    rollout_logp_T: Tensor,
+    loss_mask_T: Tensor,
+    cu_seqlens_S1: Tensor,
+    *,
+    cap: float = 2.0,
+) -> tuple[Tensor, dict]:
+    """rho_S = min(exp(mean log(pi_old / pi_rollout)), cap), detached; plus rollout_is/* metrics."""
+    log_rho_S, lengths_S = sequence_log_ratio(old_logp_T.detach(), rollout_logp_T.detach(), loss_mask_T, cu_seqlens_S1)
+    log_cap = math.log(cap)
+    truncated_S = log_rho_S > log_cap
+    rho_S = torch.exp(log_rho_S.clamp(max=log_cap))
+    nonempty_S = lengths_S > 0
+    stats = masked_min_max_mean(rho_S, nonempty_S)
+    metrics = {
+        "rollout_is/mean": stats["mean"],
+        "rollout_is/min": stats["min"],
+        "rollout_is/max": stats["max"],
+        "rollout_is/truncated_frac": masked_mean(truncated_S.to(rho_S.dtype), nonempty_S),
+        "rollout_is/log_ratio_mean": masked_mean(log_rho_S, nonempty_S),
+    }
+    return rho_S.detach(), metrics
 
 
 def correction_weights(
@@ -125,13 +150,12 @@ def correction_weights(
                    f"rollout_correction/{mode}/seq_frac": masked_mean(seq_affected_S.to(d_T.dtype), nonempty_S),
                    f"rollout_correction/{mode}/weight_mean": masked_mean(weights_T, mask_T)}
         return None, weights_T.detach(), metrics
+    if mode == "seq_tis":  # with its earlier metric names (rollout_is/*), which the plots and reports read
+        weights_S, metrics = rollout_correction_weights(old_logp_T, rollout_logp_T, mask_T, cu_seqlens_S1, cap=cap)
+        return weights_S, None, metrics
     log_rho_S, lengths_S = sequence_log_ratio(old_logp_T.detach(), rollout_logp_T.detach(), mask_T, cu_seqlens_S1)
     nonempty_S = lengths_S > 0
-    if mode == "seq_tis":
-        log_cap = math.log(cap)
-        affected_S = nonempty_S & (log_rho_S > log_cap)
-        weights_S = torch.exp(log_rho_S.clamp(max=log_cap))
-    elif mode == "seq_mask_geo":
+    if mode == "seq_mask_geo":
         affected_S = nonempty_S & ((log_rho_S < math.log(seq_mask_low)) | (log_rho_S > math.log(seq_mask_high)))
         weights_S = (~affected_S).to(log_rho_S.dtype)
     else:  # opsm
