@@ -60,15 +60,22 @@ def read_json(path, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, want
     return read_json_text(path, max_bytes, max_depth, want)[1]
 
 
-def read_json_text(path, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, want: Optional[type] = dict):
-    """(the file's text, its JSON value) under read_json's checks, for a caller that copies the text as it is."""
-    path = os.fspath(path)
+def read_bytes_bounded(path: str, max_bytes: int, error: type, what: str) -> bytes:
+    """The bytes of `path`, at most `max_bytes` of them; `error` (naming the file) when it cannot be read or is
+    larger. Shared by the bounded JSON and YAML readers."""
     try:
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as exc:
-        raise JsonFileError(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+        raise error(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})") from None
     if len(data) > max_bytes:
-        raise JsonFileError(f"{path}: larger than {max_bytes} bytes, the limit for a JSON file")
+        raise error(f"{path}: larger than {max_bytes} bytes, the limit for {what}")
+    return data
+
+
+def read_json_text(path, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, want: Optional[type] = dict):
+    """(the file's text, its JSON value) under read_json's checks, for a caller that copies the text as it is."""
+    path = os.fspath(path)
+    data = read_bytes_bounded(path, max_bytes, JsonFileError, "a JSON file")
     value = loads_bounded(data, path, max_depth, want)
     return data.decode("utf-8"), value

@@ -12,6 +12,8 @@ import os
 
 import yaml
 
+from moe.json_files import read_bytes_bounded
+
 MAX_BYTES = 1 << 20  # an architecture or a recipe is a few KB
 MAX_DEPTH = 256
 
@@ -46,13 +48,7 @@ def read_yaml(path, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH):
     """The YAML document in the file `path` (safe loader). Raises YamlFileError naming the file when it is
     unreadable, larger than `max_bytes`, not UTF-8, not YAML or nested deeper than `max_depth`."""
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
-    except OSError as exc:
-        raise YamlFileError(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})") from None
-    if len(data) > max_bytes:
-        raise YamlFileError(f"{path}: larger than {max_bytes} bytes, the limit for a YAML file")
+    data = read_bytes_bounded(path, max_bytes, YamlFileError, "a YAML file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
