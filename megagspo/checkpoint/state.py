@@ -404,9 +404,7 @@ class CheckpointManager:
         state = point["state"]
         parts.dataset.load_state_dict(state["data"])
         layout_now = self.dims.shape.as_dict()
-        saved = dict(state.get("layout") or {})
-        saved.setdefault("pipeline_parallel", 1)  # written before pipeline parallelism existed
-        if state["world"] == self.world and saved == layout_now:
+        if self._written_by_this_layout(state):
             tensors = load_safetensors(os.path.join(point["path"], RNG))
             parts.rng.load_state_dict(tensors, state["rng"][self.rank], self.rank)
         else:
@@ -417,6 +415,12 @@ class CheckpointManager:
                      f"on {self.world} with {layout_now}: RNG states reseeded (the run continues; it is not a "
                      "bit-for-bit replay of the uninterrupted one)")
 
+    def _written_by_this_layout(self, state: dict) -> bool:
+        """Whether the checkpoint's process count and layout are this run's (per-rank states then map 1:1)."""
+        saved = dict(state.get("layout") or {})
+        saved.setdefault("pipeline_parallel", 1)  # written before pipeline parallelism existed
+        return state["world"] == self.world and saved == self.dims.shape.as_dict()
+
     def restore_rollouts_ahead(self, ahead, point: dict) -> None:
         """rollout.staleness = 1: the batch the checkpoint's run had generated ahead, held again for the next
         step (when the checkpoint has one for this rank and was written by this process layout; otherwise the
@@ -424,8 +428,7 @@ class CheckpointManager:
         state = point["state"]
         metas = state.get("rollouts_ahead") or []
         meta = metas[self.rank] if self.rank < len(metas) else None
-        same_layout = state["world"] == self.world and dict(state.get("layout") or {}) == self.dims.shape.as_dict()
-        if meta is not None and same_layout:
+        if meta is not None and self._written_by_this_layout(state):
             prefix = f"rank{self.rank}/"
             tensors = load_safetensors(os.path.join(point["path"], AHEAD))
             ahead.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, meta)
