@@ -106,13 +106,17 @@ class FastAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Megatron's all-to-all dispatcher with the two copies of the module docstring skipped where they are
     no-ops or replaceable exactly; every other case is Megatron's own method."""
 
-    def _chunk_sort_is_identity(self) -> bool:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         # TP = 1 (no sequence-parallel gather) and local-expert chunks already in order: Megatron's
-        # "permutation 2" and its inverse are copies of their input
-        return (self.tp_size == 1 and not self.drop_and_pad and not self.config.moe_permute_fusion
-                and self.shared_experts is None
-                and chunk_order_is_identity(self.sort_input_by_local_experts)
-                and chunk_order_is_identity(self.restore_output_by_local_experts))
+        # "permutation 2" and its inverse are copies of their input (fixed at construction)
+        self._skip_chunk_sort = (self.num_local_experts > 1 and self.tp_size == 1 and not self.drop_and_pad
+                                 and not self.config.moe_permute_fusion
+                                 and chunk_order_is_identity(self.sort_input_by_local_experts)
+                                 and chunk_order_is_identity(self.restore_output_by_local_experts))
+
+    def _chunk_sort_is_identity(self) -> bool:
+        return self._skip_chunk_sort and self.shared_experts is None  # shared experts may be set later
 
     def _every_token_has_topk_copies(self) -> bool:
         # no capacity factor (and no padding of the routing map): routing keeps all top-k experts of every
@@ -134,7 +138,7 @@ class FastAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return tokens_PH, probs_P
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
-        if self.num_local_experts == 1 or not self._chunk_sort_is_identity():
+        if not self._chunk_sort_is_identity():
             return super().dispatch_postprocess(global_input_tokens, global_probs)
         # Megatron's method at TP = 1 less the identity sort: its host sync points, in its order
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
@@ -143,7 +147,7 @@ class FastAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states):
-        if self.num_local_experts == 1 or not self._chunk_sort_is_identity():
+        if not self._chunk_sort_is_identity():
             return super().combine_preprocess(hidden_states)
         return hidden_states
 
