@@ -10,13 +10,17 @@ picks flash attention (no [B, N, Sq, Sk] scores in memory) and reads grouped k /
 at all: with `attention_mask=None` a causal layer runs `is_causal=True` (see moe.model.attention_mask_for).
 An explicit mask (padding, any pattern) is honoured exactly, through SDPA's memory-efficient or math kernel.
 
-Packed sequences (THD with cu_seqlens, Megatron's PackedSeqParams) are not supported: torch 2.13's
-`torch.nn.attention.varlen.varlen_attn` calls flash-attention kernels that exist only on CUDA, so on the
-CPU that every test runs on it could not be checked against this module; such a call raises.
+Packed sequences (THD: Megatron's PackedSeqParams with qkv_format "thd"; q [T, N, D], k / v [T, G, D], the
+sequences' offsets in cu_seqlens): each sequence attends causally to itself only, never to its neighbours in
+the stream. On CUDA with bf16 / fp16 one call of torch's variable-length flash attention
+(`torch.nn.attention.varlen.varlen_attn`, window (-1, 0) = causal) covers the whole stream; elsewhere (the CPU,
+or fp32, which flash attention does not take) the same module runs SDPA sequence by sequence (`is_causal`), which
+computes the same function (tests/test_moe_packed_attention.py: values and gradients against the padded batch).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -26,6 +30,18 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from moe.implementation import ImplementationError
+
+log = logging.getLogger(__name__)
+_LOGGED_PER_SEQUENCE = []
+
+
+def _varlen_attn():
+    """torch's variable-length flash attention, or None where this torch build lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 class SDPACoreAttention(MegatronModule):
@@ -58,11 +74,10 @@ class SDPACoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise NotImplementedError("model.attention=sdpa: packed sequences (THD, cu_seqlens) are not "
-                                      "supported; pass a padded [S, B] batch")
         if attention_bias is not None:
             raise NotImplementedError("model.attention=sdpa: attention_bias is not supported")
+        if packed_seq_params is not None:
+            return self._forward_packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type or self.attn_mask_type
         q_BNSD = query.permute(1, 2, 0, 3)
         k_BGSD = key.permute(1, 2, 0, 3)
@@ -80,3 +95,44 @@ class SDPACoreAttention(MegatronModule):
             enable_gqa=self.num_heads_per_partition != self.num_groups_per_partition)
         seq, batch = query.shape[0], query.shape[1]
         return out_BNSD.permute(2, 0, 1, 3).reshape(seq, batch, self.num_heads_per_partition * query.shape[3])
+
+    def _forward_packed(self, q_TND, k_TGD, v_TGD, params):
+        """THD input (Megatron squeezes the batch axis of a packed [T, 1, ...] stream) -> [T, N*D]; every
+        sequence of cu_seqlens attends causally within itself."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"model.attention=sdpa: packed qkv_format {params.qkv_format!r}; only 'thd'")
+        if self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError("model.attention=sdpa: packed sequences need causal attention")
+        if self.training and self.dropout_p:
+            raise NotImplementedError("model.attention=sdpa: attention dropout with packed sequences")
+        cu_N1 = params.cu_seqlens_q
+        if params.cu_seqlens_kv is not None and params.cu_seqlens_kv is not cu_N1 \
+                and not torch.equal(params.cu_seqlens_kv, cu_N1):
+            raise NotImplementedError("model.attention=sdpa: packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
+        gqa = self.num_heads_per_partition != self.num_groups_per_partition
+        varlen = _varlen_attn()
+        if q_TND.is_cuda and q_TND.dtype in (torch.bfloat16, torch.float16) and varlen is not None:
+            out_TND = varlen(q_TND, k_TGD, v_TGD, cu_N1.to(torch.int32), cu_N1.to(torch.int32),
+                             params.max_seqlen_q, params.max_seqlen_kv, scale=self.softmax_scale,
+                             window_size=(-1, 0), enable_gqa=gqa)
+        else:
+            if not _LOGGED_PER_SEQUENCE:
+                log.info("model.attention=sdpa: packed sequences on %s / %s run SDPA sequence by sequence "
+                         "(variable-length flash attention needs CUDA and bf16 / fp16)", q_TND.device, q_TND.dtype)
+                _LOGGED_PER_SEQUENCE.append(True)
+            out_TND = self._per_sequence(q_TND, k_TGD, v_TGD, cu_N1.tolist(), gqa)
+        return out_TND.reshape(q_TND.shape[0], self.num_heads_per_partition * q_TND.shape[2])
+
+    def _per_sequence(self, q_TND, k_TGD, v_TGD, offsets: list, gqa: bool):
+        parts = []
+        for start, end in zip(offsets[:-1], offsets[1:]):
+            if end == start:
+                continue
+            q_1NLD, k_1GLD, v_1GLD = (x[start:end].transpose(0, 1)[None] for x in (q_TND, k_TGD, v_TGD))
+            out_1NLD = F.scaled_dot_product_attention(q_1NLD, k_1GLD, v_1GLD, is_causal=True,
+                                                      scale=self.softmax_scale, enable_gqa=gqa)
+            parts.append(out_1NLD[0].transpose(0, 1))
+        if offsets[-1] != q_TND.shape[0]:
+            raise ValueError(f"packed attention: cu_seqlens ends at {offsets[-1]} but the stream holds "
+                             f"{q_TND.shape[0]} tokens")
+        return torch.cat(parts)

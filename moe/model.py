@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from dataclasses import dataclass
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from moe.architecture import Qwen3MoeArchitecture, transformer_config
 from moe.implementation import ModelImplementation
@@ -179,10 +181,59 @@ def attention_mask_for(model, seq_len: int, device=None) -> torch.Tensor | None:
     return causal_attention_mask(seq_len, device=device)
 
 
+@dataclass(frozen=True)
+class PackedSequences:
+    """Where the sequences of a packed model input [1, T] start and end (the THD layout): sequence i holds
+    stream positions [cu_seqlens_N1[i], cu_seqlens_N1[i+1]); N sequences, cu_seqlens_N1[-1] == T. Every
+    sequence attends only to itself and its positions (RoPE) restart at 0."""
+
+    cu_seqlens_N1: torch.Tensor   # int32, on the model's device
+    max_seqlen: int
+
+    @classmethod
+    def from_lengths(cls, lengths: list, device=None) -> "PackedSequences":
+        if not lengths or any(int(n) < 1 for n in lengths):
+            raise ValueError(f"PackedSequences: every sequence needs at least one token, got lengths {lengths}")
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + int(n))
+        return cls(torch.tensor(offsets, dtype=torch.int32, device=device), max(int(n) for n in lengths))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens_N1[-1])
+
+    def position_ids_1T(self) -> torch.Tensor:
+        """Each token's position within its own sequence, [1, T]."""
+        cu = self.cu_seqlens_N1.long()
+        lengths_N = cu[1:] - cu[:-1]
+        starts_T = torch.repeat_interleave(cu[:-1], lengths_N, output_size=self.num_tokens)
+        return (torch.arange(self.num_tokens, device=cu.device) - starts_T)[None]
+
+    def megatron_params(self) -> PackedSeqParams:
+        """Megatron-Core's description of the same layout (RoPE per sequence, THD core attention)."""
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens_N1, cu_seqlens_kv=self.cu_seqlens_N1,
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+
+
+def check_packed_support(model) -> None:
+    """Packed input needs a core attention that reads cu_seqlens: SDPACoreAttention (model.attention=sdpa) or
+    Transformer Engine's. Megatron's local DotProductAttention would fail on it with an assertion."""
+    from moe.attention import SDPACoreAttention
+
+    decoder = getattr(model, "decoder", None)
+    for layer in list(getattr(decoder, "layers", None) or []):
+        core = layer.self_attention.core_attention
+        if not isinstance(core, SDPACoreAttention) and not type(core).__module__.startswith("megatron.core.extensions"):
+            raise ValueError(f"packed sequences need model.attention=sdpa (or Transformer Engine); this model's "
+                             f"core attention is {type(core).__name__}: set rl.packing=false or model.attention=sdpa")
+
+
 def forward_logits(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None,
-                   padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+                   padding_mask_BS: torch.Tensor | None = None, packed: PackedSequences | None = None) -> torch.Tensor:
     """Logits [B, S, V/TP] (vocab-parallel shard: this TP rank's vocab ids [r*V/TP, (r+1)*V/TP)) of a padded
-    batch of causal sequences. With sequence parallelism (TP > 1) S must be a multiple of TP.
+    batch of causal sequences, or of one packed stream (`packed`: B = 1, S = T; no position is padding except
+    what the caller marks). With sequence parallelism (TP > 1) S must be a multiple of TP.
 
     padding_mask_BS: bool, True at padding positions (Megatron's code convention, despite its docstrings):
     left out of the router's load-balancing / z losses (routing and logits are computed as without it)."""
@@ -192,10 +243,18 @@ def forward_logits(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Ten
     if getattr(config, "sequence_parallel", False) and seq_len % tp:
         raise ValueError(f"forward_logits: sequence length {seq_len} is not a multiple of tensor_parallel={tp} "
                          "(sequence parallelism splits the sequence over TP ranks); right-pad the batch")
+    extra = {}
+    if packed is not None:
+        if batch != 1 or packed.num_tokens != seq_len:
+            raise ValueError(f"forward_logits: a packed input is [1, T] with T = cu_seqlens[-1] = {packed.num_tokens}; "
+                             f"got {tuple(input_ids_BS.shape)}")
+        if position_ids_BS is None:
+            position_ids_BS = packed.position_ids_1T()
+        mask, extra["packed_seq_params"] = None, packed.megatron_params()
+    else:
+        mask = attention_mask_for(model, seq_len, device=input_ids_BS.device)
     if position_ids_BS is None:
         position_ids_BS = torch.arange(seq_len, device=input_ids_BS.device).expand(batch, seq_len)
-    mask = attention_mask_for(model, seq_len, device=input_ids_BS.device)
     if padding_mask_BS is not None:
-        return model(input_ids=input_ids_BS, position_ids=position_ids_BS, attention_mask=mask,
-                     padding_mask=padding_mask_BS.bool())
-    return model(input_ids=input_ids_BS, position_ids=position_ids_BS, attention_mask=mask)
+        extra["padding_mask"] = padding_mask_BS.bool()
+    return model(input_ids=input_ids_BS, position_ids=position_ids_BS, attention_mask=mask, **extra)

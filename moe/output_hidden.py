@@ -76,15 +76,15 @@ def _stop_before_output_layer(model):
 
 
 def forward_hidden(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None,
-                   padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+                   padding_mask_BS: torch.Tensor | None = None, packed=None) -> torch.Tensor:
     """Last pipeline stage: the output layer's input, hidden_BSH [B, S, H], full sequence on every TP rank
     (all-gathered under sequence parallelism, with the output layer's gradient semantics). Other stages: the
     activations the stage sends on, as the plain forward returns them. Arguments as moe.model.forward_logits."""
     if not model.post_process:  # not the last stage: nothing to stop
-        return forward_logits(model, input_ids_BS, position_ids_BS, padding_mask_BS)
+        return forward_logits(model, input_ids_BS, position_ids_BS, padding_mask_BS, packed)
     _check_supported(model)
     with _stop_before_output_layer(model):
-        hidden_SBH = forward_logits(model, input_ids_BS, position_ids_BS, padding_mask_BS)
+        hidden_SBH = forward_logits(model, input_ids_BS, position_ids_BS, padding_mask_BS, packed)
     return output_layer_input(model, hidden_SBH).transpose(0, 1)
 
 
