@@ -399,6 +399,14 @@ class RLConfig:
     # mini-batch (losses divide by global counts, so the sum equals the unsplit gradient).
     # 0 = the whole per-rank mini-batch in one forward/backward.
     micro_batch_size: int = 0
+    # Packed sequences (THD, cu_seqlens): every model pass of the step runs each micro-batch as one stream of
+    # whole sequences, no pad token computed (only the total rounded up to TP under sequence parallelism);
+    # false = rows right-padded to the longest sequence of the batch (kept for comparison)
+    packing: bool = True
+    # > 0 (needs packing, instead of micro_batch_size): micro-batches by token budget. Each mini-batch's
+    # sequences on a rank are split into the same number of micro-batches on every data-parallel rank (enough
+    # for the fullest rank at this budget), balanced by tokens (greedy longest-first)
+    max_tokens_per_micro_batch: int = 0
     # ---- the loss (megagspo.kernels.policy_losses.build_loss) ----
     loss: str = "gspo"              # gspo (eq. 6) | gspo_token (eqs. 14-15) | grpo (eq. 2)
     clip_low: float = 3e-4          # ratio clipped below at 1 - clip_low (the paper's GSPO values; GRPO: 0.2)
@@ -459,6 +467,15 @@ class RLConfig:
         _nonneg_int("rl", "warmup_steps", self.warmup_steps)
         _nonneg_int("rl", "eval_samples", self.eval_samples)
         _nonneg_int("rl", "micro_batch_size", self.micro_batch_size)
+        _nonneg_int("rl", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
+        if not isinstance(self.packing, bool):
+            raise ConfigError(f"rl.packing must be true or false, got {self.packing!r}")
+        if self.max_tokens_per_micro_batch and self.micro_batch_size:
+            raise ConfigError(f"rl.max_tokens_per_micro_batch = {self.max_tokens_per_micro_batch} and "
+                              f"rl.micro_batch_size = {self.micro_batch_size} both size the micro-batches: set one")
+        if self.max_tokens_per_micro_batch and not self.packing:
+            raise ConfigError("rl.max_tokens_per_micro_batch needs rl.packing = true (token budgets pack whole "
+                              "sequences into one stream)")
         if self.group_size < 2:
             raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
         from megagspo.algorithm.registry import (LossOptionError, build_advantage_config, build_loss_config,
@@ -604,6 +621,9 @@ class Config:
             raise ConfigError("model.logprob_path = 'hidden' computes log-probs chunk by chunk with megagspo.kernels, "
                               "but rl.logprob_impl = 'torch' needs the whole logits: set rl.logprob_impl to auto or "
                               "kernels, or model.logprob_path=logits")
+        if self.rl.packing and self.model.attention == "local":
+            raise ConfigError("rl.packing = true needs model.attention = sdpa (Megatron's local DotProductAttention "
+                              "takes no packed sequences): set model.attention=sdpa or rl.packing=false")
         if self.data.tokenizer == "auto":
             self.data.tokenizer = self._auto_tokenizer()
         if self.rl.routing_replay != "none":

@@ -14,6 +14,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from moe.architecture import Qwen3MoeArchitecture, transformer_config
+from moe.attention import SDPACoreAttention
 from moe.implementation import ModelImplementation
 from moe.parallel import ParallelLayout
 
@@ -49,9 +50,7 @@ def layer_spec(config, use_transformer_engine: bool | None = None,
     spec = copy.deepcopy(spec)
     for layer in spec.layer_specs:
         if implementation.attention == "sdpa":
-            from moe.attention import SDPACoreAttention
-
-            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+                    layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         mlp = layer.submodules.mlp
         if implementation.dispatcher == "fast" and getattr(mlp.submodules, "experts", None) is not None:
             from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -172,8 +171,6 @@ def attention_mask_for(model, seq_len: int, device=None) -> torch.Tensor | None:
     """The attention_mask to pass `model` for causal sequences: None when every layer's core attention is
     SDPA (it runs `is_causal=True`, which lets flash attention run; an explicit mask would rule it out),
     else `causal_attention_mask` (Megatron's DotProductAttention builds its default mask on "cuda")."""
-    from moe.attention import SDPACoreAttention
-
     decoder = getattr(model, "decoder", None)
     layers = list(getattr(decoder, "layers", None) or [])
     if layers and all(isinstance(layer.self_attention.core_attention, SDPACoreAttention) for layer in layers):
@@ -219,8 +216,6 @@ class PackedSequences:
 def check_packed_support(model) -> None:
     """Packed input needs a core attention that reads cu_seqlens: SDPACoreAttention (model.attention=sdpa) or
     Transformer Engine's. Megatron's local DotProductAttention would fail on it with an assertion."""
-    from moe.attention import SDPACoreAttention
-
     decoder = getattr(model, "decoder", None)
     for layer in list(getattr(decoder, "layers", None) or []):
         core = layer.self_attention.core_attention

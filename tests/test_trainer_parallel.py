@@ -37,8 +37,9 @@ BASE = ["threads=1", "data.train_size=200", "data.eval_size=8", "rl.prompts_per_
         "rl.mini_batches=2", "rl.lr=0.001", "rl.warmup_steps=0", "rl.eval_samples=0", "sft.batch_size=8",
         "sft.warmup_steps=0", "log.progress=false", "log.plots=false", "log.tensorboard=false",
         "log.save_checkpoint=false"]
-# Metrics that depend on wall time, not on the computation.
-_TIMING = ("time/", "throughput/")
+# Metrics that depend on wall time, or describe how the batch was laid out (batch/pad_fraction, tokens per
+# micro-batch: packed and padded differ by design), not on what was computed.
+_TIMING = ("time/", "throughput/", "batch/")
 
 
 def _text_reward(response: str, answer: str) -> float:
@@ -199,9 +200,12 @@ TP_RUN = ["sft.steps=2", "sft.lr=0.05", "rl.lr=0.05"]
 
 
 def _reference_body(rank, world_size, out_dir, seed, init_path, extra):
+    """The 1-process reference on padded rows (rl.packing=false): the layouts below run packed sequences (the
+    default), so each comparison is also packed-at-that-layout against the padded step."""
     from safetensors.torch import save_file
 
-    trainer = _trainer([*BASE, *TP_RUN, *extra, f"seed={seed}", f"log.out_dir={out_dir}", "name=tp1"])
+    trainer = _trainer([*BASE, *TP_RUN, *extra, f"seed={seed}", f"log.out_dir={out_dir}", "name=tp1",
+                        "rl.packing=false"])
     save_file({k: v.contiguous() for k, v in trainer.policy.full_state_dict().items()}, init_path)
     return _run(trainer, rl_steps=2)
 
@@ -209,7 +213,7 @@ def _reference_body(rank, world_size, out_dir, seed, init_path, extra):
 def _tp_body(rank, world_size, out_dir, seed, init_path, extra, layout):
     trainer = _trainer([*BASE, *TP_RUN, *extra, *layout, f"seed={seed}", f"model.init_from={init_path}",
                         f"log.out_dir={out_dir}", "name=tp2"])
-    assert trainer.dims.tp_size == 2 and trainer.dims.dp_size == 1
+    assert trainer.dims.tp_size == 2 and trainer.dims.dp_size == 1 and trainer.cfg.rl.packing
     # The TP shards really are shards: the LM head holds half the vocabulary on each rank.
     head = dict(trainer.policy.model.named_parameters())["output_layer.weight"]
     assert head.shape[0] * 2 == trainer.arch.vocab_size

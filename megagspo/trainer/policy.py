@@ -28,13 +28,14 @@ Legend: B rows, S sequence length (model input), V vocab (V/TP local), H hidden,
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from megagspo.kernels import linear_token_logprobs, token_logprobs
-from moe.model import build_model, forward_logits
+from moe.model import PackedSequences, build_model, check_packed_support, forward_logits
 from moe.optimizer import (build_optimizer, finish_gradients, loss_scale_for_sum, optimizer_step, params_dtype,
                            wrap_data_parallel, zero_gradients)
 from moe.output_hidden import forward_hidden, output_weight, output_weight_grad_buffer
@@ -49,6 +50,28 @@ def setup_parallel(parallel_cfg, seed: int):
     -> (dims, rank, world size): the run's one ParallelDims, and its global rank and world size."""
     dims = setup_process_groups(parallel_cfg.layout(), seed)
     return dims, dims.rank, dims.world_size
+
+
+@dataclass
+class ModelInput:
+    """One micro-batch's model input: a right-padded batch [B, S], or one packed stream [1, T] of whole
+    sequences (`packed`: their cu_seqlens; no position is padding except an alignment tail the caller marks).
+    targets_BS[b, s] is the token that follows input_ids_BS[b, :s+1] within its sequence; padding_mask_BS is
+    True at positions that are padding (left out of the router aux loss)."""
+
+    input_ids_BS: torch.Tensor
+    targets_BS: torch.Tensor
+    padding_mask_BS: Optional[torch.Tensor] = None
+    packed: Optional[PackedSequences] = None
+
+    @classmethod
+    def padded(cls, input_ids_BS, targets_BS, unpadded_len: Optional[int] = None) -> "ModelInput":
+        """A padded batch whose positions >= unpadded_len are alignment padding (S rounded up to TP)."""
+        seq_len = input_ids_BS.shape[1]
+        mask = None
+        if unpadded_len is not None and unpadded_len < seq_len:
+            mask = (torch.arange(seq_len, device=input_ids_BS.device) >= unpadded_len).expand_as(input_ids_BS)
+        return cls(input_ids_BS, targets_BS, mask)
 
 
 LOGPROB_PATHS = ("hidden", "logits")
@@ -170,16 +193,20 @@ class MegatronPolicy:
         unpadded_len: positions >= it are alignment padding (S rounded up to a multiple of TP): left out of
         the router aux loss, so that it equals the loss of the unpadded batch; causal attention keeps them
         from changing any earlier position's log-prob."""
-        head_input = self._forward_to_head(self.model, input_ids_BS, unpadded_len)
-        return self._logprobs_of_head_input(head_input, targets_BS)
+        return self.logprobs_of(ModelInput.padded(input_ids_BS, targets_BS, unpadded_len))
 
-    def _forward_to_head(self, model, input_ids_BS: torch.Tensor, unpadded_len: Optional[int]):
+    def logprobs_of(self, batch: ModelInput):
+        """-> logp_BS, entropy_BS of batch.targets_BS (a padded batch or one packed stream, [1, T])."""
+        head_input = self._forward_to_head(self.model, batch)
+        return self._logprobs_of_head_input(head_input, batch.targets_BS)
+
+    def _forward_to_head(self, model, batch: ModelInput):
         """The forward up to the log-prob computation: hidden_BSH (hidden path) or logits_BSV (logits path) on
         the last stage; on other pipeline stages the activations they send on."""
-        padding_mask_BS = self._padding_mask(input_ids_BS, unpadded_len)
-        if self.logprob_path == "hidden":
-            return forward_hidden(model, input_ids_BS, padding_mask_BS=padding_mask_BS)
-        return forward_logits(model, input_ids_BS, padding_mask_BS=padding_mask_BS)
+        if batch.packed is not None:
+            check_packed_support(model)
+        forward = forward_hidden if self.logprob_path == "hidden" else forward_logits
+        return forward(model, batch.input_ids_BS, padding_mask_BS=batch.padding_mask_BS, packed=batch.packed)
 
     def _logprobs_of_head_input(self, head_input_BSX: torch.Tensor, targets_BS: torch.Tensor):
         """hidden_BSH (with the LM head weight) or logits_BSV -> logp_BS, entropy_BS."""
@@ -204,22 +231,18 @@ class MegatronPolicy:
             return self.ddp.no_sync()
         return contextlib.nullcontext()
 
-    def _padding_mask(self, input_ids_BS: torch.Tensor, unpadded_len: Optional[int]):
-        seq_len = input_ids_BS.shape[1]
-        if unpadded_len is None or unpadded_len >= seq_len:
-            return None
-        return (torch.arange(seq_len, device=input_ids_BS.device) >= unpadded_len).expand_as(input_ids_BS)
-
     def run_micro_batches(
         self,
-        batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+        batches: Sequence[Union[ModelInput, Tuple[torch.Tensor, torch.Tensor]]],
         unpadded_len: Optional[int] = None,
         *,
         context: Optional[Callable[[int], ContextManager]] = None,
         loss_fn: Optional[Callable] = None,
     ) -> List:
-        """Forward (and with `loss_fn`, backward) of micro-batches i = 0..n-1 of (input_BS, target_BS), all of
-        one shape. `context(i)` is entered around micro-batch i's forward on every stage (routing record /
+        """Forward (and with `loss_fn`, backward) of micro-batches i = 0..n-1: ModelInputs (padded or packed;
+        under PP packed streams may differ in length, Megatron's schedule then sends each activation's shape
+        first), or (input_BS, target_BS) pairs of one shape whose positions >= unpadded_len are alignment
+        padding. `context(i)` is entered around micro-batch i's forward on every stage (routing record /
         replay: each stage records or replays its own layers). Where the LM head is (the last stage; every
         rank without PP) result i is `loss_fn(i, logp_BS, entropy_BS)[1]`, whose loss [0] is backpropagated
         (gradients accumulate in .grad), or (logp_BS, entropy_BS) without `loss_fn` (forward only, no
@@ -230,15 +253,16 @@ class MegatronPolicy:
         Under PP, Megatron's schedule also divides each micro-batch loss by the number of micro-batches n and
         sets the router aux-loss scale to 1 / n (as `set_micro_batches` does), so the loss is handed over
         multiplied by DP * n: the gradient is exactly that of the loss loss_fn made."""
+        batches = [b if isinstance(b, ModelInput) else ModelInput.padded(*b, unpadded_len) for b in batches]
         n = len(batches)
         results: List = [None] * n
         enter = context or (lambda i: contextlib.nullcontext())
         train = loss_fn is not None
         if self.dims.pp_size == 1:
             with torch.set_grad_enabled(train):
-                for i, (input_BS, target_BS) in enumerate(batches):
+                for i, batch in enumerate(batches):
                     with enter(i):
-                        logp_BS, ent_BS = self.token_logprobs(input_BS, target_BS, unpadded_len)
+                        logp_BS, ent_BS = self.logprobs_of(batch)
                     if not train:
                         results[i] = (logp_BS, ent_BS)
                         continue
@@ -246,16 +270,18 @@ class MegatronPolicy:
                     with self._grad_sync(last=i == n - 1):
                         (loss * self.loss_scale).backward()  # into the DDP's fp32 gradient buffers
             return results
-        return self._run_pipeline(batches, unpadded_len, enter, loss_fn, results)
+        return self._run_pipeline(batches, enter, loss_fn, results)
 
-    def _run_pipeline(self, batches, unpadded_len, enter, loss_fn, results):
+    def _run_pipeline(self, batches: List[ModelInput], enter, loss_fn, results):
         n = len(batches)
         train = loss_fn is not None
-        batch, seq_len = batches[0][0].shape
-        for i, (input_BS, _) in enumerate(batches):
-            if tuple(input_BS.shape) != (batch, seq_len):
-                raise ValueError(f"pipeline micro-batch {i} has shape {tuple(input_BS.shape)}; micro-batch 0 has "
-                                 f"{(batch, seq_len)} (the p2p buffers are sized once per call)")
+        shapes = {tuple(b.input_ids_BS.shape) for b in batches}
+        if len(shapes) > 1 and any(b.packed is None for b in batches):
+            raise ValueError(f"pipeline micro-batches of padded rows must share one shape, got {sorted(shapes)} "
+                             "(the p2p buffers are sized once per call)")
+        batch, seq_len = batches[0].input_ids_BS.shape
+        # packed streams of different lengths: each p2p send is preceded by its shape (Megatron's option)
+        self.model.config.variable_seq_lengths = len(shapes) > 1
         loss_multiplier = (self.loss_scale if train else 1.0) * n
         self.model.config.grad_scale_func = None
         # with overlap_grad_reduce the schedule runs every backward but the last under DDP's no_sync
@@ -263,9 +289,9 @@ class MegatronPolicy:
 
         def forward_step(data_iterator, model):
             i = next(data_iterator)
-            input_BS, target_BS = batches[i]
+            target_BS = batches[i].targets_BS
             with enter(i):
-                output = self._forward_to_head(model, input_BS, unpadded_len)
+                output = self._forward_to_head(model, batches[i])
 
             def loss_func(head_input_BSX, i=i, target_BS=target_BS):
                 logp_BS, ent_BS = self._logprobs_of_head_input(head_input_BSX, target_BS)
@@ -340,4 +366,4 @@ def build_sequences(prompt_ids: list, response_RL: Optional[torch.Tensor], mask_
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), loss_mask[:, 1:].contiguous(), resp_pos
 
 
-__all__ = ["MegatronPolicy", "build_sequences", "setup_parallel", "F"]
+__all__ = ["MegatronPolicy", "ModelInput", "build_sequences", "setup_parallel", "F"]

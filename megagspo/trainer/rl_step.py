@@ -2,7 +2,9 @@
 
     collect  -> Rollouts     B prompts (this DP rank's share) -> G samples each from the rollout engine
     score    -> Scores       verifier rewards (errors score 0, counted) and group advantages (eq. 7)
-    prepare  -> UpdateBatch  padded sequences on the model's device, split into mini-batches of MicroBatches
+    prepare  -> UpdateBatch  the sequences on the model's device, split into mini-batches of MicroBatches: each one
+                             packed stream of whole sequences (rl.packing) or padded rows, by row count or by
+                             token budget (megagspo.trainer.micro_batches)
     old_policy               pi_old per micro-batch: a Megatron no-grad recompute (routes recorded for R2 and
                              volatility; R3 replays the engine's) or the engine's log-probs (GSPO §5.4); and
                              the frozen KL reference's log-probs when rl.kl_coef > 0
@@ -37,6 +39,8 @@ from megagspo.trainer.dynamic_sampling import GroupFilter, merge_stats
 from megagspo.trainer.engine_link import EngineLink
 from megagspo.trainer.kl_reference import KLReference
 from megagspo.trainer.layout import micro_slices
+from megagspo.trainer.micro_batches import (MicroInput, PaddedRows, gather_over_dp, micro_input, row_lengths,
+                                            token_budget_split)
 from megagspo.trainer.policy import MegatronPolicy, build_sequences
 from megagspo.trainer.rollouts_ahead import RolloutsAhead
 from megagspo.trainer.schedule import lr_at
@@ -65,9 +69,10 @@ class MicroBatch:
     k: int
     j: int
     rows: torch.Tensor
-    old_logp: Optional[torch.Tensor] = None     # [rows, S] pi_old log-probs (LM-head stage; recompute only)
-    old_routes: Optional[torch.Tensor] = None   # [rows*S, Ly, K] pi_old's (or the engine's) routes
-    ref_logp: Optional[torch.Tensor] = None     # [rows, S] KL reference log-probs (kl_coef > 0)
+    view: MicroInput                            # the model input ([1, T] packed or [rows, S]) and the loss's view
+    old_logp: Optional[torch.Tensor] = None     # [B, S] of view: pi_old log-probs (LM-head stage; recompute only)
+    old_routes: Optional[torch.Tensor] = None   # [B*S, Ly, K] pi_old's (or the engine's) routes
+    ref_logp: Optional[torch.Tensor] = None     # [B, S] KL reference log-probs (kl_coef > 0)
 
 
 @dataclass
@@ -77,7 +82,6 @@ class UpdateBatch:
     mask_RS: torch.Tensor
     rollout_logp_RS: torch.Tensor
     advantages_R: torch.Tensor                  # on the model's device
-    natural_len: int                            # longest prompt + response - 1, before TP alignment
     minis: List[List[MicroBatch]]               # minis[k][j]
     tokens_per_mini: List[float]                # response tokens of each mini-batch over all DP ranks
     sequences_per_mini: int                     # sequences of each mini-batch over all DP ranks
@@ -86,8 +90,9 @@ class UpdateBatch:
     def micro_batches(self) -> List[MicroBatch]:
         return [mb for mini in self.minis for mb in mini]
 
-    def inputs(self, micro: List[MicroBatch]) -> list:
-        return [(self.input_RS[mb.rows], self.target_RS[mb.rows]) for mb in micro]
+    @staticmethod
+    def inputs(micro: List[MicroBatch]) -> list:
+        return [mb.view.model for mb in micro]
 
 
 @dataclass
@@ -243,15 +248,20 @@ class RLStep:
         dev = self.policy.device
         input_RS, target_RS, mask_RS, rollout_logp_RS = (t.to(dev) for t in (input_RS, target_RS, mask_RS,
                                                                               rollout_logp_RS))
+        rows_data = PaddedRows(input_RS, target_RS, mask_RS, rollout_logp_RS,
+                               row_lengths(out.prompt_ids, out.response_mask_RL), self.tokenizer.pad_id)
         perm = torch.randperm(num_rows, generator=self.sample_gen)
         mini_rows = list(perm.chunk(cfg.mini_batches))
         # the gradients of a mini-batch's micro-batches accumulate before its one reduction / clip / optimizer step
-        minis = [[MicroBatch(k, j, rows[sl]) for j, sl in enumerate(micro_slices(len(rows), cfg.micro_batch_size))]
-                 for k, rows in enumerate(mini_rows)]
-        self.policy.set_micro_batches(len(minis[0]))
+        if cfg.max_tokens_per_micro_batch:
+            split = token_budget_split(mini_rows, rows_data.lengths_R, cfg.max_tokens_per_micro_batch, self.dims)
+        else:
+            split = [[rows[sl] for sl in micro_slices(len(rows), cfg.micro_batch_size)] for rows in mini_rows]
+        minis = [[MicroBatch(k, j, rows, micro_input(rows_data, rows, cfg.packing, self.dims))
+                  for j, rows in enumerate(micro)] for k, micro in enumerate(split)]
         return UpdateBatch(
             input_RS=input_RS, target_RS=target_RS, mask_RS=mask_RS, rollout_logp_RS=rollout_logp_RS,
-            advantages_R=scores.advantages_R.to(dev), natural_len=natural, minis=minis,
+            advantages_R=scores.advantages_R.to(dev), minis=minis,
             tokens_per_mini=self.dims.dp_sum([float(mask_RS[rows].sum()) for rows in mini_rows]),
             sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
 
@@ -265,26 +275,26 @@ class RLStep:
         if cfg.old_logp == "recompute":
             if cfg.routing_replay == "r3":
                 for mb in flat:
-                    mb.old_routes = _engine_routes_TLK(policy, routes_RPLyK, mb.rows, seq_len)
+                    mb.old_routes = _engine_routes_TLK(policy, routes_RPLyK, mb, seq_len)
                 context = lambda i: policy.replay.replaying(flat[i].old_routes)  # noqa: E731
             else:
                 recorded = [None] * len(flat)
                 context = lambda i: _recording_into(policy, recorded, i)  # noqa: E731
-            results = policy.run_micro_batches(batch.inputs(flat), batch.natural_len, context=context)
+            results = policy.run_micro_batches(batch.inputs(flat), context=context)
             for i, mb in enumerate(flat):
                 mb.old_logp = results[i][0] if results[i] is not None else None
                 if cfg.routing_replay != "r3":
                     mb.old_routes = recorded[i]
         else:
             for mb in flat:
-                mb.old_logp = batch.rollout_logp_RS[mb.rows]
-                mb.old_routes = (_engine_routes_TLK(policy, routes_RPLyK, mb.rows, seq_len)
+                mb.old_logp = mb.view.rollout_logp_BS
+                mb.old_routes = (_engine_routes_TLK(policy, routes_RPLyK, mb, seq_len)
                                  if routes_RPLyK is not None else None)
         if self.reference is not None:
             # log pi_ref: the frozen reference always routes with its own router, never replaying (its model has
             # no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the reference
             # must stay the fixed start-of-RL policy, not follow them.
-            results = self.reference.policy.run_micro_batches(batch.inputs(flat), batch.natural_len)
+            results = self.reference.policy.run_micro_batches(batch.inputs(flat))
             for i, mb in enumerate(flat):
                 mb.ref_logp = results[i][0] if results[i] is not None else None
 
@@ -297,13 +307,14 @@ class RLStep:
         tally = VolatilityTally()
         for k, micro in enumerate(batch.minis):
             policy.zero_grad()
+            policy.set_micro_batches(len(micro))  # a token budget may split mini-batches differently
             new_routes = [None] * len(micro)
             if replayed:
                 context = lambda j, micro=micro: policy.replay.replaying(micro[j].old_routes)  # noqa: E731
             else:
                 context = lambda j: _recording_into(policy, new_routes, j)  # noqa: E731
             inputs = batch.inputs(micro)
-            results = policy.run_micro_batches(inputs, batch.natural_len, context=context,
+            results = policy.run_micro_batches(inputs, context=context,
                                                loss_fn=self._mini_batch_loss(batch, micro, k))
             result.metric_parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
             result.grad_norms.append(policy.step(optimizer))
@@ -312,10 +323,9 @@ class RLStep:
             if micro[0].old_routes is None:
                 continue
             if replayed:
-                policy.run_micro_batches(inputs, batch.natural_len,
-                                         context=lambda j: _recording_into(policy, new_routes, j))
+                policy.run_micro_batches(inputs, context=lambda j: _recording_into(policy, new_routes, j))
             for j, mb in enumerate(micro):
-                tally.add(mb.old_routes.long(), new_routes[j].long(), batch.mask_RS[mb.rows].reshape(-1))
+                tally.add(mb.old_routes.long(), new_routes[j].long(), mb.view.mask_BS.reshape(-1))
         # over pipeline stages
         result.volatility_changed, result.volatility_total = self.dims.pp_sum(tally.counts())
         return result
@@ -326,13 +336,20 @@ class RLStep:
         their accumulated gradients to its gradient."""
         recompute = self.rl.old_logp == "recompute"
 
-        def policy_loss(j, logp, entropy):
+        def policy_loss(j, logp_BS, entropy_BS):
             mb = micro[j]
-            packed = PackedBatch.from_padded(
-                logp_BL=logp, loss_mask_BL=batch.mask_RS[mb.rows], num_global_sequences=batch.sequences_per_mini,
-                old_logp_BL=mb.old_logp if recompute else None,
-                rollout_logp_BL=batch.rollout_logp_RS[mb.rows], advantages_B=batch.advantages_R[mb.rows],
-                num_global_tokens=max(batch.tokens_per_mini[k], 1.0), entropy_BL=entropy, ref_logp_BL=mb.ref_logp)
+            view = mb.view
+            n = view.num_loss_tokens  # packed: the stream's alignment tail is not read
+
+            def flat(x_BS):
+                return None if x_BS is None else x_BS.reshape(-1)[:n]
+
+            packed = PackedBatch(
+                logp_T=flat(logp_BS), loss_mask_T=flat(view.mask_BS), cu_seqlens_S1=view.cu_seqlens_S1,
+                num_global_sequences=batch.sequences_per_mini, old_logp_T=flat(mb.old_logp) if recompute else None,
+                rollout_logp_T=flat(view.rollout_logp_BS), advantages_S=batch.advantages_R[mb.rows],
+                num_global_tokens=max(batch.tokens_per_mini[k], 1.0), entropy_T=flat(entropy_BS),
+                ref_logp_T=flat(mb.ref_logp))
             return self.loss_fn(packed, self.loss_cfg)
 
         return policy_loss
@@ -359,7 +376,20 @@ class RLStep:
         # met a recomputed pi_old): the same keys on every rank, as the config is
         local.update({k: m[k] for k in sorted(m) if k.startswith(DIAGNOSTIC_PREFIXES)})
         total = dict(zip(local, self.dims.dp_sum(list(local.values()))))
-        return _metrics_row(total, self.dims.dp_size, updates, with_reference=self.reference is not None)
+        row = _metrics_row(total, self.dims.dp_size, updates, with_reference=self.reference is not None)
+        row.update(self.batch_metrics(batch))
+        return row
+
+    def batch_metrics(self, batch: UpdateBatch) -> dict:
+        """batch/pad_fraction: padded / computed tokens of the step's micro-batches (0 when packed, but for the
+        TP alignment); batch/tokens_per_micro_batch_min / _max: computed tokens per micro-batch over all ranks."""
+        views = [mb.view for mb in batch.micro_batches]
+        computed = [float(v.computed_tokens) for v in views]
+        real, total = self.dims.dp_sum([float(sum(v.real_tokens for v in views)), sum(computed)])
+        extremes = gather_over_dp(self.dims, [min(computed), max(computed)])
+        return {"batch/pad_fraction": 1.0 - real / total,
+                "batch/tokens_per_micro_batch_min": min(e[0] for e in extremes),
+                "batch/tokens_per_micro_batch_max": max(e[1] for e in extremes)}
 
 
 # loss metrics logged as they are (means over the data-parallel ranks): megagspo.algorithm.rollout_correction
@@ -401,16 +431,22 @@ def _recording_into(policy, store: list, i: int):
     return record()
 
 
-def _engine_routes_TLK(policy, routes_RPLyK, rows, seq_len):
-    """Engine routes of the given rows as [rows*S, Ly, K] in storage order, Ly = this pipeline stage's MoE
-    layers; unfed positions get a fixed valid route (their outputs are never scored)."""
-    r = routes_RPLyK[rows].long()
+def _engine_routes_TLK(policy, routes_RPLyK, mb: MicroBatch, seq_len):
+    """Engine routes of a micro-batch's rows in the storage order of its model input ([rows*S] padded, or the
+    packed stream's real positions then its alignment tail) as [T, Ly, K], Ly = this pipeline stage's MoE layers;
+    unfed positions get a fixed valid route (their outputs are never scored)."""
+    r = routes_RPLyK[mb.rows].long()
     k = r.shape[-1]
     if r.shape[1] < seq_len:
         pad = torch.full((r.shape[0], seq_len - r.shape[1], r.shape[2], k), -1, dtype=torch.long)
         r = torch.cat([r, pad], dim=1)
     r = r[:, :seq_len]
     filler = torch.arange(k).expand_as(r)
-    r = torch.where(r < 0, filler, r)
+    r_TLK = torch.where(r < 0, filler, r).reshape(-1, r.shape[2], k)
+    view = mb.view
+    if view.model.packed is not None:
+        r_TLK = r_TLK[view.valid_T]
+        tail = view.computed_tokens - r_TLK.shape[0]
+        r_TLK = torch.cat([r_TLK, torch.arange(k).expand(tail, r_TLK.shape[1], k)])
     spec = policy.replay.spec
-    return spec.stage_slice(r.reshape(-1, r.shape[2], k)).to(policy.device, spec.dtype)
+    return spec.stage_slice(r_TLK).to(policy.device, spec.dtype)
