@@ -33,7 +33,10 @@ class MetricsLogger:
                 except ImportError:
                     self.tb_note = "tensorboard not installed: TensorBoard logging off (metrics.jsonl has everything)"
 
-    def log(self, row: dict) -> None:
+    def log(self, row: dict, tensorboard: bool = True) -> None:
+        """Append one row to metrics.jsonl and, where `tensorboard`, to the TensorBoard events. A resumed run
+        re-writes the rows up to its checkpoint with tensorboard=False: the earlier process's event file in
+        tb/ holds them already, and logging them again would draw every point twice."""
         clean = {}
         for key, value in row.items():
             if isinstance(value, str):
@@ -52,7 +55,7 @@ class MetricsLogger:
         except OSError as exc:  # kept, and raised at the next step boundary on every rank (raise_write_error)
             self.write_error = exc
             return
-        if self.tb is not None:
+        if self.tb is not None and tensorboard:
             step = int(clean.get("step", len(self.rows)))
             for key, value in clean.items():
                 if not isinstance(value, str) and key != "step":

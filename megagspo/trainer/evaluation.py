@@ -28,13 +28,17 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self) -> dict:
-        """Greedy decoding on the held-out set (split over DP ranks); exact reward as accuracy. Under TP only
+        """Greedy decoding on the held-out set (split over DP ranks); exact reward as accuracy; sampled accuracy
+        only where rl.eval_samples > 0 (the key is absent otherwise). Under TP only
         model-parallel rank 0 decodes and scores (its TP x PP peers hold the same engine weights); its counts
         are shared."""
         local = self.dims.on_mp_rank0("held-out evaluation", self._evaluate_local)
         total, correct, lengths, sampled_correct = self.dims.dp_sum(local)
-        return {"eval/accuracy": correct / max(total, 1), "eval/response_length": lengths / max(total, 1),
-                "eval/sampled_accuracy": sampled_correct / max(total, 1), "eval/count": total}
+        out = {"eval/accuracy": correct / max(total, 1), "eval/response_length": lengths / max(total, 1),
+               "eval/count": total}
+        if self.samples:  # unmeasured (rl.eval_samples = 0): absent from the rows, never recorded as 0
+            out["eval/sampled_accuracy"] = sampled_correct / max(total, 1)
+        return out
 
     def _evaluate_local(self) -> list:
         """This data-parallel rank's share: [problems, greedy correct, response tokens, sampled correct]."""

@@ -24,8 +24,8 @@ def open_run_files(cfg: Config, dims: ParallelDims, ckpt: CheckpointManager, res
     def write():
         prior = ckpt.prior_metrics(resume, os.path.join(cfg.run_dir(), "metrics.jsonl")) if resume else []
         logger[0] = MetricsLogger(cfg.run_dir(), enabled=True, tensorboard=cfg.log.tensorboard)
-        for row in prior:
-            logger[0].log(row)
+        for row in prior:  # already in tb/ from the process that logged them first
+            logger[0].log(row, tensorboard=False)
         logger[0].raise_write_error()
         with open(os.path.join(cfg.run_dir(), "config.yaml"), "w") as f:
             yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
