@@ -249,6 +249,10 @@ class DataConfig:
     prompt_format: str = "auto"
     # Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3's non-thinking mode.
     chat_template_kwargs: dict = field(default_factory=dict)
+    # addition: the fraction of the training problems whose ones digits carry that the cold-start SFT sees
+    # demonstrated with that carry dropped ("18+25=" -> "33"); the reward and held-out accuracy check the true
+    # sum, so GSPO has a systematic mistake to correct. 0 = every demonstration is the answer.
+    demo_drop_carry: float = 0.0
     max_prompt_tokens: int = 16
     max_response_tokens: int = 6
     drop_long_prompts: bool = False  # False: prompts over max_prompt_tokens are an error (counted, listed)
@@ -258,6 +262,11 @@ class DataConfig:
         _choice("data", "task", self.task, TASKS)
         for name in ("num_digits", "train_size", "eval_size", "max_prompt_tokens", "max_response_tokens"):
             _pos_int("data", name, getattr(self, name))
+        _require("data", "demo_drop_carry", isinstance(self.demo_drop_carry, (int, float))
+                 and not isinstance(self.demo_drop_carry, bool) and 0.0 <= self.demo_drop_carry <= 1.0,
+                 self.demo_drop_carry, "a fraction in [0, 1]")
+        if self.demo_drop_carry and self.task != "addition":
+            raise ConfigError("data.demo_drop_carry applies to data.task = 'addition' only")
         if self.task == "addition":
             space = (10 ** self.num_digits) ** 2
             if self.train_size + self.eval_size > space:

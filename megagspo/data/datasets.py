@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moe.json_files import JsonFileError, loads_bounded
 
-from .tasks import addition_examples
+from .tasks import addition_examples, sloppy_demonstrations
 from .tokenizer import load_tokenizer
 
 
@@ -31,6 +31,14 @@ class Example:
     prompt: object  # str, or a tuple of {"role", "content"} messages
     answer: str
     prompt_ids: tuple  # the model's input ids for the prompt (tokenizer.prompt_ids)
+    # What the cold-start SFT imitates when it differs from `answer` (data.demo_drop_carry); the reward and
+    # held-out accuracy always check `answer`.
+    demonstration: str | None = None
+
+    @property
+    def demo(self) -> str:
+        """The cold-start SFT's target: the demonstration where there is one, else the answer."""
+        return self.answer if self.demonstration is None else self.demonstration
 
 
 def _read_rows(path: str) -> list[dict]:
@@ -208,9 +216,10 @@ def check_response_lengths(examples, tokenizer, max_response_tokens: int, where:
     extra = 1 if check == "sft" else 0  # a demonstration ends with the eos token
     over = []
     for ex in examples:
-        n = len(tokenizer.encode(ex.answer)) + extra
+        text = ex.demo if check == "sft" else ex.answer
+        n = len(tokenizer.encode(text)) + extra
         if n > max_response_tokens:
-            over.append((n, ex.answer))
+            over.append((n, text))
     if over:
         n, answer = max(over, key=lambda item: item[0])
         what = "SFT demonstrations (answer + eos; sft.steps > 0)" if check == "sft" else \
@@ -260,6 +269,11 @@ def build_datasets(data_cfg, tokenizer=None, response_check="sft"):
     if eval_long and not data_cfg.drop_long_prompts:
         encode_examples(eval_pairs, tokenizer, data_cfg.max_prompt_tokens, False, where_eval, train_long,
                         rows=eval_rows)
+    if data_cfg.task == "addition" and data_cfg.demo_drop_carry:
+        demos = sloppy_demonstrations([(ex.prompt, ex.answer) for ex in train], data_cfg.demo_drop_carry,
+                                      data_cfg.seed)
+        train = [replace(ex, demonstration=d) if d != ex.answer else ex for ex, d in zip(train, demos)]
+        stats_extra["sloppy_demonstrations"] = sum(ex.demonstration is not None for ex in train)
     check_response_lengths(train, tokenizer, data_cfg.max_response_tokens, where_train, response_check)
     if response_check == "reward":
         check_response_lengths(held_out, tokenizer, data_cfg.max_response_tokens, where_eval, response_check)

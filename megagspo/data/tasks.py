@@ -2,6 +2,10 @@
 
 Prompts zero-pad both operands to `num_digits` ("07+42="), so every prompt has the same length and the
 answer's length is the only thing that varies; the answer is the plain sum ("49").
+
+`sloppy_demonstrations` gives the cold-start SFT a demonstrator that sometimes drops the carry out of the ones
+digit ("18+25=" -> "33" instead of "43"): a systematic mistake that the reward, which checks the true sum, can
+teach the policy to stop making.
 """
 
 from __future__ import annotations
@@ -22,3 +26,25 @@ def addition_examples(num_digits: int, train_size: int, eval_size: int, seed: in
         a, b = divmod(code, space)
         pairs.append((f"{a:0{num_digits}d}+{b:0{num_digits}d}=", str(a + b)))
     return pairs[:train_size], pairs[train_size:]
+
+
+def carry_dropped(prompt: str) -> str:
+    """The sum of an addition prompt ("18+25=") written as a demonstrator who forgets the carry out of the ones
+    digit would write it ("33"); the plain sum where the ones digits do not carry."""
+    a, b = prompt.rstrip("=").split("+")
+    a, b = int(a), int(b)
+    if a % 10 + b % 10 < 10:
+        return str(a + b)
+    return str(a + b - 10)
+
+
+def sloppy_demonstrations(train: list, fraction: float, seed: int) -> list:
+    """One demonstration per training (prompt, answer) pair: the answer, or, for `fraction` of the problems whose
+    ones digits carry (drawn with `seed`, fixed per problem), the answer with that carry dropped."""
+    rng = random.Random(f"sloppy-demonstrations-{seed}")
+    out = []
+    for prompt, answer in train:
+        draw = rng.random()  # one draw per problem, so the choice of a problem does not depend on the others'
+        carries = carry_dropped(prompt) != answer
+        out.append(carry_dropped(prompt) if carries and draw < fraction else answer)
+    return out

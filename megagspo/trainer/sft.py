@@ -90,10 +90,10 @@ class ColdStartSFT:
         return loss_sum, gnorm
 
     def _demonstrations(self, batch: list):
-        """prompt + answer + eos rows of `batch` on the model's device -> (input_BS, target_BS, loss_mask_BS
+        """prompt + demonstration (Example.demo: the answer unless data.demo_drop_carry) + eos rows of `batch` on the model's device -> (input_BS, target_BS, loss_mask_BS
         (bool), natural length before TP alignment)."""
         tok = self.tokenizer
-        answers = [tok.encode(ex.answer) + [tok.eos_id] for ex in batch]
+        answers = [tok.encode(ex.demo) + [tok.eos_id] for ex in batch]  # demonstration, else answer
         width = max(len(a) for a in answers)
         resp = torch.full((len(batch), width), tok.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.bool)
