@@ -127,10 +127,21 @@ def gather_over_dp(dims: ParallelDims, values: List[float]) -> List[List[float]]
 
 def token_budget_split(mini_rows: List[torch.Tensor], lengths_R: torch.Tensor, budget: int,
                        dims: ParallelDims) -> List[List[torch.Tensor]]:
-    """rl.max_tokens_per_micro_batch: each mini-batch's rows split into the number of micro-batches the
-    fullest data-parallel rank needs at `budget` tokens (the same count on every rank, as expert-parallel
-    all-to-alls and the pipeline schedule require; at most the rows of a mini-batch), balanced by tokens."""
-    tokens = [float(lengths_R[rows].sum()) for rows in mini_rows]
-    needed = [max(-(-int(t) // budget), 1) for t in tokens]
-    counts = [max(col) for col in zip(*gather_over_dp(dims, [float(n) for n in needed]))]
+    """rl.max_tokens_per_micro_batch: each mini-batch's rows split into micro-batches of at most `budget`
+    tokens (a sequence longer than the budget gets one of its own), balanced by tokens. Every data-parallel rank
+    runs the same number of micro-batches, the count the fullest rank needs, as expert-parallel all-to-alls
+    and the pipeline schedule require."""
+    needed = [float(_parts_within(lengths_R[rows], budget)) for rows in mini_rows]
+    counts = [max(col) for col in zip(*gather_over_dp(dims, needed))]
     return [longest_first(rows, lengths_R[rows], min(int(m), len(rows))) for rows, m in zip(mini_rows, counts)]
+
+
+def _parts_within(lengths: torch.Tensor, budget: int) -> int:
+    """The fewest longest-first groups whose token counts all fit the budget (or one row per group)."""
+    longest = int(lengths.max())
+    rows = torch.arange(len(lengths))
+    for parts in range(max(-(-int(lengths.sum()) // budget), 1), len(lengths) + 1):
+        loads = [int(lengths[g].sum()) for g in longest_first(rows, lengths, parts)]
+        if max(loads) <= max(budget, longest):
+            return parts
+    return len(lengths)

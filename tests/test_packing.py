@@ -1,0 +1,186 @@
+"""Packed sequences in the RL step (rl.packing, megagspo/trainer/micro_batches.py): the packed step equals the
+padded step — every logged metric, every gradient of every optimizer step, the weights after it — under GSPO,
+GSPO-token with R3 and GRPO with R2 on one process, and with token-budget micro-batches
+(rl.max_tokens_per_micro_batch) at DP=2 x EP=2, where the ranks need different numbers of micro-batches and
+agree on one. The TP=2 (sequence parallel), TP=2 x EP=2 and PP=2 layouts are compared packed-against-padded in
+tests/test_trainer_parallel.py. Plus the pieces: row lengths, the packed stream and its TP alignment tail, the
+longest-first partition, and the config's refusals.
+
+Tolerances: tests/test_trainer_parallel.py's (float32; only reduction order differs). The router aux loss is
+off in the token-budget run only: like Megatron, each micro-batch adds its own load-balancing estimate, so a
+different grouping changes it by design.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import fresh_seed
+from multiprocess import run_distributed
+from test_trainer_parallel import BASE, TP_RUN, _run, _runs_match, _trainer
+
+GRPO = ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28"]
+
+
+class _Dims:
+    """The two members micro_input / token_budget_split read of moe.parallel.ParallelDims, for unit tests."""
+
+    def __init__(self, seq_multiple=1):
+        self.seq_multiple, self.dp_size, self.dp_rank = seq_multiple, 1, 0
+
+    def seq_length(self, natural):
+        return -(-natural // self.seq_multiple) * self.seq_multiple
+
+    def dp_sum(self, values):
+        return list(values)
+
+
+def _rows():
+    from megagspo.trainer.micro_batches import PaddedRows, row_lengths
+
+    prompts = [[5, 6, 7], [8], [9, 10]]
+    mask_RL = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    lengths = row_lengths(prompts, mask_RL)
+    seq = 5
+    input_RS = torch.arange(100, 100 + 3 * seq).reshape(3, seq)
+    return PaddedRows(input_RS, input_RS + 1000, torch.rand(3, seq) > 0.5, torch.randn(3, seq), lengths, pad_id=0)
+
+
+def test_row_lengths_count_prompt_and_response_up_to_its_last_token():
+    batch = _rows()
+    # prompt 3 + 2 response tokens - 1; prompt 1 + 3 - 1; an empty response keeps its prompt's positions
+    assert batch.lengths_R.tolist() == [4, 3, 1]
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_packed_stream_holds_real_positions_and_an_aligned_tail(multiple):
+    from megagspo.trainer.micro_batches import micro_input
+
+    batch = _rows()
+    rows = torch.tensor([2, 0])
+    view = micro_input(batch, rows, packed=True, dims=_Dims(multiple))
+    expected = torch.cat([batch.input_RS[2, :1], batch.input_RS[0, :4]])
+    total = 5 if multiple == 1 else 8
+    assert view.model.input_ids_BS.shape == (1, total) and view.computed_tokens == total
+    assert torch.equal(view.model.input_ids_BS[0, :5], expected)
+    assert torch.equal(view.model.targets_BS[0, :5], expected + 1000)
+    assert view.model.packed.cu_seqlens_N1.tolist() == ([0, 1, 5] if multiple == 1 else [0, 1, 5, 8])
+    assert view.cu_seqlens_S1.tolist() == [0, 1, 5] and view.num_loss_tokens == view.real_tokens == 5
+    assert torch.equal(view.mask_BS[0, :5], torch.cat([batch.mask_RS[2, :1], batch.mask_RS[0, :4]]))
+    if multiple == 1:
+        assert view.model.padding_mask_BS is None
+    else:  # the tail: pad tokens, padding for the aux loss, never in the loss
+        assert view.model.input_ids_BS[0, 5:].tolist() == [0, 0, 0]
+        assert view.model.padding_mask_BS[0].tolist() == [False] * 5 + [True] * 3
+        assert not view.mask_BS[0, 5:].any()
+    padded = micro_input(batch, rows, packed=False, dims=_Dims(multiple))
+    assert padded.computed_tokens == 10 and padded.real_tokens == 5
+    assert padded.model.padding_mask_BS.tolist() == [[False, True, True, True, True], [False] * 4 + [True]]
+
+
+def test_longest_first_balances_tokens_and_keeps_every_row_once():
+    from megagspo.trainer.micro_batches import longest_first
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    lengths = torch.randint(1, 200, (37,), generator=gen)
+    rows = torch.randperm(37, generator=gen)
+    groups = longest_first(rows, lengths, 5)
+    assert sorted(torch.cat(groups).tolist()) == sorted(rows.tolist())
+    loads = [int(sum(lengths[(rows == r).nonzero()[0, 0]] for r in g)) for g in groups]
+    assert max(loads) - min(loads) <= int(lengths.max()), loads
+    assert all(len(g) for g in groups)
+
+
+def test_token_budget_split_sizes_micro_batches_by_tokens():
+    from megagspo.trainer.micro_batches import token_budget_split
+
+    lengths = torch.tensor([50, 10, 10, 30, 40, 60, 5, 5])
+    minis = [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5, 6, 7])]
+    split = token_budget_split(minis, lengths, budget=60, dims=_Dims())
+    assert [len(m) for m in split] == [2, 2]   # 100 and 110 tokens -> 2 micro-batches of <= 60 each
+    for mini, micro in zip(minis, split):
+        assert sorted(torch.cat(micro).tolist()) == mini.tolist()
+        assert all(int(lengths[g].sum()) <= 60 for g in micro)
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["rl.max_tokens_per_micro_batch=64", "rl.micro_batch_size=2"], "both size the micro-batches"),
+    (["rl.max_tokens_per_micro_batch=64", "rl.packing=false"], "needs rl.packing = true"),
+    (["model.attention=local"], "needs model.attention = sdpa"),
+    (["rl.packing=2"], "rl.packing"),
+])
+def test_config_refuses_contradictory_packing_settings(overrides, error):
+    import os
+
+    from megagspo.config import ConfigError, load_config
+    from helpers import REPO
+
+    with pytest.raises(ConfigError, match=error):
+        load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
+
+
+def _packed_vs_padded_body(rank, world_size, out_dir, seed, extra):
+    runs = {}
+    for packing in ("false", "true"):
+        trainer = _trainer([*BASE, *TP_RUN, *extra, f"seed={seed}", f"rl.packing={packing}",
+                            f"log.out_dir={out_dir}", f"name=packing_{packing}"])
+        runs[packing] = _run(trainer, rl_steps=2)
+        last = runs[packing][0][-1]
+        runs[packing + "_batch"] = {k: v for k, v in last.items() if k.startswith("batch/")}
+    return runs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("extra", [
+    ["rl.loss=gspo"],
+    ["rl.loss=gspo_token", "rl.routing_replay=r3", "rollout.record_routes=true", "rl.micro_batch_size=2"],
+    [*GRPO, "rl.routing_replay=r2", "rl.kl_coef=0.1"],
+], ids=["gspo", "gspo_token_r3_micro_batches", "grpo_r2_kl"])
+def test_packed_step_equals_padded_step(tmp_path, extra):
+    seed = fresh_seed()
+    runs = run_distributed(_packed_vs_padded_body, world_size=1, args=(str(tmp_path), seed, extra),
+                           timeout_s=300)[0]
+    _runs_match([runs["true"]], runs["false"], f"seed {seed} packed vs padded")
+    assert runs["true_batch"]["batch/pad_fraction"] == 0.0 < runs["false_batch"]["batch/pad_fraction"]
+    assert runs["true_batch"]["batch/tokens_per_micro_batch_max"] <= runs["false_batch"]["batch/tokens_per_micro_batch_max"]
+
+
+BUDGET = ["model.router_aux_loss_coef=0.0", "parallel.expert_parallel=2", "rl.loss=gspo", "rl.prompts_per_step=8",
+          "sft.steps=2", "sft.lr=0.05", "rl.lr=0.05"]
+
+
+def _budget_body(rank, world_size, out_dir, seed, layout):
+    trainer = _trainer([*BASE, *BUDGET, *layout, f"seed={seed}", f"log.out_dir={out_dir}", "name=budget"])
+    assert trainer.dims.dp_size == 2
+    return _run(trainer, rl_steps=2), None
+
+
+@pytest.mark.multiprocess
+def test_token_budget_micro_batches_equal_the_padded_step_at_dp2_ep2(tmp_path):
+    """DP=2 x EP=2: micro-batches of at most 24 tokens (each rank's 8 sequences of ~8-12 tokens per mini-batch
+    need 3-5 of them; both ranks run the larger count) against padded whole mini-batches."""
+    seed = fresh_seed()
+    padded = run_distributed(_budget_body, world_size=2, args=(str(tmp_path / "padded"), seed, ["rl.packing=false"]),
+                             timeout_s=300)
+    budget = run_distributed(_budget_body, world_size=2, timeout_s=300,
+                             args=(str(tmp_path / "budget"), seed, ["rl.max_tokens_per_micro_batch=24"]))
+    for rank in range(2):
+        _runs_match([budget[rank][0]], padded[rank][0], f"seed {seed} rank {rank} token budget")
+    for row in budget[0][0][0]:  # every sequence is shorter than the budget: every micro-batch fits it
+        assert 0 < row["batch/tokens_per_micro_batch_min"] <= row["batch/tokens_per_micro_batch_max"] <= 24
+        assert row["batch/pad_fraction"] == 0.0
+
+
+def test_token_budget_adds_micro_batches_until_each_fits():
+    """Whole sequences decide the count, not the total: 145 tokens fit 3 groups of <= 60; three 40-token
+    sequences (120 tokens, 2 groups by count) need 3 groups at a budget of 60."""
+    from megagspo.trainer.micro_batches import token_budget_split
+
+    lengths = torch.tensor([30, 30, 30, 30, 25])
+    split = token_budget_split([torch.arange(5)], lengths, budget=60, dims=_Dims())[0]
+    loads = [int(lengths[g].sum()) for g in split]
+    assert len(loads) == 3 and sum(loads) == 145 and max(loads) <= 60
+    lengths = torch.tensor([40, 40, 40])  # 120 tokens, budget 60: two groups cannot hold three 40s
+    split = token_budget_split([torch.arange(3)], lengths, budget=60, dims=_Dims())[0]
+    assert len(split) == 3
