@@ -19,7 +19,18 @@ import os
 import sys
 import warnings
 
-from megagspo.errors import bounded_message
+from megagspo.ablation import AblationRunner, load_ablation, plan_runs, shell_command, write_report
+from megagspo.checkpoint import CheckpointError, Preempted
+from megagspo.checkpoint.full_state import load_checkpoint
+from megagspo.checkpoint.run_folder import RunAlreadyFinished, summary_lines
+from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
+from megagspo.config import ConfigError, deferred_path_checks, load_config
+from megagspo.dry_run import dry_run
+from megagspo.errors import bounded_message, os_error_message
+from megagspo.hf_export import export_hf
+from megagspo.planner import PlanError
+from moe.architecture import ArchitectureError
+from moe.parallel import LayoutError
 
 
 def _quiet_third_party() -> None:
@@ -88,13 +99,6 @@ _PATCH_LINES = _PatchLines()
 
 
 def _train(args, rl: bool) -> int:
-    from megagspo.checkpoint import CheckpointError, Preempted
-    from megagspo.checkpoint.run_lock import RunFolderBusy
-    from megagspo.config import ConfigError, load_config
-    from megagspo.errors import os_error_message
-
-    from megagspo.checkpoint.run_folder import RunAlreadyFinished, summary_lines
-
     if getattr(args, "resume", False) and getattr(args, "overwrite", False):
         print(f"megagspo {args.command}: error: --resume continues the run in the folder and --overwrite moves it "
               "aside: pass one of them", file=sys.stderr)
@@ -103,6 +107,8 @@ def _train(args, rl: bool) -> int:
         + (["checkpoint.resume=never"] if getattr(args, "overwrite", False) else [])
     try:
         cfg = load_config(args.config, overrides)
+        # the one lazy import: it loads Megatron-Core (+2.5 s of start-up that plan / export / ablate / --help
+        # do not need), and only after _quiet_third_party() has filtered what Megatron says on import
         from megagspo.trainer.trainer import Trainer
 
         trainer = Trainer(cfg)
@@ -135,15 +141,6 @@ def _train(args, rl: bool) -> int:
 
 def _plan(args) -> int:
     """`megagspo plan` and `megagspo train --dry-run`: validate a recipe and print its per-GPU memory."""
-    from megagspo.config import load_config
-    from megagspo.dry_run import dry_run
-    from megagspo.planner import PlanError
-    from moe.architecture import ArchitectureError
-    from moe.hf_checkpoint import CheckpointError
-    from moe.parallel import LayoutError
-
-    from megagspo.config import deferred_path_checks
-
     try:
         with deferred_path_checks() as missing:
             cfg = load_config(args.config, args.overrides)
@@ -157,13 +154,6 @@ def _plan(args) -> int:
 
 
 def _export(args) -> int:
-    from megagspo.checkpoint.full_state import load_checkpoint
-    from megagspo.hf_export import export_hf
-
-    from megagspo.checkpoint import CheckpointError
-    from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
-    from megagspo.errors import os_error_message
-
     src = args.checkpoint if os.path.isdir(args.checkpoint) else os.path.dirname(args.checkpoint)
     out = args.out or os.path.join(src, "hf")
     # The default output lies inside the run folder: it is written only while no trainer owns that folder.
@@ -193,8 +183,6 @@ def _is_run_folder(path: str) -> bool:
 
 def _ablate(args) -> int:
     """`megagspo ablate`: run the arms x seeds of an ablation recipe (or print their commands), then report."""
-    from megagspo.ablation import AblationRunner, load_ablation, plan_runs, shell_command, write_report
-    from megagspo.config import ConfigError
 
     def _ints(text):
         try:

@@ -29,9 +29,19 @@ from typing import Any, Optional
 
 import yaml
 
-from megagspo.data.tokenizer import PROMPT_FORMATS
+from megagspo.data.tokenizer import PROMPT_FORMATS, has_tokenizer_files
 from megagspo.errors import show_value as _show
+from megagspo.rewards import available_rewards
+from megagspo.rollout import available_engines
+from megagspo.rollout.sglang_engine import SGLangEngineConfig
+from megagspo.trainer.replay import replay_available
+from moe.architecture import Qwen3MoeArchitecture
+from moe.hf_checkpoint import is_hf_model_folder
+from moe.hf_config import architecture_from_hf_config
+from moe.implementation import ATTENTION_PATHS, EXPERT_PATHS, RECOMPUTE_MODES, ModelImplementation
+from moe.json_files import read_json
 from moe.parallel import ParallelLayout
+from moe.yaml_files import yaml_depth
 
 
 class ConfigError(ValueError):
@@ -143,8 +153,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _nonneg_int("model", "vocab_size", self.vocab_size)
-        from moe.implementation import ATTENTION_PATHS, EXPERT_PATHS, RECOMPUTE_MODES
-
         _choice("model", "experts", self.experts, EXPERT_PATHS)
         _choice("model", "attention", self.attention, ATTENTION_PATHS)
         _choice("model", "recompute", self.recompute, RECOMPUTE_MODES)
@@ -165,16 +173,10 @@ class ModelConfig:
 
     def implementation(self):
         """moe.model.build_model's `implementation`: experts, attention, recompute."""
-        from moe.implementation import ModelImplementation
-
         return ModelImplementation(experts=self.experts, attention=self.attention, recompute=self.recompute)
 
     def architecture(self, vocab_size: int):
-        from moe.architecture import Qwen3MoeArchitecture
-
         if self.arch_file:
-            from moe.hf_config import architecture_from_hf_config
-
             try:
                 arch = architecture_from_hf_config(self.arch_file)
             except ValueError as exc:
@@ -198,15 +200,11 @@ class ModelConfig:
 
     def init_from_hf(self) -> bool:
         """True when model.init_from is a Hugging Face model folder present on this machine."""
-        from moe.hf_checkpoint import is_hf_model_folder
-
         return bool(self.init_from) and is_hf_model_folder(self.init_from)
 
     def _architecture_of_init_folder(self, vocab_size: int):
         """The architecture in model.init_from's config.json; recipe fields set away from their defaults
         must agree with it (so a recipe cannot silently describe another model than the weights)."""
-        from moe.hf_config import architecture_from_hf_config
-
         try:
             arch = architecture_from_hf_config(self.init_from)
         except ValueError as exc:
@@ -297,8 +295,6 @@ class RewardConfig:
     timeout_s: float = 10.0         # one verifier call past this scores 0, counted in reward/errors (0 = no limit)
 
     def __post_init__(self) -> None:
-        from megagspo.rewards import available_rewards
-
         _choice("reward", "name", self.name, available_rewards())
         _num("reward", "timeout_s", self.timeout_s, 0.0)
 
@@ -323,16 +319,12 @@ class RolloutConfig:
     staleness: int = 0
 
     def __post_init__(self) -> None:
-        from megagspo.rollout import available_engines
-
         _choice("rollout", "engine", self.engine, available_engines())
         _require("rollout", "staleness", self.staleness in (0, 1) and not isinstance(self.staleness, bool),
                  self.staleness, "0 (synchronous) or 1 (one step off)")
         if not isinstance(self.sglang, dict):
             raise ConfigError(f"rollout.sglang must be a mapping, got {_show(self.sglang)}")
         if self.engine == "sglang":
-            from megagspo.rollout.sglang_engine import SGLangEngineConfig
-
             try:
                 SGLangEngineConfig(**self.sglang)
             except TypeError as exc:
@@ -636,8 +628,6 @@ class Config:
         if self.data.tokenizer == "auto":
             self.data.tokenizer = self._auto_tokenizer()
         if self.rl.routing_replay != "none":
-            from megagspo.trainer.replay import replay_available
-
             ok, why = replay_available()
             if not ok:
                 raise ConfigError(f"rl.routing_replay = {_show(self.rl.routing_replay)} is not available yet: {why}")
@@ -678,8 +668,6 @@ class Config:
     def _auto_tokenizer(self) -> str:
         """data.tokenizer = auto: model.init_from's own tokenizer when it has one (also when the folder is
         a cluster path absent from this machine, where a dry run reports it), else the built-in one."""
-        from megagspo.data.tokenizer import has_tokenizer_files
-
         init_from = self.model.init_from
         if not init_from or os.path.isfile(init_from) or init_from.endswith((".pt", ".safetensors")):
             return "builtin"  # a checkpoint file holds no tokenizer files
@@ -707,8 +695,6 @@ def _recorded_tokenizer(folder: str) -> str:
             value = None
     if not (isinstance(value, str) and value) and os.path.isfile(state_json):
         try:
-            from moe.json_files import read_json
-
             value = read_json(state_json).get("tokenizer")
         except ValueError:  # JsonFileError: too large, too deep, not JSON, unreadable
             value = None
@@ -857,8 +843,6 @@ MAX_YAML_DEPTH = 256  # libyaml's composer recurses per nested collection: ~50,0
 
 def _yaml_depth(text: str) -> int:
     """The deepest nesting of YAML collections in `text` (the non-recursive pre-scan shared with moe)."""
-    from moe.yaml_files import yaml_depth
-
     return yaml_depth(text, MAX_YAML_DEPTH)
 
 

@@ -7,10 +7,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megagspo.algorithm.registry import LossOptionError, loss_option_keys
 from megagspo.algorithm.rollout_correction import describe_correction
 from megagspo.config import Config, ConfigError
+from megagspo.data import load_tokenizer
+from megagspo.kernels.policy_losses import build_loss
 from megagspo.planner import MemoryPlan, PlanInputs, parameter_counts, plan_memory, require_fit
 from megagspo.trainer.layout import planned_world_size
+from megagspo.trainer.preflight import preflight
+from moe.hf_checkpoint import CheckpointError, first_nonfinite_hf_tensor, hf_tensor_shapes
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,6 @@ def _pipeline_line(stages: int, micro_batches: int) -> str:
 
 def _describe_loss(rl) -> str:
     """Build the loss exactly as the trainer does (the same validation) and list the options it received."""
-    from megagspo.algorithm.registry import LossOptionError, loss_option_keys
-    from megagspo.kernels.policy_losses import build_loss
-
     try:
         _, loss_config = build_loss(rl)
     except LossOptionError as exc:
@@ -82,8 +84,6 @@ def _hf_weights_check(folder: str, check_weights: bool) -> str:
     if not check_weights:
         return ("values not read here (headers only): NaN / inf weights are refused at start-up, before anything "
                 "is written; add --check-weights to read them now")
-    from moe.hf_checkpoint import CheckpointError, first_nonfinite_hf_tensor
-
     try:
         bad = first_nonfinite_hf_tensor(folder)
     except (CheckpointError, OSError) as exc:
@@ -104,10 +104,6 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True,
     CheckpointError naming what is wrong. `missing_paths`: (key, path) pairs that the config loader found
     absent under `deferred_path_checks()` (cluster paths); they are reported, and skipped here. `check_weights`:
     read every value of an HF model.init_from folder too (else headers only, and the report says so)."""
-    from megagspo.data import load_tokenizer
-    from megagspo.trainer.preflight import preflight
-    from moe.hf_checkpoint import hf_tensor_shapes
-
     absent = {path for _, path in missing_paths}
     if cfg.data.tokenizer in absent:
         if not cfg.model.arch_file:

@@ -20,6 +20,10 @@ import os
 import re
 import shutil
 
+from megagspo.data import load_tokenizer
+from megagspo.rollout import HFRolloutEngine
+from moe.architecture import Qwen3MoeArchitecture
+from moe.hf_checkpoint import is_hf_model_folder
 from moe.json_files import loads_bounded, read_json, read_json_text
 
 # What a Hugging Face loader reads from a model folder besides the weights and config.json.
@@ -33,8 +37,6 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 def source_folder(ckpt: dict) -> str:
     """model.init_from of the run when it is a Hugging Face model folder on this machine, else ""."""
-    from moe.hf_checkpoint import is_hf_model_folder
-
     init_from = ((ckpt.get("config") or {}).get("model") or {}).get("init_from") or ""
     return init_from if init_from and is_hf_model_folder(init_from) else ""
 
@@ -76,10 +78,6 @@ def export_hf(ckpt: dict, out: str) -> list:
     """Write the checkpoint `ckpt` (full_state.load_checkpoint) to the folder `out`; -> lines that say where
     each non-weight file came from."""
     import torch
-
-    from megagspo.data import load_tokenizer
-    from megagspo.rollout import HFRolloutEngine
-    from moe.architecture import Qwen3MoeArchitecture
 
     arch = Qwen3MoeArchitecture(**ckpt["arch"])
     tokenizer = load_tokenizer(ckpt["tokenizer"])

@@ -59,6 +59,7 @@ from typing import Callable
 import torch
 
 from moe.device import use_cuda
+from moe.megatron_compat import apply_megatron_compat
 
 logger = logging.getLogger(__name__)
 
@@ -274,8 +275,6 @@ def apply_cpu_shim(force: bool = False) -> list[str]:
     changes.append("torch.cuda.current_device() -> 'cpu' (Megatron passes it as device=)")
 
     # (2)
-    from moe.megatron_compat import apply_megatron_compat
-
     compat = apply_megatron_compat()  # logged by itself
     changes.extend(compat)
 

@@ -56,6 +56,11 @@ from typing import Dict
 
 import torch
 
+from moe.cpu_shim import cuda_tensor_types
+from moe.hf_checkpoint import all_finite
+from moe.json_files import JsonFileError, read_json
+from moe.sharding import full_names as sharding_full_names
+
 SAVE_THREADS = 1  # files per rank
 METADATA = ".metadata"
 COMMON = "common.pt"
@@ -113,8 +118,6 @@ def read_metadata_safely(directory: str):
 def check_folder(directory: str) -> None:
     """Raise DistCheckpointError unless `directory` is a torch_dist folder whose metadata unpickles with the
     allow-list and whose every referenced shard file exists."""
-    from moe.json_files import JsonFileError, read_json
-
     cfg_path = os.path.join(directory, BACKEND_CONFIG)
     try:
         backend = read_json(cfg_path).get("sharded_backend")
@@ -172,8 +175,6 @@ def first_nonfinite_chunk(directory: str):
     import mmap
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from moe.hf_checkpoint import all_finite
 
     check_folder(directory)
     metadata = read_metadata_safely(directory)
@@ -491,8 +492,6 @@ def full_names(model) -> Dict[str, str]:
     """local parameter name -> its full-model (TP=EP=PP=1) name (experts by global index, layers by global
     number through Megatron's layer offset, a tied embedding's last-stage copy as the embedding), as
     moe.sharding names them."""
-    from moe.sharding import full_names as sharding_full_names
-
     return sharding_full_names(model)
 
 
@@ -607,8 +606,6 @@ def _sharded_optimizer_state(model, optimizer, is_loading: bool) -> dict:
     parameters on this rank. A pipeline stage without MoE layers has a parameter-less expert optimizer, whose
     state_dict() Megatron-Core 0.16.1 cannot build with torch's Adam (it asserts one step over an empty state):
     it is left out, and holds nothing to save or load."""
-    from moe.cpu_shim import cuda_tensor_types
-
     out = {}
     with cuda_tensor_types():
         for index, sub in enumerate(_sub_optimizers(optimizer)):
@@ -772,8 +769,6 @@ def local_optimizer_state(model, optimizer) -> Dict[str, Dict[str, torch.Tensor]
     """{local parameter name: {"param" (fp32 master), "exp_avg", "exp_avg_sq": tensors of the parameter's local
     shape}, "step": scalar} from the distributed optimizer's shards, gathered over each data-parallel group
     (gloo, host memory; collective over data parallelism). For checks and tests: checkpoints do not use it."""
-    from moe.cpu_shim import cuda_tensor_types
-
     names = {p: n for n, p in model.named_parameters()}
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     for sub in _sub_optimizers(optimizer):

@@ -53,7 +53,9 @@ import torch
 
 from moe.architecture import Qwen3MoeArchitecture
 from moe.checkpoint_errors import CheckpointError  # re-exported: callers import it from here too
-from moe.sharding import RankCoordinates
+from moe.hf_config import architecture_from_hf_config, hf_config_from_architecture
+from moe.json_files import JsonFileError, read_json
+from moe.sharding import DEFAULT_BUCKET_BYTES, RankCoordinates, iter_full_state_buckets
 
 FUSED = "fused"  # transformers 5.x: mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]
 PER_EXPERT = "per_expert"  # transformers 4.x / hub checkpoints: mlp.experts.{e}.{gate,up,down}_proj.weight
@@ -285,8 +287,6 @@ class SafetensorsSource(_Source):
         self.path = Path(path)
         index = self.path / SAFE_INDEX
         if index.is_file():
-            from moe.json_files import JsonFileError, read_json
-
             try:
                 parsed = read_json(index, want=None)
             except JsonFileError as exc:
@@ -466,8 +466,6 @@ _COMPARED_FIELDS_EXCLUDED = {"initializer_range", "router_aux_loss_coef", "max_p
 
 
 def _check_config_matches(path: Path, arch: Qwen3MoeArchitecture) -> None:
-    from moe.hf_config import architecture_from_hf_config
-
     if not (path / "config.json").is_file():
         return
     stored = architecture_from_hf_config(path)
@@ -487,8 +485,6 @@ def load_hf_checkpoint(model, path: str | os.PathLike, arch: Qwen3MoeArchitectur
     rank validates the full key set and shapes from the headers (CheckpointError naming each tensor and
     both shapes), then reads only the slices it owns. Returns a small report (layout, tensors, bytes read).
     """
-    from moe.hf_config import architecture_from_hf_config
-
     path = Path(path)
     if arch is None:
         arch = architecture_from_hf_config(path)
@@ -777,8 +773,6 @@ class HFFolderWriter:
             raise CheckpointError(f"{self.path}: the tensors lacked {len(missing)} Megatron tensor(s) of this "
                                   f"architecture, e.g. {missing[:5]}")
         files = self._shards.finish()
-        from moe.hf_config import hf_config_from_architecture
-
         config = hf_config_from_architecture(self.arch, dtype=_dtype_name(self._config_dtype),
                                              extra=self.config_extra)
         (self.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -803,8 +797,6 @@ def save_hf_checkpoint(model, path: str | os.PathLike, arch: Qwen3MoeArchitectur
     architecture.
     """
     import torch.distributed as dist
-
-    from moe.sharding import DEFAULT_BUCKET_BYTES, iter_full_state_buckets
 
     _check_layout(expert_layout)
     path = Path(path)

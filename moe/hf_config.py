@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moe.architecture import ArchitectureError, Qwen3MoeArchitecture
+from moe.json_files import JsonFileError, read_json
+from moe.yaml_files import YamlFileError, read_yaml
 
 MODEL_TYPE = "qwen3_moe"
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -169,15 +171,11 @@ def load_config_dict(source: str | os.PathLike | Mapping[str, Any]) -> dict[str,
     if not path.is_file():
         raise HfConfigError(f"no Hugging Face config at {path}")
     if path.suffix in (".yaml", ".yml"):
-        from moe.yaml_files import YamlFileError, read_yaml
-
         try:
             data = read_yaml(path)
         except YamlFileError as exc:
             raise HfConfigError(str(exc)) from None
     else:
-        from moe.json_files import JsonFileError, read_json
-
         try:
             data = read_json(path, want=None)
         except JsonFileError as exc:

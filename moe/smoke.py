@@ -13,6 +13,20 @@ import time
 
 import torch
 
+from moe.architecture import Qwen3MoeArchitecture
+from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
+from moe.device import use_cuda
+from moe.model import build_model, forward_logits
+from moe.optimizer import (
+    OptimizerSettings,
+    build_optimizer,
+    finish_gradients,
+    optimizer_step,
+    wrap_data_parallel,
+    zero_gradients,
+)
+from moe.parallel import ParallelLayout, destroy_model_parallel, init_distributed, initialize_model_parallel
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,20 +38,6 @@ def main(argv=None) -> None:
 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, vocab_parallel_cross_entropy
-
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
-    from moe.device import use_cuda
-    from moe.model import build_model, forward_logits
-    from moe.optimizer import (
-        OptimizerSettings,
-        build_optimizer,
-        finish_gradients,
-        optimizer_step,
-        wrap_data_parallel,
-        zero_gradients,
-    )
-    from moe.parallel import ParallelLayout, destroy_model_parallel, init_distributed, initialize_model_parallel
 
     apply_cpu_shim()
     init_distributed()

@@ -23,7 +23,8 @@ from typing import List, Optional
 
 
 from megagspo.ablation.spec import AblationSpec
-from megagspo.config import ConfigError, read_yaml_mapping
+from megagspo.config import Config, ConfigError, read_yaml_mapping
+from moe.json_files import read_json
 
 
 @dataclass
@@ -85,8 +86,6 @@ def _dict_diff(saved: dict, want: dict, prefix: str = "", defaults: Optional[dic
     """Differences between a run folder's config.yaml and the asked config. A key the saved config lacks
     (a run from before that field existed) counts only when the asked value is not the field's default."""
     if defaults is None:
-        from megagspo.config import Config
-
         defaults = Config().to_dict()
     out = []
     for key in sorted(set(saved) | set(want)):
@@ -223,8 +222,6 @@ class AblationRunner:
 
     @staticmethod
     def _result(run: Run) -> str:
-        from moe.json_files import read_json
-
         path = os.path.join(run.run_dir, "summary.json")
         try:
             s = read_json(path)

@@ -17,6 +17,7 @@ from typing import Dict
 
 import torch
 
+from moe.hf_checkpoint import all_finite
 from moe.json_files import JsonFileError, read_json
 
 from .guards import load_safetensors
@@ -103,8 +104,6 @@ def first_nonfinite_tensor(path: str):
     (None when all are finite), read one tensor at a time and checked with one aminmax each
     (moe.hf_checkpoint.all_finite): the checksums only say the file is the one its record names."""
     from safetensors import SafetensorError, safe_open
-
-    from moe.hf_checkpoint import all_finite
 
     try:
         with safe_open(path, framework="pt", device="cpu") as handle:

@@ -19,6 +19,9 @@ import os
 import time
 from typing import List, Optional
 
+from megagspo.config import Config, ConfigError, flatten_keys, read_yaml_mapping
+from moe.json_files import JsonFileError, read_json
+
 from .run_lock import LOCK_FILE
 from .store import CheckpointError
 
@@ -50,8 +53,6 @@ def earlier_run(run_dir: str) -> List[str]:
 
 
 def _read_summary(run_dir: str) -> Optional[dict]:
-    from moe.json_files import JsonFileError, read_json
-
     path = os.path.join(run_dir, SUMMARY)
     if not os.path.isfile(path):
         return None
@@ -66,8 +67,6 @@ def config_differences(run_dir: str, asked: dict) -> List[str]:
     """['seed: 0 there, 1 asked', ...] between the folder's config.yaml and the asked config (flattened, without
     NOT_RUN_DEFINING); ['config.yaml is missing or unreadable'] when it cannot be compared. A key the saved
     config lacks (written before that field existed) ran at its default."""
-    from megagspo.config import Config, ConfigError, flatten_keys, read_yaml_mapping
-
     try:
         saved = flatten_keys(read_yaml_mapping(os.path.join(run_dir, CONFIG), "run config"))
     except ConfigError:

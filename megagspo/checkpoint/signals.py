@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from moe.collective import collective_device
+
 
 class Preempted(Exception):
     """Raised by the trainer after the checkpoint on a signal was written. `exit_code` = 128 + signal."""
@@ -58,8 +60,6 @@ class StopRequest:
         """The signal number when any rank got one (collective when several processes run), else None."""
         local = self.signum or 0
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            from moe.collective import collective_device
-
             t = torch.tensor([local], dtype=torch.int64, device=collective_device())
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
             local = int(t.item())

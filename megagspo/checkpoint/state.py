@@ -41,11 +41,17 @@ from typing import Callable, Dict, Optional
 import torch
 from safetensors import SafetensorError
 
+from megagspo.config import Config, flatten_keys
+from megagspo.errors import write_failure_message
+from moe import dist_checkpoint
 from moe.collective import run_on_rank0
+from moe.device import use_cuda
+from moe.dist_checkpoint import DistCheckpointError
 from moe.json_files import JsonFileError, loads_bounded, read_json
 
 from . import store
 from .guards import load_safetensors
+from .run_folder import RunAlreadyFinished, check_fresh_start, earlier_run, move_earlier_run_aside
 from .store import CheckpointError
 
 MODEL_DIR = "model"
@@ -73,8 +79,6 @@ def check_run_checkpoint(path: str, compatible: Optional[Callable[[str], None]] 
     (master weights, moments) finite. Whatever the corruption, the caller falls back to the previous
     checkpoint. `compatible(path)` (a resume's checks of model, data and settings) runs before the shards are
     read: a checkpoint of another run is an error naming the differences, not a corruption to fall back past."""
-    from moe.dist_checkpoint import DistCheckpointError, first_nonfinite_chunk
-
     reason = store.verify(path, REQUIRED)
     if reason:
         return reason
@@ -87,7 +91,7 @@ def check_run_checkpoint(path: str, compatible: Optional[Callable[[str], None]] 
             compatible(path)  # raises CheckpointError
         for sub in (MODEL_DIR, OPTIMIZER_DIR):
             if os.path.isdir(os.path.join(path, sub)):
-                bad = first_nonfinite_chunk(os.path.join(path, sub))
+                bad = dist_checkpoint.first_nonfinite_chunk(os.path.join(path, sub))
                 if bad:
                     return f"{sub}/{bad}"
     except (JsonFileError, DistCheckpointError) as exc:
@@ -147,8 +151,6 @@ class RunRng:
 def capture_rng(sample_gen: torch.Generator) -> dict:
     import numpy as np
 
-    from moe.device import use_cuda
-
     np_state = np.random.get_state()
     py_state = random.getstate()
     out = {"torch": torch.get_rng_state(), "sample_gen": sample_gen.get_state(),
@@ -164,8 +166,6 @@ def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict, rank: int, sample_
 
     torch.set_rng_state(tensors[f"rank{rank}/torch"])
     sample_gen.set_state(tensors[f"rank{rank}/sample_gen"])
-    from moe.device import use_cuda
-
     if use_cuda() and f"rank{rank}/cuda" in tensors:
         torch.cuda.set_rng_state(tensors[f"rank{rank}/cuda"])
     py = meta["python"]
@@ -183,12 +183,10 @@ def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
     per-parameter shards come from moe.dist_checkpoint.local_optimizer_state (gathered over data
     parallelism), then go through the weights' own gather (policy.gather_full), so TP shards are concatenated
     like their parameters and experts / pipeline stages collected the same way."""
-    from moe.dist_checkpoint import local_optimizer_state, optimizer_has_state
-
     out: Dict[str, torch.Tensor] = {}
-    if optimizer is None or not optimizer_has_state(optimizer):
+    if optimizer is None or not dist_checkpoint.optimizer_has_state(optimizer):
         return out
-    local = local_optimizer_state(policy.model, optimizer)
+    local = dist_checkpoint.local_optimizer_state(policy.model, optimizer)
     for kind, key in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
         full = policy.gather_full({name: local[name][key] for name in local})
         out.update({f"{kind}/{name}": t for name, t in full.items()})
@@ -213,8 +211,6 @@ IMPLEMENTATION_KEYS = ("model.experts", "model.attention", "model.recompute", "m
 
 def defining_differences(saved: dict, now: dict) -> list:
     """['rl.loss: gspo in the checkpoint, grpo now', ...] over DEFINING_KEYS (dotted, flattened)."""
-    from megagspo.config import Config, flatten_keys
-
     before, after = flatten_keys(saved), flatten_keys(now)
     # A key the checkpoint predates ran at its default then: a value other than the default now is a change.
     defaults = flatten_keys(_jsonable(Config().to_dict()))
@@ -297,8 +293,6 @@ class CheckpointManager:
         run of this config: RunAlreadyFinished); --overwrite / auto move the whole earlier run aside in
         retire_previous(), once this run has been validated (a start that fails its checks leaves the folder as
         it was), so nothing of it is read or overwritten as this run's."""
-        from .run_folder import check_fresh_start, earlier_run
-
         if refuse_earlier_run:
             check_fresh_start(self.cfg.run_dir(), self.cfg.to_dict())
         self._retire_pending = bool(earlier_run(self.cfg.run_dir()))
@@ -307,8 +301,6 @@ class CheckpointManager:
     def find_resume(self, arch, dataset_size: int) -> Optional[dict]:
         """Collective: rank 0 picks and verifies the checkpoint, every rank gets {path, state} or None.
         Raises CheckpointError (on every rank) when it is corrupt or was written for another model."""
-        from .run_folder import RunAlreadyFinished
-
         def pick():
             try:
                 path = self._resolve(lambda p: self._check_compatible(p, read_trainer_state(p), arch, dataset_size))
@@ -336,8 +328,6 @@ class CheckpointManager:
         folder <run>.replaced-<time>/ (megagspo.checkpoint.run_folder; never deletes or truncates), so that
         `megagspo export`, `model.init_from`, --resume and TensorBoard only ever find this run's files here.
         Called once everything the run needs has been checked, before its first write."""
-        from .run_folder import move_earlier_run_aside
-
         def move():
             if not self._retire_pending:
                 return None
@@ -375,22 +365,19 @@ class CheckpointManager:
     # ---- restore ----------------------------------------------------------------------------------
     def load_model(self, policy, point: dict) -> None:
         """Collective: this rank's slices of the weights, whatever layout wrote them."""
-        from moe.dist_checkpoint import DistCheckpointError, load_model
-
         try:
-            load_model(policy.model, os.path.join(point["path"], MODEL_DIR))
+            dist_checkpoint.load_model(policy.model, os.path.join(point["path"], MODEL_DIR))
         except DistCheckpointError as exc:
             raise CheckpointError(f"{point['path']}: weights do not fit this model or are unreadable: {exc}") from None
 
     def load_optimizer(self, policy, optimizer, point: dict) -> None:
         """Collective: AdamW moments (resharded to this layout) and steps; nothing when the checkpoint was
         written before the first update. Hyper-parameters come from the config (a change is reported)."""
-        from moe.dist_checkpoint import DistCheckpointError, load_optimizer
-
         if not point["state"].get("optimizer"):
             return
         try:
-            changed = load_optimizer(policy.model, optimizer, os.path.join(point["path"], OPTIMIZER_DIR))
+            changed = dist_checkpoint.load_optimizer(policy.model, optimizer,
+                                                     os.path.join(point["path"], OPTIMIZER_DIR))
         except DistCheckpointError as exc:
             raise CheckpointError(f"{point['path']}: optimizer state does not fit this model or is unreadable: "
                                   f"{exc}") from None
@@ -510,8 +497,6 @@ class CheckpointManager:
 
     def _write_shards(self, parts: "RunParts", tmp: str, steps_done: int):
         """This rank's model / optimizer shards into `tmp` -> (model index, optimizer written, failure or None)."""
-        from moe import dist_checkpoint
-
         optimizer = parts.optimizer
         has_optimizer = optimizer is not None and dist_checkpoint.optimizer_has_state(optimizer)
         try:
@@ -564,8 +549,6 @@ class CheckpointManager:
     def _failed(self, steps_done: int, exc: Exception) -> str:
         """One line naming the cause (disk full, read-only, ...); called before the partial files are removed,
         so that a full disk still shows as one."""
-        from megagspo.errors import write_failure_message
-
         return (f"writing checkpoint {store.step_dir_name(steps_done)} under {self.root} failed: "
                 f"{write_failure_message(exc, self.root)}; the earlier checkpoints are intact")
 
@@ -584,8 +567,6 @@ def load_run_checkpoint(path: str, say: Callable[[str], None] = print) -> dict:
     {"state", "arch", "tokenizer", "config", "path"}; "state" is the full TP=EP=1 state dict rebuilt from the
     shards in this process (no process group needed). Only JSON, safetensors, allow-listed metadata and
     weights-only tensors are read."""
-    from moe.dist_checkpoint import DistCheckpointError, read_full_state_dict
-
     for _ in range(store._RESCANS):
         chosen = resolve_checkpoint(path, say)
         if chosen is None:
@@ -598,7 +579,7 @@ def load_run_checkpoint(path: str, say: Callable[[str], None] = print) -> dict:
                 raise CheckpointError(f"{chosen}/{STATE} has no model_index (written by another megagspo version?)")
             if not isinstance(state.get("arch"), dict) or not isinstance(state.get("tokenizer"), str):
                 raise CheckpointError(f"{chosen}/{STATE} names no model architecture or tokenizer")
-            full = read_full_state_dict(os.path.join(chosen, MODEL_DIR), index)
+            full = dist_checkpoint.read_full_state_dict(os.path.join(chosen, MODEL_DIR), index)
             return {"state": full, "arch": state.get("arch"), "tokenizer": state.get("tokenizer"),
                     "config": state.get("config"), "path": chosen}
         except (DistCheckpointError, JsonFileError, OSError) as exc:

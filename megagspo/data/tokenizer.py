@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import os
 
+from megagspo.errors import first_line
+from megagspo.errors import show_value as _show
+from moe.json_files import read_json
+
 PROMPT_FORMATS = ("auto", "chat", "plain")
 
 # Files a Hugging Face tokenizer folder holds: tokenizer.json (fast tokenizers), or a tokenizer_config.json
@@ -78,8 +82,6 @@ def _generation_config(path: str) -> dict:
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
         return {}
-    from moe.json_files import read_json
-
     return read_json(file)  # a JsonFileError (ValueError) naming the file when it cannot be trusted
 
 
@@ -89,8 +91,6 @@ def _token_ids(value, where: str) -> list[int]:
         return []
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        from megagspo.errors import show_value as _show
-
         raise ValueError(f"{where} must be a token id or a list of token ids, got {_show(value)}")
     return values
 
@@ -108,16 +108,12 @@ class HFTokenizer:
                              f"tokenizer_config.json with its vocabulary files ({', '.join(_TOKENIZER_FILES[2:])})")
         from transformers import AutoTokenizer
 
-        from moe.json_files import read_json
-
         for name in _FOLDER_JSON:  # transformers parses these unbounded: each passes the bounded reader first
             if os.path.isfile(os.path.join(path, name)):
                 read_json(os.path.join(path, name))  # JsonFileError (a ValueError) naming the file
         try:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - transformers raises many types; each becomes one clear error
-            from megagspo.errors import first_line
-
             raise ValueError(f"tokenizer folder {path!r} could not be loaded ({type(exc).__name__}: "
                              f"{first_line(exc, 200)}); expected tokenizer.json, or tokenizer_config.json with its "
                              "vocabulary files") from None
