@@ -4,7 +4,8 @@ process groups of a started run (`ParallelDims`, built once where Megatron-Core'
 
     ParallelLayout   TP / EP / PP (/ expert-TP) sizes, as a recipe asks for them
     ParallelShape    a layout over a world size: DP and expert-DP sizes; what the dry run and the planner check
-    ParallelDims     a ParallelShape plus this rank's groups and ranks (TP, PP, EP, DP, model-parallel = TP x PP)
+    ParallelDims     a ParallelShape plus this rank's groups and ranks (TP, PP, EP, expert-TP, DP, model-parallel
+                     = TP x PP)
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ class ParallelDims:
     dp_rank: int
     mp_group: Any
     mp_rank: int
+    etp_group: Any = None  # expert tensor parallelism (moe.sharding gathers expert shards over it)
+    etp_rank: int = 0
 
     @classmethod
     def from_process_groups(cls, layout: ParallelLayout) -> "ParallelDims":
@@ -151,7 +154,8 @@ class ParallelDims:
                    pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
                    ep_group=ps.get_expert_model_parallel_group(), ep_rank=ps.get_expert_model_parallel_rank(),
                    dp_group=ps.get_data_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
-                   mp_group=mp_group, mp_rank=dist.get_rank(mp_group))
+                   mp_group=mp_group, mp_rank=dist.get_rank(mp_group),
+                   etp_group=ps.get_expert_tensor_parallel_group(), etp_rank=ps.get_expert_tensor_parallel_rank())
         sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                  ps.get_expert_model_parallel_world_size(), ps.get_data_parallel_world_size(),
                  dist.get_world_size(mp_group))
@@ -189,6 +193,10 @@ class ParallelDims:
     @property
     def mp_size(self) -> int:
         return self.shape.mp_size
+
+    @property
+    def etp_size(self) -> int:
+        return self.layout.expert_tensor_parallel
 
     @property
     def seq_multiple(self) -> int:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moe.device import model_device
+from moe.parallel import ParallelDims
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts\.local_experts\.)(?P<index>\d+)(?P<suffix>\..*)$")
 _LAYER = re.compile(r"^(?P<prefix>decoder\.layers\.)(?P<index>\d+)(?P<suffix>\..*)$")
@@ -39,7 +40,8 @@ _LAYER = re.compile(r"^(?P<prefix>decoder\.layers\.)(?P<index>\d+)(?P<suffix>\..
 @dataclass(frozen=True)
 class RankCoordinates:
     """This rank's position in each tensor / expert parallel group and the group sizes (the pipeline stage
-    and its layer offset come from Megatron's parallel_state, see `layer_offset`)."""
+    and its layer offset come from Megatron's parallel_state, see `layer_offset`). `of(dims)` takes them from
+    a run's moe.parallel.ParallelDims; `current()` reads Megatron's parallel_state (callers without one)."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -47,6 +49,11 @@ class RankCoordinates:
     ep_size: int = 1
     etp_rank: int = 0
     etp_size: int = 1
+
+    @classmethod
+    def of(cls, dims: ParallelDims) -> "RankCoordinates":
+        return cls(tp_rank=dims.tp_rank, tp_size=dims.tp_size, ep_rank=dims.ep_rank, ep_size=dims.ep_size,
+                   etp_rank=dims.etp_rank, etp_size=dims.etp_size)
 
     @classmethod
     def current(cls) -> "RankCoordinates":
@@ -117,7 +124,7 @@ def full_names(model, coords: RankCoordinates | None = None) -> dict[str, str]:
     """local parameter name -> its full-model (TP=EP=PP=1) name on this rank: layers by global number,
     experts by global index, the tied embedding's last-stage copy by the embedding's name."""
     coords = coords or RankCoordinates.current()
-    num_local_experts = _num_local_experts(model)
+    num_local_experts = _num_local_experts(model, coords)
     offset = layer_offset(model)
     return {name: (TIED_EMBEDDING if is_tied_embedding_copy(model, name)
                    else local_to_full_name(name, coords, num_local_experts, offset))
@@ -173,13 +180,8 @@ def load_full_state_dict(model, full: dict[str, torch.Tensor], coords: RankCoord
         param.copy_(pieces[local_name])
 
 
-def _num_local_experts(model) -> int:
-    num_experts = model.config.num_moe_experts or 0
-    if not num_experts:
-        return 0
-    from megatron.core import parallel_state as ps
-
-    return num_experts // ps.get_expert_model_parallel_world_size()
+def _num_local_experts(model, coords: RankCoordinates) -> int:
+    return (model.config.num_moe_experts or 0) // coords.ep_size
 
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
@@ -189,7 +191,8 @@ Qwen3-30B-A3B tensors (its bf16 embedding alone is 594 MiB, and travels as a buc
 
 @torch.no_grad()
 def gather_full_state_dict(model, tensors: dict[str, torch.Tensor] | None = None,
-                           coords: RankCoordinates | None = None) -> dict[str, torch.Tensor]:
+                           coords: RankCoordinates | None = None,
+                           dims: ParallelDims | None = None) -> dict[str, torch.Tensor]:
     """The inverse of `local_view_of_full`: the full (TP=EP=PP=1) tensors under full names, on every rank.
 
     `tensors` maps local parameter names to tensors of the parameter's shape (default: the parameters
@@ -200,22 +203,23 @@ def gather_full_state_dict(model, tensors: dict[str, torch.Tensor] | None = None
     model, in stage order; the last stage's copy of a tied embedding is left out (the first stage's is the
     one). Every returned tensor has its own storage (none aliases a parameter). This holds the WHOLE model on
     every rank: to feed a rollout engine use `iter_full_state_buckets`. Collective over the TP, expert-TP, EP
-    and pipeline groups: every rank of them calls it.
+    and pipeline groups: every rank of them calls it. `dims`: as in `FullStateBuckets`.
     """
     out: dict[str, torch.Tensor] = {}
-    for bucket in FullStateBuckets(model, None, receive=True, tensors=tensors, coords=coords, copy=True):
+    for bucket in FullStateBuckets(model, None, receive=True, tensors=tensors, coords=coords, copy=True, dims=dims):
         out.update(bucket)
     return out
 
 
 def iter_full_state_buckets(model, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, *, receive: bool = True,
                             tensors: dict[str, torch.Tensor] | None = None,
-                            coords: RankCoordinates | None = None) -> "FullStateBuckets":
+                            coords: RankCoordinates | None = None,
+                            dims: ParallelDims | None = None) -> "FullStateBuckets":
     """The full (TP=EP=PP=1) model in buckets of at most `bucket_bytes`, gathered one bucket at a time;
     `receive`: whether THIS rank wants the buckets (ranks that do not get empty dicts). Collective: every rank of
     the TP / expert-TP / EP / pipeline groups calls it at once and iterates the result to the end. See
     `FullStateBuckets`."""
-    return FullStateBuckets(model, bucket_bytes, receive=receive, tensors=tensors, coords=coords)
+    return FullStateBuckets(model, bucket_bytes, receive=receive, tensors=tensors, coords=coords, dims=dims)
 
 
 @dataclass(frozen=True)
@@ -290,16 +294,16 @@ class FullStateBuckets:
 
     def __init__(self, model, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES, *, receive: bool = True,
                  tensors: dict[str, torch.Tensor] | None = None, coords: RankCoordinates | None = None,
-                 copy: bool = False) -> None:
-        from megatron.core import parallel_state as ps
-
+                 copy: bool = False, dims: ParallelDims | None = None) -> None:
+        """`dims`: the run's process layout (moe.parallel.ParallelDims), whose ranks and groups are used;
+        without it they are read from Megatron's parallel_state."""
         if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool)
                                          or bucket_bytes < 1):
             raise ValueError(f"bucket_bytes must be a positive integer (bytes) or None, got {bucket_bytes!r}")
         self.bucket_bytes = bucket_bytes
         self.receive = bool(receive)
         self.copy = copy
-        self.coords = coords = coords or RankCoordinates.current()
+        self.coords = coords = coords or (RankCoordinates.of(dims) if dims is not None else RankCoordinates.current())
         self._params = dict(model.named_parameters())
         self._tensors = tensors
         first = next(iter(self._params.values()), None)
@@ -307,9 +311,7 @@ class FullStateBuckets:
             self.device = first.device
         else:
             self.device = model_device()
-        self.stage = ps.get_pipeline_model_parallel_rank()
-        self._groups = {"tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group(),
-                        "ep": ps.get_expert_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group()}
+        self.stage, self._groups = _stage_and_groups(dims)
         self._members = {kind: _group_ranks(group) for kind, group in self._groups.items()}
         dist = torch.distributed
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -493,10 +495,22 @@ class FullStateBuckets:
         return out
 
 
+def _stage_and_groups(dims: ParallelDims | None) -> tuple[int, dict]:
+    """This rank's pipeline stage and its TP / expert-TP / EP / PP groups: from `dims`, else Megatron's
+    parallel_state."""
+    if dims is not None:
+        return dims.pp_rank, {"tp": dims.tp_group, "etp": dims.etp_group, "ep": dims.ep_group, "pp": dims.pp_group}
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_rank(), {
+        "tp": ps.get_tensor_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group(),
+        "ep": ps.get_expert_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group()}
+
+
 def _stage_plan(model, coords: RankCoordinates, stage: int, tensors) -> list[BucketEntry]:
     """This pipeline stage's tensors in sync order (identical on its TP and EP ranks)."""
     gated = bool(getattr(model.config, "gated_linear_unit", True))
-    num_local_experts = _num_local_experts(model)
+    num_local_experts = _num_local_experts(model, coords)
     offset = layer_offset(model)
     names = full_names(model, coords)
     out: list[BucketEntry] = []

@@ -429,14 +429,15 @@ def _layouts_body(rank, world_size, seed, cases, memory_case):
         arch = _arch(tie)
         full = _full_state(arch, seed)
         layout = ParallelLayout(**layout_kwargs)
-        initialize_model_parallel(layout)
+        dims = initialize_model_parallel(layout)
         model = build_model(arch, layout, **overrides)
         load_full_state_dict(model, full)
         generates = torch.distributed.get_rank(ps.get_model_parallel_group()) == 0
-        every = _summary(iter_full_state_buckets(model, cap))
-        rollout = _summary(iter_full_state_buckets(model, cap, receive=generates))
+        every = _summary(iter_full_state_buckets(model, cap))  # ranks and groups read from parallel_state
+        # ranks and groups from the run's ParallelDims (the trainer's weight sync): the same plan and tensors
+        rollout = _summary(iter_full_state_buckets(model, cap, receive=generates, dims=dims))
         engine = HFRolloutEngine(arch, _Tok(), record_routes=False)
-        engine.update_weights_from_buckets(iter_full_state_buckets(model, cap, receive=generates))
+        engine.update_weights_from_buckets(iter_full_state_buckets(model, cap, receive=generates, dims=dims))
         out[label] = dict(full=full, gathered=gather_full_state_dict(model), every=every, rollout=rollout,
                           generates=generates, engine={k: v.clone() for k, v in engine.model.state_dict().items()},
                           sizes=(ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Optional
 
 import torch
+
+from megagspo.errors import write_failure_message
+from moe.hf_checkpoint import all_finite
 
 from .guards import load_safetensors, safe_torch_load
 from . import store
@@ -24,13 +28,21 @@ def save_full_checkpoint(path: str, state: dict, arch, tokenizer: str, config: d
         torch.save({"state": state, "arch": arch.__dict__, "tokenizer": tokenizer, "config": config}, path + ".tmp")
         os.replace(path + ".tmp", path)
     except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
-        from megagspo.errors import write_failure_message
-
         reason = write_failure_message(exc, path)
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
         raise CheckpointError(f"writing {path} failed: {reason}; the step checkpoints under {intact} are intact") \
             from None
+
+
+def save_full_weights(dims, policy, path: str, arch, tokenizer: str, config: dict, intact: str) -> Optional[str]:
+    """Collective: the full (TP=EP=PP=1) weights of `policy` (every rank gathers: moe.parallel.ParallelDims
+    `dims`, a MegatronPolicy) written by global rank 0 as `path` (save_full_checkpoint); a failed write stops
+    every rank together. -> `path` on rank 0, None elsewhere."""
+    state = policy.full_state_dict()  # collective under EP: every rank calls it
+    dims.on_rank0(f"writing {os.path.basename(path)}",
+                  lambda: save_full_checkpoint(path, state, arch, tokenizer, config, intact=intact))
+    return path if dims.is_main else None
 
 
 def load_checkpoint(path: str, say=print) -> dict:
@@ -85,8 +97,6 @@ def require_finite(path: str, state: dict) -> None:
     holds a NaN or an infinity (one aminmax per tensor: moe.hf_checkpoint.all_finite). A step checkpoint
     folder is checked the same way, chunk by chunk, before it is chosen (state.check_run_checkpoint), so an
     older one is taken instead; a single file has nothing older to fall back to."""
-    from moe.hf_checkpoint import all_finite
-
     bad = [name for name, t in state.items() if not all_finite(t)]
     if bad:
         raise NonFiniteCheckpoint(f"{path}: {len(bad)} tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from megagspo.config import Config
 from megagspo.rollout import RolloutEngine, RolloutOutput, SamplingParams
 from megagspo.trainer.policy import MegatronPolicy
 from moe.parallel import ParallelDims
@@ -27,7 +28,7 @@ class EngineLink:
         for the embedded engine the ranks that generate, model-parallel rank 0 of each data-parallel rank; for
         SGLang rank 0, which sends); the others relay their shards and iterate empty buckets."""
         t0 = time.perf_counter()
-        buckets = iter_full_state_buckets(self.policy.model, self.bucket_bytes,
+        buckets = iter_full_state_buckets(self.policy.model, self.bucket_bytes, dims=self.dims,
                                           receive=self.engine.weights_needed(self.dims.generates))
         self.engine.update_weights_from_buckets(buckets)
         return time.perf_counter() - t0
@@ -37,3 +38,11 @@ class EngineLink:
         one data-parallel rank) generates and broadcasts to its peers, so that they all train on the same
         rollouts."""
         return self.dims.on_mp_rank0("rollout generation", lambda: self.engine.generate(prompt_ids, n, sampling))
+
+
+def build_engine(engine_cls: type, arch, tokenizer, cfg: Config) -> RolloutEngine:
+    """The run's rollout engine (rollout.engine's class): SGLang gets rollout.sglang; the embedded engine takes
+    the policy's precision on a GPU (bf16 -> bf16), fp32 on the CPU (hf_engine)."""
+    kwargs = ({"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang"
+              else {"dtype": cfg.model.precision} if cfg.rollout.engine == "hf" else {})
+    return engine_cls(arch, tokenizer, record_routes=cfg.rollout.record_routes, **kwargs)

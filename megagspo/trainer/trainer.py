@@ -3,11 +3,11 @@ checkpoints and preemption. The parts never see it: each is built from explicit 
 
     Trainer(cfg)   preflight (layout, data, tokenizer, architecture, model.init_from: megagspo.trainer.preflight)
                    -> process groups (ParallelDims, moe.parallel) -> the run folder's lock -> resume point
-                   -> policy (+ KLReference), rollout engine (EngineLink), metrics files
+                   -> policy (+ KLReference: models), rollout engine (engine_link), metrics files (run_files)
                    -> Evaluator, ColdStartSFT, RLStep (megagspo.trainer.evaluation / sft / rl_step)
     train()        held-out accuracy -> cold-start SFT -> step_000000
                    -> RL steps (collect -> score -> prepare -> old_policy -> update -> summarize), evaluation
-                      every rl.eval_every steps, a checkpoint when due or on SIGTERM / SIGINT
+                      every rl.eval_every steps (step_rows), a checkpoint when due or on SIGTERM / SIGINT
                    -> summary.json, plots, checkpoint.pt
 
 Tensor and pipeline parallelism: the TP x PP ranks of one data-parallel rank (its model-parallel group) get
@@ -25,27 +25,26 @@ import time
 from typing import Callable, Optional
 
 import torch
-from tqdm import tqdm
 
 from megagspo.checkpoint import CheckpointManager, Preempted, StopRequest
-from megagspo.checkpoint.full_state import save_full_checkpoint
+from megagspo.checkpoint.full_state import save_full_weights
 from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
 from megagspo.checkpoint.state import RunParts, RunRng
 from megagspo.config import Config
 from megagspo.data import PromptDataset
 from megagspo.metrics_log import cold_start_line, eval_record, final_line
 from megagspo.rollout import SamplingParams
-from megagspo.trainer.engine_link import EngineLink
+from megagspo.trainer.console import Console
+from megagspo.trainer.engine_link import EngineLink, build_engine
 from megagspo.trainer.evaluation import Evaluator
 from megagspo.trainer.hooks import RunHooks
-from megagspo.trainer.init_weights import load_init_weights
-from megagspo.trainer.kl_reference import KLReference
-from megagspo.trainer.policy import MegatronPolicy, setup_parallel
+from megagspo.trainer.models import build_models, rl_optimizer_settings
+from megagspo.trainer.policy import setup_parallel
 from megagspo.trainer.rl_step import RLStep
 from megagspo.trainer.run_files import open_run_files, write_summary
 from megagspo.trainer.run_inputs import RunInputs, read_run_inputs
 from megagspo.trainer.sft import ColdStartSFT
-from moe.optimizer import OptimizerSettings
+from megagspo.trainer.step_rows import StepRows, bar_postfix
 
 
 class Trainer:
@@ -78,15 +77,16 @@ class Trainer:
         self.ckpt = CheckpointManager(cfg, self.dims)
         self.resume = self.ckpt.find_resume(arch, len(inputs.train))
         self.stop = StopRequest()
-        self._build_models(cfg, arch, inputs.checked.init_source)
-        # the embedded engine takes the policy's precision on a GPU (bf16 -> bf16), fp32 on the CPU (hf_engine)
-        engine_kwargs = ({"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang"
-                         else {"dtype": cfg.model.precision} if cfg.rollout.engine == "hf" else {})
-        self.engine = inputs.engine_cls(arch, self.tokenizer, record_routes=cfg.rollout.record_routes, **engine_kwargs)
+        # the policy, and the frozen KL reference (rl.kl_coef > 0) before the RNG is reseeded (models.py)
+        self.policy, self.reference = build_models(cfg, arch, self.dims, self.ckpt, self.resume,
+                                                   inputs.checked.init_source, self.adamw_class)
+        self.optimizer = None  # the RL optimizer, made by run_rl (SFT has its own, freed after the cold start)
+        self.engine = build_engine(inputs.engine_cls, arch, self.tokenizer, cfg)
         self.link = EngineLink(self.dims, self.policy, self.engine, cfg.rollout.sync_bucket_mib)
-        self.sync_weights()
+        self.link.sync_weights()  # the engine starts from the policy's weights
         self.train_ds = PromptDataset(inputs.train, seed=cfg.seed + 17)
         self.quiet = quiet or not self.dims.is_main
+        self.console = Console(self.dims.is_main, show_progress=not self.quiet and cfg.log.progress)
         self.logger = open_run_files(cfg, self.dims, self.ckpt, self.resume)
         # Sampling randomness differs per data-parallel rank; the TP ranks of one DP rank draw the same
         # (rank == dp_rank without TP). Training rollouts are also broadcast from TP rank 0 (EngineLink).
@@ -101,39 +101,15 @@ class Trainer:
             print(self.logger.tb_note)
         self._build_parts(cfg, inputs)
 
-    def _build_models(self, cfg: Config, arch, init_source) -> None:
-        """The policy (weights from the resumed checkpoint, else model.init_from) and, at rl.kl_coef > 0, the
-        frozen KL reference: a second Megatron model of the same layout, built before the RNG is reseeded so
-        that building it changes no random draw of the run. Its weights are the policy's at the start of RL
-        (KLReference.start_from: a fresh run, or a resume from step_000000, whose weights ARE the start of RL)
-        or read back from <run>/reference.safetensors (KLReference.resume)."""
-        def policy(frozen: bool = False):
-            return MegatronPolicy(arch, self.dims, cfg.parallel, cfg.rl.logprob_impl, frozen=frozen,
-                                  precision=cfg.model.precision, logprob_path=cfg.model.logprob_path,
-                                  logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-                                  implementation=cfg.model.implementation(), adamw_class=self.adamw_class)
-
-        self.policy = policy()
-        if self.resume:
-            self.ckpt.load_model(self.policy, self.resume)  # the engine gets these weights from sync_weights
-        else:  # a resume's weights come from its checkpoint: model.init_from is not read again
-            load_init_weights(self.policy, init_source, arch)
-        self.optimizer = None  # the RL optimizer, made by run_rl (SFT has its own, freed after the cold start)
-        self.reference = None
-        if cfg.rl.kl_coef > 0:
-            self.reference = KLReference(self.dims, policy(frozen=True), cfg.run_dir(), self.ckpt.run_id)
-            if self.resume and self.resume["state"]["step"] > 0:
-                self.reference.resume(self.resume["path"])
-
     def _build_parts(self, cfg: Config, inputs: RunInputs) -> None:
         """Held-out evaluation, cold-start SFT and the RL step, each from the inputs it uses."""
-        hooks = RunHooks(log=self.logger.log, say=self._say, progress=self._progress,
+        hooks = RunHooks(log=self.logger.log, say=self.console.say, progress=self.console.progress,
                          stop_requested=self.stop.requested, preempted=self._preempted)
         self.evaluator = Evaluator(self.dims, self.engine, self.tokenizer, self.reward_fn, inputs.held_out,
                                    cfg.data.max_response_tokens, cfg.rl.eval_samples, cfg.rollout.temperature,
                                    cfg.rollout.top_p)
         self.sft = ColdStartSFT(self.dims, self.policy, self.tokenizer, self.train_ds, cfg.sft, self.link,
-                                self.evaluate, hooks)
+                                self.evaluator, hooks)
         sampling = SamplingParams(cfg.data.max_response_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p)
         self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reward_fn,
@@ -150,13 +126,6 @@ class Trainer:
                         rollouts_ahead=getattr(getattr(self, "step", None), "ahead", None))
 
     # ------------------------------------------------------------------------------------------- the parts
-    def sync_weights(self) -> float:
-        """The policy's weights to the rollout engine (collective; EngineLink.sync_weights); returns seconds."""
-        return self.link.sync_weights()
-
-    def evaluate(self) -> dict:
-        return self.evaluator()
-
     def run_sft(self) -> dict:
         return self.sft()
 
@@ -167,9 +136,7 @@ class Trainer:
     def make_rl_optimizer(self):
         """Megatron's distributed optimizer (AdamW) for the RL updates (rl.lr, betas, weight decay, clip);
         its fp32 master weights start from the policy's weights now (after cold-start SFT / init / resume)."""
-        cfg = self.cfg.rl
-        return self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                            beta1=cfg.beta1, beta2=cfg.beta2, clip_grad=cfg.grad_clip))
+        return self.policy.make_optimizer(rl_optimizer_settings(self.cfg))
 
     # ------------------------------------------------------------------------------------------- the loop
     def run_rl(self, cold_start: dict, start_step: int = 0) -> dict:
@@ -179,31 +146,20 @@ class Trainer:
             self.ckpt.load_optimizer(self.policy, self.optimizer, self.resume)
         if self.reference is not None and not self.reference.ready:
             self.reference.start_from(self.policy)
-        bar = self._progress(cfg.steps, f"{cfg.loss.upper()} RL")
-        last_eval = dict(cold_start)
+        bar = self.console.progress(cfg.steps, f"{cfg.loss.upper()} RL")
+        rows = StepRows(self.evaluator, cfg.eval_every, cfg.steps, cold_start)  # held-out every rl.eval_every
         if bar is not None and start_step:
             bar.update(start_step)
         for step in range(start_step, cfg.steps):
-            row = {"phase": "rl", "step": step}
-            row.update(self.rl_step(step))
-            fresh = (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1
-            if fresh:
-                t = time.perf_counter()
-                last_eval = self.evaluate()
-                row["time/eval_s"] = time.perf_counter() - t
-            else:
-                row["time/eval_s"] = 0.0
-            row.update({k: v for k, v in last_eval.items() if k != "eval/count"})
-            row["eval/fresh"] = 1.0 if fresh else 0.0
+            row = rows(step, self.rl_step(step))
             self.logger.log(row)
-            self._checkpoint_and_maybe_stop(step + 1, last_eval)
+            self._checkpoint_and_maybe_stop(step + 1, rows.last_eval)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(reward=f"{row['reward/mean']:.3f}", acc=f"{row['eval/accuracy']:.3f}",
-                                tok_s=f"{row['throughput/tokens_per_s']:.0f}")
+                bar.set_postfix(**bar_postfix(row))
         if bar is not None:
             bar.close()
-        return last_eval
+        return rows.last_eval
 
     def train(self, rl: bool = True) -> dict:
         self.stop.install()
@@ -218,13 +174,13 @@ class Trainer:
         t0 = time.perf_counter()
         if self.resume and rl and self.cfg.rl.steps:
             return self._train_resumed(t0)
-        base = self.evaluate()
+        base = self.evaluator()
         self.summary["init/accuracy"] = base["eval/accuracy"]
         self.summary.update(self.run_sft())
         self._stop_if_metrics_unwritable()
         if self.cfg.sft.steps and self.cfg.log.save_checkpoint and rl and self.cfg.rl.steps:
             self.save_checkpoint("cold_start.pt")  # megagspo train model.init_from=<run>/cold_start.pt sft.steps=0
-        cold = self.evaluate()
+        cold = self.evaluator()
         self.summary.update(eval_record("cold_start", cold, self.cfg.rl.eval_samples))  # only what was measured
         self.logger.log({"phase": "cold_start", "step": 0, "eval/accuracy": cold["eval/accuracy"],
                          "init/accuracy": base["eval/accuracy"]})
@@ -236,14 +192,11 @@ class Trainer:
             if signum:
                 raise self._preempted("stopped by a signal after cold-start SFT; checkpoint step_000000 written; "
                                       "continue with --resume", signum)
-        self._say(cold_start_line(base, cold, self.cfg.sft.steps))
+        self.console.say(cold_start_line(base, cold, self.cfg.sft.steps))
         if rl and self.cfg.rl.steps:
-            t_rl = time.perf_counter()
-            final = self.run_rl(cold)
-            self.summary["rl/time_s"] = time.perf_counter() - t_rl
-            self._record_final(final)
-            self._say(final_line(final, cold, self.cfg.rl.steps, self.cfg.rl.loss, self.cfg.sft.steps,
-                                 self.cfg.rl.eval_samples, self.cfg.rollout.temperature))
+            final = self._timed_rl(cold)
+            self.console.say(final_line(final, cold, self.cfg.rl.steps, self.cfg.rl.loss, self.cfg.sft.steps,
+                                        self.cfg.rl.eval_samples, self.cfg.rollout.temperature))
         return self._finish(t0)
 
     def _train_resumed(self, t0: float) -> dict:
@@ -251,19 +204,21 @@ class Trainer:
         state = self.resume["state"]
         self.summary.update(state.get("summary", {}))
         cold = dict(state["last_eval"])
-        if state["step"] < self.cfg.rl.steps:
-            t_rl = time.perf_counter()
-            final = self.run_rl(cold, start_step=state["step"])
-            self.summary["rl/time_s"] = self.summary.get("rl/time_s", 0.0) + time.perf_counter() - t_rl
-        else:
-            final = cold
-        self._record_final(final)
-        self._say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps (resumed at step "
-                  f"{state['step']}): greedy {final['eval/accuracy']:.3f}")
+        final = self._timed_rl(cold, state["step"]) if state["step"] < self.cfg.rl.steps else self._record_final(cold)
+        self.console.say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps (resumed at step "
+                         f"{state['step']}): greedy {final['eval/accuracy']:.3f}")
         return self._finish(t0)
 
-    def _record_final(self, final: dict) -> None:
+    def _timed_rl(self, cold: dict, start_step: int = 0) -> dict:
+        """run_rl, its time added to the summary's rl/time_s (a resumed run adds to the earlier runs' time)."""
+        t_rl = time.perf_counter()
+        final = self.run_rl(cold, start_step)
+        self.summary["rl/time_s"] = self.summary.get("rl/time_s", 0.0) + time.perf_counter() - t_rl
+        return self._record_final(final)
+
+    def _record_final(self, final: dict) -> dict:
         self.summary.update(eval_record("final", final, self.cfg.rl.eval_samples))  # only what was measured
+        return final
 
     def _finish(self, t0: float) -> dict:
         if self.cfg.log.save_checkpoint:
@@ -273,7 +228,7 @@ class Trainer:
         self.summary["total_time_s"] = time.perf_counter() - t0
         if self.dims.is_main:
             write_summary(self.cfg, self.summary, self.logger.rows)
-            self._say(f"run folder: {self.cfg.run_dir()} (metrics.jsonl, summary.json, plots)")
+            self.console.say(f"run folder: {self.cfg.run_dir()} (metrics.jsonl, summary.json, plots)")
         self.logger.close()
         return self.summary
 
@@ -301,18 +256,5 @@ class Trainer:
     def save_checkpoint(self, name: str = "checkpoint.pt") -> Optional[str]:
         """Collective: the full (TP=EP=PP=1) weights as <run>/<name> (weights-only torch file, atomic), for
         `megagspo export` and `model.init_from`; a failed write stops every rank together."""
-        state = self.policy.full_state_dict()  # collective under EP: every rank calls it
-        path = os.path.join(self.cfg.run_dir(), name)
-        self.dims.on_rank0(f"writing {name}", lambda: save_full_checkpoint(
-            path, state, self.arch, self.cfg.data.tokenizer, self.cfg.to_dict(), intact=self.ckpt.root))
-        return path if self.dims.is_main else None
-
-    # ------------------------------------------------------------------------------------------- output
-    def _progress(self, total: int, desc: str):
-        if self.quiet or not self.cfg.log.progress:
-            return None
-        return tqdm(total=total, desc=desc, dynamic_ncols=True)
-
-    def _say(self, msg: str) -> None:
-        if self.dims.is_main:
-            print(msg, flush=True)
+        return save_full_weights(self.dims, self.policy, os.path.join(self.cfg.run_dir(), name), self.arch,
+                                 self.cfg.data.tokenizer, self.cfg.to_dict(), intact=self.ckpt.root)
