@@ -159,7 +159,8 @@ def _budget_body(rank, world_size, out_dir, seed, layout):
 @pytest.mark.multiprocess
 def test_token_budget_micro_batches_equal_the_padded_step_at_dp2_ep2(tmp_path):
     """DP=2 x EP=2: micro-batches of at most 24 tokens (each rank's 8 sequences of ~8-12 tokens per mini-batch
-    need 3-5 of them; both ranks run the larger count) against padded whole mini-batches."""
+    need 3-5 of them; both ranks run the larger count), each mini-batch's sequences re-partitioned over the
+    ranks by tokens (megagspo.trainer.dp_balance), against padded whole mini-batches as generated."""
     seed = fresh_seed()
     padded = run_distributed(_budget_body, world_size=2, args=(str(tmp_path / "padded"), seed, ["rl.packing=false"]),
                              timeout_s=300)
@@ -170,6 +171,9 @@ def test_token_budget_micro_batches_equal_the_padded_step_at_dp2_ep2(tmp_path):
     for row in budget[0][0][0]:  # every sequence is shorter than the budget: every micro-batch fits it
         assert 0 < row["batch/tokens_per_micro_batch_min"] <= row["batch/tokens_per_micro_batch_max"] <= 24
         assert row["batch/pad_fraction"] == 0.0
+    # the sequences were re-partitioned over the two ranks: their token counts at least as even as generated
+    for row, ref in zip(budget[0][0][0], padded[0][0][0]):
+        assert 1.0 <= row["batch/dp_tokens_max_over_mean"] <= ref["batch/dp_tokens_max_over_mean"]
 
 
 def test_token_budget_adds_micro_batches_until_each_fits():
@@ -184,3 +188,19 @@ def test_token_budget_adds_micro_batches_until_each_fits():
     lengths = torch.tensor([40, 40, 40])  # 120 tokens, budget 60: two groups cannot hold three 40s
     split = token_budget_split([torch.arange(3)], lengths, budget=60, dims=_Dims())[0]
     assert len(split) == 3
+
+
+def test_equal_count_partition_balances_tokens():
+    from megagspo.trainer.dp_balance import equal_count_longest_first
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    lengths = torch.randint(1, 500, (48,), generator=gen).tolist()
+    groups = equal_count_longest_first(lengths, 4)
+    assert sorted(i for g in groups for i in g) == list(range(48)) and {len(g) for g in groups} == {12}
+    loads = [sum(lengths[i] for i in g) for g in groups]
+    assert max(loads) - min(loads) <= max(lengths), loads
+    # by hand: 100 -> A, 60 -> B, 50 -> B (110), 3 -> A, 2 -> A (full: 105), 1 -> B (111)
+    groups = equal_count_longest_first([100, 1, 2, 3, 50, 60], 2)
+    assert groups == [[0, 2, 3], [1, 4, 5]]
+    with pytest.raises(ValueError, match="equal groups"):
+        equal_count_longest_first([1, 2, 3], 2)

@@ -35,6 +35,7 @@ from megagspo.algorithm import PackedBatch, group_advantages, merge_metrics
 from megagspo.algorithm.registry import build_advantage_config
 from megagspo.rewards import RewardStats, score_batch
 from megagspo.rollout import SamplingParams
+from megagspo.trainer.dp_balance import balance_over_dp
 from megagspo.trainer.dynamic_sampling import GroupFilter, merge_stats
 from megagspo.trainer.engine_link import EngineLink
 from megagspo.trainer.kl_reference import KLReference
@@ -82,6 +83,7 @@ class UpdateBatch:
     mask_RS: torch.Tensor
     rollout_logp_RS: torch.Tensor
     advantages_R: torch.Tensor                  # on the model's device
+    routes_RPLyK: Optional[torch.Tensor]        # the engine's routes of these rows (R3 / rollout old_logp), or None
     minis: List[List[MicroBatch]]               # minis[k][j]
     tokens_per_mini: List[float]                # response tokens of each mini-batch over all DP ranks
     sequences_per_mini: int                     # sequences of each mini-batch over all DP ranks
@@ -160,7 +162,7 @@ class RLStep:
         row.update(times)
         step_time = time.perf_counter() - t0
         row["time/step_s"] = step_time
-        row["throughput/tokens_per_s"] = (float(batch.mask_RS.sum()) * self.dims.dp_size) / step_time
+        row["throughput/tokens_per_s"] = (float(rollouts.out.response_mask_RL.sum()) * self.dims.dp_size) / step_time
         return row
 
     # -------------------------------------------------------------------------------------------- stages
@@ -252,6 +254,12 @@ class RLStep:
                                row_lengths(out.prompt_ids, out.response_mask_RL), self.tokenizer.pad_id)
         perm = torch.randperm(num_rows, generator=self.sample_gen)
         mini_rows = list(perm.chunk(cfg.mini_batches))
+        advantages_R, routes_RPLyK = scores.advantages_R.to(dev), out.routes_RPLyK
+        if cfg.max_tokens_per_micro_batch and self.dims.dp_size > 1:
+            # each mini-batch's sequences re-partitioned over the DP ranks: equal counts, nearly equal tokens
+            balanced = balance_over_dp(self.dims, rows_data, advantages_R, routes_RPLyK, mini_rows)
+            rows_data, advantages_R, routes_RPLyK = balanced.rows, balanced.advantages_R, balanced.routes_RPLyK
+            mini_rows = balanced.mini_rows
         # the gradients of a mini-batch's micro-batches accumulate before its one reduction / clip / optimizer step
         if cfg.max_tokens_per_micro_batch:
             split = token_budget_split(mini_rows, rows_data.lengths_R, cfg.max_tokens_per_micro_batch, self.dims)
@@ -260,9 +268,9 @@ class RLStep:
         minis = [[MicroBatch(k, j, rows, micro_input(rows_data, rows, cfg.packing, self.dims))
                   for j, rows in enumerate(micro)] for k, micro in enumerate(split)]
         return UpdateBatch(
-            input_RS=input_RS, target_RS=target_RS, mask_RS=mask_RS, rollout_logp_RS=rollout_logp_RS,
-            advantages_R=scores.advantages_R.to(dev), minis=minis,
-            tokens_per_mini=self.dims.dp_sum([float(mask_RS[rows].sum()) for rows in mini_rows]),
+            input_RS=rows_data.input_RS, target_RS=rows_data.target_RS, mask_RS=rows_data.mask_RS,
+            rollout_logp_RS=rows_data.rollout_logp_RS, advantages_R=advantages_R, routes_RPLyK=routes_RPLyK,
+            minis=minis, tokens_per_mini=self.dims.dp_sum([float(rows_data.mask_RS[rows].sum()) for rows in mini_rows]),
             sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
 
     def old_policy(self, batch: UpdateBatch, rollouts: Rollouts) -> None:
@@ -271,7 +279,7 @@ class RLStep:
         policy = self.policy
         flat = batch.micro_batches
         seq_len = batch.input_RS.shape[1]
-        routes_RPLyK = rollouts.out.routes_RPLyK
+        routes_RPLyK = batch.routes_RPLyK
         if cfg.old_logp == "recompute":
             if cfg.routing_replay == "r3":
                 for mb in flat:
@@ -355,49 +363,55 @@ class RLStep:
         return policy_loss
 
     def summarize(self, rollouts: Rollouts, scores: Scores, batch: UpdateBatch, updates: Updates) -> dict:
-        """The step's metrics: counts summed over the data-parallel group by name, then normalised."""
+        """The step's metrics: counts summed over the data-parallel group by name; the loss's metrics merged over
+        the ranks as if computed on the union of their sequences (merge_metrics: fractions and means weighted by
+        their counts), so they do not depend on which rank held which sequence."""
         m = self.dims.from_last_stage({k: float(v) for k, v in merge_metrics(updates.metric_parts).items()}
                                       if updates.metric_parts else None)
         out, rewards_R = rollouts.out, scores.rewards_R
         local = {
             "reward": float(rewards_R.sum()), "correct": float((rewards_R >= 1.0).sum()),
             "response_tokens": float(out.response_mask_RL.sum(1).float().sum()),
-            "rows": float(batch.input_RS.shape[0]),
+            "rows": float(out.response_ids_RL.shape[0]),
             "reward_errors": float(scores.stats.errors), "vol_changed": updates.volatility_changed,
-            "vol_total": updates.volatility_total, "clip_seq": m["seq/clip_frac"], "clip_tok": m["tok/clip_frac"],
-            "clip_seq_low": m["seq/clip_low_frac"], "clip_seq_high": m["seq/clip_high_frac"],
-            "kl_old": m["kl/approx_old"], "entropy": m.get("entropy/mean", 0.0), "ratio": m["ratio/mean"],
-            "loss": m["loss"], "nonzero_adv": float((scores.advantages_R != 0).sum()),
+            "vol_total": updates.volatility_total, "nonzero_adv": float((scores.advantages_R != 0).sum()),
             "reward_clamped": float(scores.stats.clamped), "reward_timeouts": float(scores.stats.timeouts),
         }
-        if self.reference is not None:
-            local.update({"kl_ref": m["kl/ref"], "loss_kl": m["loss/kl"]})
-        # the rollout -> trainer mismatch and what the rollout correction did (whenever the engine's log-probs
-        # met a recomputed pi_old): the same keys on every rank, as the config is
-        local.update({k: m[k] for k in sorted(m) if k.startswith(DIAGNOSTIC_PREFIXES)})
         total = dict(zip(local, self.dims.dp_sum(list(local.values()))))
-        row = _metrics_row(total, self.dims.dp_size, updates, with_reference=self.reference is not None)
+        row = _metrics_row(total, self._union_over_dp(m), updates, with_reference=self.reference is not None)
         row.update(self.batch_metrics(batch))
         return row
 
+    def _union_over_dp(self, m: dict) -> dict:
+        """Every data-parallel rank's merged loss metrics, merged again over the ranks (merge_metrics)."""
+        keys = sorted(m)
+        per_rank = gather_over_dp(self.dims, [m[k] for k in keys])
+        parts = [{k: torch.tensor(v, dtype=torch.float64) for k, v in zip(keys, values)} for values in per_rank]
+        return {k: float(v) for k, v in merge_metrics(parts).items()}
+
     def batch_metrics(self, batch: UpdateBatch) -> dict:
         """batch/pad_fraction: padded / computed tokens of the step's micro-batches (0 when packed, but for the
-        TP alignment); batch/tokens_per_micro_batch_min / _max: computed tokens per micro-batch over all ranks."""
+        TP alignment); batch/tokens_per_micro_batch_min / _max: computed tokens per micro-batch over all ranks;
+        batch/dp_tokens_max_over_mean: how unevenly the ranks' real tokens are spread."""
         views = [mb.view for mb in batch.micro_batches]
         computed = [float(v.computed_tokens) for v in views]
-        real, total = self.dims.dp_sum([float(sum(v.real_tokens for v in views)), sum(computed)])
-        extremes = gather_over_dp(self.dims, [min(computed), max(computed)])
+        per_rank = gather_over_dp(self.dims, [float(sum(v.real_tokens for v in views)), sum(computed),
+                                              min(computed), max(computed)])
+        real, total = (sum(r[i] for r in per_rank) for i in (0, 1))
         return {"batch/pad_fraction": 1.0 - real / total,
-                "batch/tokens_per_micro_batch_min": min(e[0] for e in extremes),
-                "batch/tokens_per_micro_batch_max": max(e[1] for e in extremes)}
+                "batch/tokens_per_micro_batch_min": min(r[2] for r in per_rank),
+                "batch/tokens_per_micro_batch_max": max(r[3] for r in per_rank),
+                # the fullest data-parallel rank's real tokens over the ranks' mean (1 = balanced)
+                "batch/dp_tokens_max_over_mean": max(r[0] for r in per_rank) * len(per_rank) / max(real, 1.0)}
 
 
-# loss metrics logged as they are (means over the data-parallel ranks): megagspo.algorithm.rollout_correction
+# loss metrics logged as they are (unions over the data-parallel ranks): megagspo.algorithm.rollout_correction
 DIAGNOSTIC_PREFIXES = ("mismatch/", "rollout_correction/", "rollout_is/")
 
 
-def _metrics_row(total: dict, d: int, updates: Updates, with_reference: bool) -> dict:
-    """The logged row from the counts summed over the `d` data-parallel ranks."""
+def _metrics_row(total: dict, union: dict, updates: Updates, with_reference: bool) -> dict:
+    """The logged row from the counts summed over the data-parallel ranks (`total`) and the loss's metrics
+    merged over them (`union`)."""
     rows, gnorms = total["rows"], updates.grad_norms
     row = {
         "reward/mean": total["reward"] / rows, "reward/accuracy": total["correct"] / rows,
@@ -406,16 +420,15 @@ def _metrics_row(total: dict, d: int, updates: Updates, with_reference: bool) ->
         "reward/nonzero_adv_frac": total["nonzero_adv"] / rows,
         "response/length_mean": total["response_tokens"] / rows,
         "moe/expert_volatility": VolatilityTally.fraction(total["vol_changed"], total["vol_total"]),
-        # per-rank means of the loss's own fractions: averaged over the data-parallel ranks
-        "clip/seq_frac": total["clip_seq"] / d, "clip/tok_frac": total["clip_tok"] / d,
-        "clip/seq_low_frac": total["clip_seq_low"] / d, "clip/seq_high_frac": total["clip_seq_high"] / d,
-        "kl/approx_old": total["kl_old"] / d, "entropy/mean": total["entropy"] / d, "ratio/mean": total["ratio"] / d,
-        "loss": total["loss"], "grad_norm": sum(gnorms) / len(gnorms), "grad_norm/max": max(gnorms),
-        "lr": updates.lr,
+        "clip/seq_frac": union["seq/clip_frac"], "clip/tok_frac": union["tok/clip_frac"],
+        "clip/seq_low_frac": union["seq/clip_low_frac"], "clip/seq_high_frac": union["seq/clip_high_frac"],
+        "kl/approx_old": union["kl/approx_old"], "entropy/mean": union.get("entropy/mean", 0.0),
+        "ratio/mean": union["ratio/mean"], "loss": union["loss"], "grad_norm": sum(gnorms) / len(gnorms),
+        "grad_norm/max": max(gnorms), "lr": updates.lr,
     }
     if with_reference:  # k3 KL to the reference per response token; the KL share of the loss
-        row["kl/ref"], row["loss/kl"] = total["kl_ref"] / d, total["loss_kl"]
-    row.update({k: v / d for k, v in total.items() if k.startswith(DIAGNOSTIC_PREFIXES)})  # per-rank means
+        row["kl/ref"], row["loss/kl"] = union["kl/ref"], union["loss/kl"]
+    row.update({k: v for k, v in union.items() if k.startswith(DIAGNOSTIC_PREFIXES)})
     return row
 
 
