@@ -143,9 +143,16 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True,
     mini_rows = samples_per_rank // rl.mini_batches
     micro_rows = rl.micro_batch_size or mini_rows
     micro = micro_rows * seq_tokens
-    num_micro_batches = rl.mini_batches * (mini_rows // micro_rows)
+    per_update = mini_rows // micro_rows
+    if rl.max_tokens_per_micro_batch:
+        # packed micro-batches of whole sequences up to the budget (a longer sequence alone), planned for the
+        # worst case of real tokens, every sequence at its maximum length: as many as fit the budget together
+        fit = max(rl.max_tokens_per_micro_batch // seq_tokens, 1)
+        micro = shape.seq_length(fit * seq_tokens)
+        per_update = -(-mini_rows // fit)
+    num_micro_batches = rl.mini_batches * per_update
     inputs = PlanInputs(world_size=shape.world_size, layout=shape.layout, micro_batch_tokens=micro,
-                        num_micro_batches=num_micro_batches, micro_batches_per_update=mini_rows // micro_rows, fused_logprob=rl.logprob_impl != "torch",
+                        num_micro_batches=num_micro_batches, micro_batches_per_update=per_update, fused_logprob=rl.logprob_impl != "torch",
                         logprob_path=cfg.model.logprob_path, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
                         routing_replay=rl.routing_replay != "none", reference_model=rl.kl_coef > 0,
                         precision=cfg.model.precision, recompute=cfg.model.recompute,

@@ -204,3 +204,26 @@ def test_equal_count_partition_balances_tokens():
     assert groups == [[0, 2, 3], [1, 4, 5]]
     with pytest.raises(ValueError, match="equal groups"):
         equal_count_longest_first([1, 2, 3], 2)
+
+
+def test_planner_sizes_token_budget_micro_batches():
+    """The dry run plans token-budget micro-batches for the worst case of real tokens (every sequence at its
+    maximum length): as many whole sequences as fit the budget (one, when a sequence is longer), instead of
+    rl.micro_batch_size rows."""
+    import os
+
+    from helpers import REPO
+    from megagspo.config import load_config
+    from megagspo.dry_run import dry_run
+
+    base = ["rl.prompts_per_step=8", "rl.group_size=4", "rl.mini_batches=2", "data.max_prompt_tokens=8",
+            "data.max_response_tokens=5"]
+    rows = dry_run(load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), base), require_fitting=False)
+    assert (rows.micro_batch_tokens, rows.num_micro_batches) == (16 * 13, 2)
+    budget = dry_run(load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
+                                 [*base, "rl.max_tokens_per_micro_batch=40"]), require_fitting=False)
+    # 3 sequences of 13 fit 40 tokens: 39-token micro-batches, ceil(16 / 3) = 6 per mini-batch
+    assert (budget.micro_batch_tokens, budget.num_micro_batches) == (39, 2 * 6)
+    short = dry_run(load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
+                                [*base, "rl.max_tokens_per_micro_batch=4"]), require_fitting=False)
+    assert (short.micro_batch_tokens, short.num_micro_batches) == (13, 2 * 16)  # one sequence per micro-batch
