@@ -1,6 +1,8 @@
 """Packed sequences in the RL step (rl.packing, megagspo/trainer/micro_batches.py): the packed step equals the
-padded step — every logged metric, every gradient of every optimizer step, the weights after it — under GSPO,
-GSPO-token with R3 and GRPO with R2 on one process, and with token-budget micro-batches
+padded step — every logged metric, every gradient of every optimizer step, the weights after it — under
+GSPO-token with R3 and GRPO with R2 and the KL reference on one process (GSPO and GRPO with R2 in packed
+micro-batches against one padded pass: tests/test_trainer_parallel.py's accumulation test), and with
+token-budget micro-batches
 (rl.max_tokens_per_micro_batch) at DP=2 x EP=2, where the ranks need different numbers of micro-batches and
 agree on one. The TP=2 (sequence parallel), TP=2 x EP=2 and PP=2 layouts are compared packed-against-padded in
 tests/test_trainer_parallel.py. Plus the pieces: row lengths, the packed stream and its TP alignment tail, the
@@ -133,10 +135,9 @@ def _packed_vs_padded_body(rank, world_size, out_dir, seed, extra):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("extra", [
-    ["rl.loss=gspo"],
     ["rl.loss=gspo_token", "rl.routing_replay=r3", "rollout.record_routes=true", "rl.micro_batch_size=2"],
     [*GRPO, "rl.routing_replay=r2", "rl.kl_coef=0.1"],
-], ids=["gspo", "gspo_token_r3_micro_batches", "grpo_r2_kl"])
+], ids=["gspo_token_r3_micro_batches", "grpo_r2_kl"])
 def test_packed_step_equals_padded_step(tmp_path, extra):
     seed = fresh_seed()
     runs = run_distributed(_packed_vs_padded_body, world_size=1, args=(str(tmp_path), seed, extra),

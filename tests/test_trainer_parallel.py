@@ -146,9 +146,10 @@ def _runs_match(reports, reference, what):
 # ------------------------------------------------------------------------------------ micro-batches
 def _accumulation_body(rank, world_size, out_dir, seed, extra):
     results = {}
-    for rl_micro, sft_micro in ((0, 0), (2, 4)):
+    for rl_micro, sft_micro in ((0, 0), (2, 4)):  # the whole mini-batch as padded rows; packed micro-batches
         trainer = _trainer([*BASE, *extra, f"seed={seed}", "sft.steps=2", "sft.lr=0.5", "rl.lr=0.5",
                             f"sft.micro_batch_size={sft_micro}", f"rl.micro_batch_size={rl_micro}",
+                            f"rl.packing={'true' if rl_micro else 'false'}",
                             "model.router_aux_loss_coef=0.0", f"log.out_dir={out_dir}", f"name=micro{rl_micro}"])
         results[rl_micro] = _run(trainer, rl_steps=1)
     return results
@@ -159,9 +160,9 @@ def _accumulation_body(rank, world_size, out_dir, seed, extra):
                                    ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.routing_replay=r2"]],
                          ids=["gspo", "grpo_r2"])
 def test_micro_batch_accumulation_equals_the_whole_mini_batch(tmp_path, extra):
-    """rl.micro_batch_size=2 (4 forward/backward passes per mini-batch of 8) and sft.micro_batch_size=4
-    (2 per SFT batch of 8) give the gradients, weights and metrics of one pass per (mini-)batch; under R2
-    the routes recorded per micro-batch are replayed on the same micro-batch."""
+    """rl.micro_batch_size=2 (4 packed forward/backward passes per mini-batch of 8) and sft.micro_batch_size=4
+    (2 per SFT batch of 8) give the gradients, weights and metrics of one padded pass per (mini-)batch; under
+    R2 the routes recorded per micro-batch are replayed on the same micro-batch."""
     seed = fresh_seed()
     results = run_distributed(_accumulation_body, world_size=1, args=(str(tmp_path), seed, extra), timeout_s=240)[0]
     (ref_rows, ref_weights, ref_grads), (rows, weights, grads) = results[0], results[2]
