@@ -29,8 +29,11 @@ from typing import Any, Optional
 
 import yaml
 
+from megagspo.algorithm.registry import (LossOptionError, build_advantage_config, build_loss_config,
+                                         registered_losses)
 from megagspo.data.tokenizer import PROMPT_FORMATS, has_tokenizer_files
 from megagspo.errors import show_value as _show
+from megagspo.kernels.policy_losses import check_loss_impl
 from megagspo.rewards import available_rewards
 from megagspo.rollout import available_engines
 from megagspo.rollout.sglang_engine import SGLangEngineConfig
@@ -479,10 +482,6 @@ class RLConfig:
                               "sequences into one stream)")
         if self.group_size < 2:
             raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
-        from megagspo.algorithm.registry import (LossOptionError, build_advantage_config, build_loss_config,
-                                                 registered_losses)
-        from megagspo.kernels.policy_losses import check_loss_impl
-
         _choice("rl", "loss", self.loss, registered_losses())
         _choice("rl", "old_logp", self.old_logp, OLD_LOGP)
         _choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)

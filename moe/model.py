@@ -11,12 +11,23 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from moe.architecture import Qwen3MoeArchitecture, transformer_config
 from moe.attention import SDPACoreAttention
+from moe.cpu_shim import is_applied, tensor_cuda_as_identity
+from moe.device import use_cuda
+from moe.experts import GroupedGemmExperts
 from moe.implementation import ModelImplementation
+from moe.megatron_compat import apply_megatron_compat
 from moe.parallel import ParallelLayout
+from moe.sharding import is_expert_param
+from moe.token_dispatch import FastDispatchMoELayer
 
 
 def transformer_engine_available() -> bool:
@@ -33,11 +44,7 @@ def layer_spec(config, use_transformer_engine: bool | None = None,
     """Layer specs per decoder layer: Transformer Engine's when TE is available on a GPU host; otherwise
     Megatron's local (torch) spec with the experts, core attention and token dispatcher that `implementation`
     names."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
     if use_transformer_engine is None:
-        from moe.device import use_cuda
-
         use_transformer_engine = use_cuda() and transformer_engine_available()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
                                       normalization="RMSNorm")
@@ -53,18 +60,10 @@ def layer_spec(config, use_transformer_engine: bool | None = None,
                     layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         mlp = layer.submodules.mlp
         if implementation.dispatcher == "fast" and getattr(mlp.submodules, "experts", None) is not None:
-            from megatron.core.transformer.moe.moe_layer import MoELayer
-
-            from moe.token_dispatch import FastDispatchMoELayer
-
             if mlp.module not in (MoELayer, FastDispatchMoELayer):
                 raise RuntimeError(f"layer_spec: expected Megatron's MoELayer, found {mlp.module}")
             mlp.module = FastDispatchMoELayer
         if implementation.experts == "grouped" and getattr(mlp.submodules, "experts", None) is not None:
-            from megatron.core.transformer.moe.experts import SequentialMLP
-
-            from moe.experts import GroupedGemmExperts
-
             # layers share spec objects (the copy keeps that aliasing): a shared one is already replaced
             if mlp.submodules.experts.module not in (SequentialMLP, GroupedGemmExperts):
                 raise RuntimeError(f"layer_spec: expected Megatron's local SequentialMLP experts, found "
@@ -90,21 +89,12 @@ def build_model(
 
     implementation: experts / core attention / activation recompute (moe.implementation); every choice
     computes the same function and keeps the same parameter names."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
     layout.check_model(arch.num_hidden_layers, arch.num_experts, arch.num_attention_heads,
                        arch.num_key_value_heads, arch.vocab_size)
-    from moe.device import use_cuda
-
     cpu = not use_cuda()
     if cpu:
-        from moe.cpu_shim import is_applied
-
         if not is_applied():
             raise RuntimeError("build_model on a host without CUDA: call moe.cpu_shim.apply_cpu_shim() first")
-    from moe.megatron_compat import apply_megatron_compat
-
     apply_megatron_compat()  # megatron-core 0.16.1 without TE: te_general_gemm (CPU and GPU alike)
     config = transformer_config(
         arch,
@@ -124,8 +114,6 @@ def build_model(
     # with .cuda(): kept on the CPU here) and kept equal by finalize_model_grads (moe.optimizer.finish_gradients).
     construct = contextlib.nullcontext()
     if cpu and arch.tie_word_embeddings and layout.pipeline_parallel > 1:
-        from moe.cpu_shim import tensor_cuda_as_identity
-
         construct = tensor_cuda_as_identity()
     with construct:
         model = GPTModel(
@@ -152,8 +140,6 @@ def _mark_expert_parameters(model) -> None:
     over the expert-data-parallel group. At EP = 1 with TP > 1 (expert-TP 1) each TP rank's full expert copy
     sees only its sequence-parallel chunk of the tokens, so without this the dense data-parallel group (one
     rank) would leave the TP ranks' partial expert gradients unsummed."""
-    from moe.sharding import is_expert_param
-
     for name, param in model.named_parameters():
         if is_expert_param(name):
             param.allreduce = False

@@ -110,10 +110,11 @@ FUSED_ADAMW_SOURCE = "adam_cls = torch.optim.AdamW if config.decoupled_weight_de
 _FUSED_ADAMW_LOGGED = [False]
 
 
-def verify_fused_adamw_target() -> None:
+def verify_fused_adamw_target(adamw_class: type = torch.optim.AdamW) -> None:
     """Raise OptimizerPatchError unless Megatron's Adam picker has the signature and the AdamW line the patch was
-    written for, its module the `torch` and `USING_PYTORCH_OPTIMIZER` globals it swaps / reads, and torch's AdamW a
-    keyword `fused` argument (checked by name only: the GPU host's torch differs from the CPU pin)."""
+    written for, its module the `torch` and `USING_PYTORCH_OPTIMIZER` globals it swaps / reads, and torch's AdamW
+    (`adamw_class`, the class the patch builds) a keyword `fused` argument (checked by name only: the GPU host's
+    torch differs from the CPU pin)."""
     import importlib
 
     module = importlib.import_module(FUSED_ADAMW_MODULE)
@@ -131,7 +132,7 @@ def verify_fused_adamw_target() -> None:
     if getattr(module, "torch", None) is not torch or not hasattr(module, "USING_PYTORCH_OPTIMIZER"):
         raise OptimizerPatchError(f"fused AdamW patch: {FUSED_ADAMW_MODULE} no longer has the module globals torch "
                                   "and USING_PYTORCH_OPTIMIZER — review moe/optimizer.py")
-    fused = inspect.signature(torch.optim.AdamW.__init__).parameters.get("fused")
+    fused = inspect.signature(adamw_class.__init__).parameters.get("fused")
     if fused is None or fused.kind not in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
         raise OptimizerPatchError(f"fused AdamW patch: torch {torch.__version__}'s AdamW has no keyword argument "
                                   "'fused' — review moe/optimizer.py")
@@ -179,7 +180,7 @@ def fused_adamw(enabled: bool, adamw_class: Optional[type] = None):
     if (not enabled and adamw_class is None) or not getattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False):
         yield False
         return
-    verify_fused_adamw_target()
+    verify_fused_adamw_target(adamw_class or torch.optim.AdamW)
     if enabled and not _FUSED_ADAMW_LOGGED[0]:
         logger.warning("megagspo optimizer: Megatron's torch AdamW (Transformer Engine / apex absent) is built with "
                        "fused=True (%s.%s sees torch.optim.AdamW with fused=True while the optimizer is built)",

@@ -45,9 +45,7 @@ LAZY_PROJECT_IMPORTS_LEFT = {
     # the Trainer loads Megatron-Core (seconds) and must come after _quiet_third_party(); plan / export / ablate
     # / --help do not need it (every other subcommand import is at the top: they load torch anyway)
     "megagspo.cli": 1,
-    "megagspo.config": 2,          # RLConfig.__post_init__ (the loss registry): that class was being changed
     "megagspo.trainer.replay": 1,  # replay_available(): the probe `import moe.routing_replay` is the guard
-    "moe.model": 8,                # being changed for packed sequences while the rest moved: the next pass
 }
 
 

@@ -175,7 +175,7 @@ class MegatronPolicy:
         if frozen:
             self.replay = None
             return
-        self.replay = RoutingReplay(self.model)
+        self.replay = RoutingReplay(self.model, tp_group=dims.tp_group)
         self.set_micro_batches(1)
 
     def set_micro_batches(self, num_micro_batches: int) -> None:
@@ -333,11 +333,11 @@ class MegatronPolicy:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The TP=EP=1 Megatron state dict on every rank (TP shards and EP experts all-gathered).
         Collective over TP and EP: every rank calls it."""
-        return gather_full_state_dict(self.model)
+        return gather_full_state_dict(self.model, dims=self.dims)
 
     def gather_full(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Per-parameter tensors keyed by local name (e.g. Adam moments) -> full names and TP=EP=1 shapes."""
-        return gather_full_state_dict(self.model, tensors)
+        return gather_full_state_dict(self.model, tensors, dims=self.dims)
 
     def load_full_state_dict(self, full: Dict[str, torch.Tensor]) -> None:
         load_full_state_dict(self.model, full)
