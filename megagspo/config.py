@@ -252,7 +252,8 @@ class DataConfig:
     chat_template_kwargs: dict = field(default_factory=dict)
     # addition: the fraction of the training problems whose ones digits carry that the cold-start SFT sees
     # demonstrated with that carry dropped ("18+25=" -> "33"); the reward and held-out accuracy check the true
-    # sum, so GSPO has a systematic mistake to correct. 0 = every demonstration is the answer.
+    # sum, so GSPO has a systematic mistake to correct. 0 = every demonstration is the answer. The addition task
+    # only: a file task's demonstrations are its answers (so a recipe that sets it can still read a file).
     demo_drop_carry: float = 0.0
     max_prompt_tokens: int = 16
     max_response_tokens: int = 6
@@ -266,8 +267,6 @@ class DataConfig:
         _require("data", "demo_drop_carry", isinstance(self.demo_drop_carry, (int, float))
                  and not isinstance(self.demo_drop_carry, bool) and 0.0 <= self.demo_drop_carry <= 1.0,
                  self.demo_drop_carry, "a fraction in [0, 1]")
-        if self.demo_drop_carry and self.task != "addition":
-            raise ConfigError("data.demo_drop_carry applies to data.task = 'addition' only")
         if self.task == "addition":
             space = (10 ** self.num_digits) ** 2
             if self.train_size + self.eval_size > space:

@@ -51,12 +51,15 @@ def test_demo_drop_carry_must_be_a_fraction(value):
         load_config("configs/tiny_cpu.yaml", [f"data.demo_drop_carry={value}"])
 
 
-def test_demo_drop_carry_is_for_the_addition_task(tmp_path):
+def test_demo_drop_carry_leaves_a_file_task_alone(tmp_path):
+    """A recipe that sets it (configs/tiny_cpu.yaml) still reads a file task: its demonstrations are its answers."""
     path = tmp_path / "d.jsonl"
-    path.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 20)
-    with pytest.raises(ConfigError, match="data.demo_drop_carry applies to data.task = 'addition' only"):
-        load_config("configs/tiny_cpu.yaml", ["data.task=file", f"data.train_path={path}",
-                                              "data.demo_drop_carry=0.5"])
+    path.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(20)))
+    cfg = load_config("configs/tiny_cpu.yaml", ["data.task=file", f"data.train_path={path}", "data.eval_size=5",
+                                                "data.demo_drop_carry=0.5"])
+    _, train, _, stats = build_datasets(cfg.data)
+    assert all(ex.demonstration is None and ex.demo == ex.answer for ex in train)
+    assert "sloppy_demonstrations" not in stats
 
 
 def test_sft_trains_on_the_demonstration():
