@@ -62,7 +62,7 @@ def test_unknown_training_key_in_an_arm_names_the_arm_and_the_valid_keys(tmp_pat
 
 def test_cold_start_mode_must_match_the_recipe(tmp_path):
     spec = load_ablation(_write_recipe(tmp_path, cold_start="recipe"))
-    with pytest.raises(ConfigError, match="sft.steps = 250"):
+    with pytest.raises(ConfigError, match="sft.steps = 400"):
         spec.validate_runs([])
     spec = load_ablation(_write_recipe(tmp_path))
     with pytest.raises(ConfigError, match="sft.steps = 0"):
@@ -99,7 +99,7 @@ def test_arms_differ_only_in_what_they_name(tmp_path):
             assert cfg["model.init_from"] == os.path.join(spec.cold_start_dir(seed), "checkpoint.pt")
             assert cfg["checkpoint.resume"] == "auto"
     cold = flatten_keys(spec.cold_start_config(0, ["rl.steps=7"]).to_dict())
-    assert cold["rl.steps"] == 0 and cold["sft.steps"] == 250 and cold["seed"] == 0
+    assert cold["rl.steps"] == 0 and cold["sft.steps"] == 400 and cold["seed"] == 0
     for run in runs:  # what `ablate --print-commands` prints names each key once (the last value won anyway)
         keys = [o.split("=", 1)[0] for o in run.overrides]
         assert len(keys) == len(set(keys)), run.overrides
