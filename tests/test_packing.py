@@ -172,9 +172,7 @@ def test_token_budget_micro_batches_equal_the_padded_step_at_dp2_ep2(tmp_path):
     for row in budget[0][0][0]:  # every sequence is shorter than the budget: every micro-batch fits it
         assert 0 < row["batch/tokens_per_micro_batch_min"] <= row["batch/tokens_per_micro_batch_max"] <= 24
         assert row["batch/pad_fraction"] == 0.0
-    # the sequences were re-partitioned over the two ranks: their token counts at least as even as generated
-    for row, ref in zip(budget[0][0][0], padded[0][0][0]):
-        assert 1.0 <= row["batch/dp_tokens_max_over_mean"] <= ref["batch/dp_tokens_max_over_mean"]
+    assert all(row["batch/dp_tokens_max_over_mean"] >= 1.0 for row in budget[0][0][0])
 
 
 def test_token_budget_adds_micro_batches_until_each_fits():
@@ -228,3 +226,60 @@ def test_planner_sizes_token_budget_micro_batches():
     short = dry_run(load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
                                 [*base, "rl.max_tokens_per_micro_batch=4"]), require_fitting=False)
     assert (short.micro_batch_tokens, short.num_micro_batches) == (13, 2 * 16)  # one sequence per micro-batch
+
+
+def _balance_body(rank, world_size, seed):
+    """Rank 0 generated long sequences, rank 1 short ones; after balance_over_dp each rank holds half of every
+    mini-batch with nearly equal tokens, and every sequence's data arrived intact."""
+    from megagspo.trainer.dp_balance import balance_over_dp
+    from megagspo.trainer.micro_batches import PaddedRows
+    from moe.cpu_shim import apply_cpu_shim
+    from moe.parallel import ParallelLayout, initialize_model_parallel
+
+    apply_cpu_shim()
+    dims = initialize_model_parallel(ParallelLayout())
+    gen = torch.Generator().manual_seed(seed + rank)
+    rows, width = 8, 40 if rank == 0 else 12
+    lengths = torch.randint(width // 2, width + 1, (rows,), generator=gen)
+    # every token says where it came from: rank * 1000 + row * 100 + position
+    input_RS = rank * 1000 + torch.arange(rows)[:, None] * 100 + torch.arange(width)[None]
+    batch = PaddedRows(input_RS, input_RS + 1, torch.arange(width)[None] < lengths[:, None],
+                       input_RS.float() / 7, lengths, pad_id=-1)
+    advantages = rank * 10.0 + torch.arange(rows, dtype=torch.float32)
+    routes = (input_RS[:, :, None, None] % 4).expand(rows, width, 2, 2).to(torch.int16)
+    minis = [torch.tensor([3, 0, 5, 6]), torch.tensor([1, 2, 4, 7])]
+    out = balance_over_dp(dims, batch, advantages, routes, minis)
+    return {"lengths": lengths, "out": out}
+
+
+@pytest.mark.multiprocess
+def test_balance_over_dp_spreads_each_mini_batch_by_tokens_and_moves_data_intact():
+    seed = fresh_seed()
+    res = run_distributed(_balance_body, world_size=2, args=(seed,), timeout_s=120)
+    lengths = {r: res[r]["lengths"] for r in range(2)}
+    longest = max(int(n.max()) for n in lengths.values())
+    seen = []
+    for k in range(2):
+        loads = []
+        for r in range(2):
+            out = res[r]["out"]
+            rows = out.mini_rows[k]
+            assert len(rows) == 4  # equal counts
+            loads.append(int(out.rows.lengths_R[rows].sum()))
+            for i in rows.tolist():
+                first = int(out.rows.input_RS[i, 0])
+                src_rank, src_row = first // 1000, (first % 1000) // 100
+                n = int(lengths[src_rank][src_row])
+                assert int(out.rows.lengths_R[i]) == n
+                expected = src_rank * 1000 + src_row * 100 + torch.arange(n)
+                assert torch.equal(out.rows.input_RS[i, :n], expected)
+                assert torch.equal(out.rows.target_RS[i, :n], expected + 1)
+                assert torch.equal(out.rows.rollout_logp_RS[i, :n], expected.float() / 7)
+                assert out.rows.mask_RS[i, :n].all() and not out.rows.mask_RS[i, n:].any()
+                assert float(out.advantages_R[i]) == src_rank * 10.0 + src_row
+                assert torch.equal(out.routes_RPLyK[i, :n, 0, 0], (expected % 4).to(torch.int16))
+                seen.append((k, src_rank, src_row))
+        assert abs(loads[0] - loads[1]) <= longest, loads
+    # each mini-batch holds exactly the rows both ranks put in it
+    minis = [[3, 0, 5, 6], [1, 2, 4, 7]]
+    assert sorted(seen) == sorted((k, r, i) for k in range(2) for r in range(2) for i in minis[k])
