@@ -14,8 +14,8 @@ Packed sequences (THD: Megatron's PackedSeqParams with qkv_format "thd"; q [T, N
 sequences' offsets in cu_seqlens): each sequence attends causally to itself only, never to its neighbours in
 the stream. On CUDA with bf16 / fp16 one call of torch's variable-length flash attention
 (`torch.nn.attention.varlen.varlen_attn`, window (-1, 0) = causal) covers the whole stream; elsewhere (the CPU,
-or fp32, which flash attention does not take) the same module runs SDPA sequence by sequence (`is_causal`), which
-computes the same function (tests/test_moe_packed_attention.py: values and gradients against the padded batch).
+or fp32, which flash attention does not take) the same module runs causal SDPA per sequence, the sequences of
+one length batched into one call, which computes the same function (tests/test_moe_packed_attention.py: values and gradients against the padded batch).
 """
 
 from __future__ import annotations
@@ -117,22 +117,34 @@ class SDPACoreAttention(MegatronModule):
                              window_size=(-1, 0), enable_gqa=gqa)
         else:
             if not _LOGGED_PER_SEQUENCE:
-                log.info("model.attention=sdpa: packed sequences on %s / %s run SDPA sequence by sequence "
+                log.info("model.attention=sdpa: packed sequences on %s / %s run SDPA per sequence (batched by length) "
                          "(variable-length flash attention needs CUDA and bf16 / fp16)", q_TND.device, q_TND.dtype)
                 _LOGGED_PER_SEQUENCE.append(True)
             out_TND = self._per_sequence(q_TND, k_TGD, v_TGD, cu_N1.tolist(), gqa)
         return out_TND.reshape(q_TND.shape[0], self.num_heads_per_partition * q_TND.shape[2])
 
     def _per_sequence(self, q_TND, k_TGD, v_TGD, offsets: list, gqa: bool):
-        parts = []
-        for start, end in zip(offsets[:-1], offsets[1:]):
-            if end == start:
-                continue
-            q_1NLD, k_1GLD, v_1GLD = (x[start:end].transpose(0, 1)[None] for x in (q_TND, k_TGD, v_TGD))
-            out_1NLD = F.scaled_dot_product_attention(q_1NLD, k_1GLD, v_1GLD, is_causal=True,
-                                                      scale=self.softmax_scale, enable_gqa=gqa)
-            parts.append(out_1NLD[0].transpose(0, 1))
+        """Causal SDPA within each sequence, the sequences of one length batched into one call ([n, N, L, D]):
+        RL micro-batches hold many sequences of a few lengths (short answers) or few long ones, so this is a
+        handful of calls either way instead of one per sequence."""
         if offsets[-1] != q_TND.shape[0]:
             raise ValueError(f"packed attention: cu_seqlens ends at {offsets[-1]} but the stream holds "
                              f"{q_TND.shape[0]} tokens")
-        return torch.cat(parts)
+        starts_by_length: dict = {}
+        for start, end in zip(offsets[:-1], offsets[1:]):
+            if end > start:
+                starts_by_length.setdefault(end - start, []).append(start)
+        device = q_TND.device
+        pieces, positions = [], []
+        for length, starts in starts_by_length.items():
+            index_nL = (torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None])
+            flat = index_nL.reshape(-1)
+            q_nNLD, k_nGLD, v_nGLD = (x[flat].view(len(starts), length, *x.shape[1:]).transpose(1, 2)
+                                      for x in (q_TND, k_TGD, v_TGD))
+            out_nNLD = F.scaled_dot_product_attention(q_nNLD, k_nGLD, v_nGLD, is_causal=True,
+                                                      scale=self.softmax_scale, enable_gqa=gqa)
+            pieces.append(out_nNLD.transpose(1, 2).reshape(-1, *q_TND.shape[1:]))
+            positions.append(flat)
+        gathered_TND = torch.cat(pieces)
+        # back to stream order: the piece rows sit at `positions`; invert that permutation
+        return gathered_TND[torch.argsort(torch.cat(positions))]

@@ -22,7 +22,7 @@ from multiprocess import run_distributed
 
 CUDA_ENV = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
 HEADS, DIM = 4, 8
-LENGTHS = [5, 1, 7, 3]
+LENGTHS = [5, 1, 7, 3, 5, 1, 5]  # repeated lengths: one batched SDPA call per length
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol_scale=2e-6)}
 
 
@@ -127,7 +127,7 @@ def _model_body(rank, world_size, seed):
                                 num_experts_per_tok=2, router_aux_loss_coef=0.01)
     model = build_model(arch, implementation=ModelImplementation(attention="sdpa"), use_transformer_engine=False)
     device = next(model.parameters()).device
-    lengths = [9, 4, 1, 6]
+    lengths = [9, 4, 1, 6, 4]
     rows = [torch.randint(0, arch.vocab_size, (n,), generator=gen) for n in lengths]
     weights = [torch.randn(n, arch.vocab_size, generator=gen) for n in lengths]
     width = max(lengths)
@@ -157,7 +157,7 @@ def test_packed_model_equals_the_padded_batch():
     seed = fresh_seed()
     (ref_logits, ref_grads), (logits, grads), positions = run_distributed(
         _model_body, world_size=1, args=(seed,), timeout_s=240)[0]
-    assert positions.tolist() == [[*range(9), *range(4), 0, *range(6)]]
+    assert positions.tolist() == [[*range(9), *range(4), 0, *range(6), *range(4)]]
     for b, (got, ref) in enumerate(zip(logits, ref_logits)):
         assert_close_scaled(got, ref, f"seed {seed} sequence {b} logits", **TOLERANCE[torch.float32])
     for name, ref in ref_grads.items():
