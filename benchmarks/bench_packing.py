@@ -4,6 +4,7 @@ the update (forward + backward + optimizer steps of every mini-batch), and the p
 
     python benchmarks/bench_packing.py                        # CPU, the tiny recipe's model, 64 sequences
     python benchmarks/bench_packing.py --json packing.json --rows 128 --hidden 256
+    python benchmarks/bench_packing.py --rows 128 --resp-max 1024 --hidden 512 --extra model.precision=bf16   # GPU
 
 One synthetic rollout batch (fixed seed, the same for every mode): prompts of uniform 16-64 tokens, responses
 log-uniform 16-512 tokens (RL responses range from a few dozen to hundreds of tokens), random token ids,
@@ -14,7 +15,9 @@ mode, each mode in a fresh subprocess so its peak resident memory (VmHWM) is its
   packed        rl.packing=true: each micro-batch one stream of whole sequences
   packed+budget rl.packing=true, rl.max_tokens_per_micro_batch=--budget
 Tokens per second count REAL tokens (prompt + response positions), the same numerator for every mode, so the
-ratio is the speed-up on the same work. --steps timed repetitions after one warm-up; medians reported.
+ratio is the speed-up on the same work. --steps timed repetitions after one warm-up; medians reported. The device
+is the trainer's (CUDA where available, MEGAGSPO_DEVICE to choose); on CUDA each stage is timed between
+synchronizations and the peak allocated GPU memory is reported too.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def run_mode(args, mode: str) -> dict:
         f"rl.prompts_per_step={args.rows // 4}", "rl.group_size=4", f"rl.mini_batches={args.mini_batches}",
         f"rl.micro_batch_size={args.micro_batch_size if mode != 'packed+budget' else 0}", "rl.lr=1e-5",
         f"log.out_dir={args.out_dir}", f"name=bench_{mode.replace('+', '_')}",
-        *(o.format(budget=args.budget) for o in MODES[mode])]
+        *(o.format(budget=args.budget) for o in MODES[mode]), *args.extra]
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
     trainer = Trainer(cfg, quiet=True)
     optimizer = trainer.make_rl_optimizer()
@@ -90,19 +93,25 @@ def run_mode(args, mode: str) -> dict:
     rollouts, scores = Rollouts([], out), Scores(torch.zeros(args.rows), advantages, None)
     times = {"old_policy": [], "update": []}
     computed = 0
+    sync = torch.cuda.synchronize if trainer.policy.device.type == "cuda" else (lambda: None)
     for rep in range(args.steps + 1):
         batch = step.prepare(rollouts, scores)
+        sync()
         t0 = time.perf_counter()
         step.old_policy(batch, rollouts)
+        sync()
         t1 = time.perf_counter()
         step.update(batch, rep, optimizer)
+        sync()
         t2 = time.perf_counter()
         if rep:  # the first repetition warms up
             times["old_policy"].append(t1 - t0)
             times["update"].append(t2 - t1)
         computed = sum(mb.view.computed_tokens for mb in batch.micro_batches)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"mode": mode, "real_tokens": real, "computed_tokens": computed,
+    cuda = trainer.policy.device.type == "cuda"
+    return {"mode": mode, "device": str(trainer.policy.device), "real_tokens": real, "computed_tokens": computed,
+            "peak_cuda_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "old_policy_s": med["old_policy"], "update_s": med["update"],
             "old_policy_tokens_per_s": real / med["old_policy"], "update_tokens_per_s": real / med["update"],
             "peak_rss_mib": _vm_hwm_mib()}
@@ -124,6 +133,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="padded,packed,packed+budget")
+    p.add_argument("--extra", nargs="*", default=[], help="more config overrides, e.g. model.precision=bf16")
     p.add_argument("--json", default=None)
     p.add_argument("--out-dir", default=None, help="run folders (default: a fresh temporary folder)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one mode, print JSON
@@ -145,12 +155,15 @@ def main() -> None:
     print(f"{args.rows} sequences: prompts {args.prompt_min}-{args.prompt_max}, responses log-uniform "
           f"{args.resp_min}-{args.resp_max}; {base['real_tokens']} real tokens; hidden {args.hidden}, "
           f"{args.layers} layers; {args.threads} thread(s); median of {args.steps}")
-    print(f"{'mode':<14} {'computed':>9} {'pi_old tok/s':>13} {'x':>6} {'update tok/s':>13} {'x':>6} {'peak RSS MiB':>13}")
+    print(f"device {base['device']}; {' '.join(args.extra) or 'recipe defaults'}")
+    print(f"{'mode':<14} {'computed':>9} {'pi_old tok/s':>13} {'x':>6} {'update tok/s':>13} {'x':>6} {'peak RSS MiB':>13}"
+          f" {'peak CUDA GiB':>14}")
     for r in results:
+        cuda = "-" if r["peak_cuda_gib"] is None else f"{r['peak_cuda_gib']:.2f}"
         print(f"{r['mode']:<14} {r['computed_tokens']:>9} {r['old_policy_tokens_per_s']:>13.0f} "
               f"{r['old_policy_tokens_per_s'] / base['old_policy_tokens_per_s']:>6.2f} "
               f"{r['update_tokens_per_s']:>13.0f} {r['update_tokens_per_s'] / base['update_tokens_per_s']:>6.2f} "
-              f"{r['peak_rss_mib']:>13.0f}")
+              f"{r['peak_rss_mib']:>13.0f} {cuda:>14}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

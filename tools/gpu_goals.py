@@ -21,7 +21,7 @@ import os
 import sys
 
 STAGES = ["env", "install", "build", "t-model", "t-kernels", "step", "lp-logits", "lp-hidden", "tiny-bf16",
-          "gpu-tests", "peers"]
+          "packing", "gpu-tests", "peers"]
 GOALS = {  # name: (file, what, goal text)
     "step": ("step.json", "model step fwd+bwd TFLOP/s (k >= 4)", ">= 240 (stretch 277; < 200 not done)"),
     "optimizer": ("step.json", "optimizer step, share of a k = 8 step", "reported"),
