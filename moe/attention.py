@@ -112,6 +112,8 @@ class SDPACoreAttention(MegatronModule):
         gqa = self.num_heads_per_partition != self.num_groups_per_partition
         varlen = _varlen_attn()
         if q_TND.is_cuda and q_TND.dtype in (torch.bfloat16, torch.float16) and varlen is not None:
+            # flash kernels want each head's D contiguous; Megatron's split of the fused QKV leaves v a strided view
+            q_TND, k_TGD, v_TGD = (x.contiguous() for x in (q_TND, k_TGD, v_TGD))
             out_TND = varlen(q_TND, k_TGD, v_TGD, cu_N1.to(torch.int32), cu_N1.to(torch.int32),
                              params.max_seqlen_q, params.max_seqlen_kv, scale=self.softmax_scale,
                              window_size=(-1, 0), enable_gqa=gqa)
