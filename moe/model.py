@@ -172,6 +172,7 @@ class PackedSequences:
 
     cu_seqlens_N1: torch.Tensor   # int32, on the model's device
     max_seqlen: int
+    num_tokens: int               # T = cu_seqlens_N1[-1], kept on the host (reading it back would sync a GPU)
 
     @classmethod
     def from_lengths(cls, lengths: list, device=None) -> "PackedSequences":
@@ -180,11 +181,7 @@ class PackedSequences:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + int(n))
-        return cls(torch.tensor(offsets, dtype=torch.int32, device=device), max(int(n) for n in lengths))
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.cu_seqlens_N1[-1])
+        return cls(torch.tensor(offsets, dtype=torch.int32, device=device), max(int(n) for n in lengths), offsets[-1])
 
     def position_ids_1T(self) -> torch.Tensor:
         """Each token's position within its own sequence, [1, T]."""

@@ -22,7 +22,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megagspo.trainer.micro_batches import PaddedRows, gather_over_dp
+from megagspo.trainer.micro_batches import PaddedRows, gather_over_dp, longest_first_groups
 from moe.parallel import ParallelDims
 
 
@@ -40,13 +40,7 @@ def equal_count_longest_first(lengths: List[int], parts: int) -> List[List[int]]
     same assignment."""
     if len(lengths) % parts:
         raise ValueError(f"{len(lengths)} sequences do not split into {parts} equal groups")
-    room = len(lengths) // parts
-    loads, groups = [0] * parts, [[] for _ in range(parts)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        g = min((p for p in range(parts) if len(groups[p]) < room), key=lambda p: (loads[p], p))
-        loads[g] += lengths[i]
-        groups[g].append(i)
-    return [sorted(g) for g in groups]
+    return longest_first_groups(lengths, parts, room=len(lengths) // parts)
 
 
 def _gather_rows(dims: ParallelDims, x: torch.Tensor, fill) -> torch.Tensor:

@@ -16,7 +16,7 @@ for the aux loss, so the two layouts route, score and balance exactly the same r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -94,27 +94,34 @@ def micro_input(batch: PaddedRows, rows: torch.Tensor, packed: bool, dims: Paral
     padding = None
     if tail:
         padding = (torch.arange(total, device=dev) >= real)[None]
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
+    sequences = PackedSequences.from_lengths(seq_lengths, device=dev)
     return MicroInput(
         model=ModelInput(stream(batch.input_RS, batch.pad_id), stream(batch.target_RS, batch.pad_id), padding,
-                         PackedSequences.from_lengths(seq_lengths, device=dev)),
+                         sequences),
         mask_BS=stream(batch.mask_RS, False), rollout_logp_BS=stream(batch.rollout_logp_RS, 0.0),
-        cu_seqlens_S1=offsets.to(dev), num_loss_tokens=real, valid_T=valid_RS.reshape(-1), real_tokens=real)
+        # the loss's segments: the real sequences' offsets, without the alignment tail's
+        cu_seqlens_S1=sequences.cu_seqlens_N1[:len(rows) + 1].long(), num_loss_tokens=real,
+        valid_T=valid_RS.reshape(-1), real_tokens=real)
+
+
+def longest_first_groups(lengths: List[int], parts: int, room: Optional[int] = None) -> List[List[int]]:
+    """Greedy longest-first (LPT) partition of items (by index) into `parts` groups of nearly equal token counts:
+    each item, longest first, joins the lightest group (with `room`: the lightest that holds fewer than `room`
+    items). Within 4/3 of the optimal largest group and a single sort; Karmarkar-Karp balances slightly better
+    but the gap is below one sequence's length, which a token budget tolerates anyway. Ties go to the lower
+    index, so every rank computes the same groups; each group lists its items in index order."""
+    loads, groups = [0] * parts, [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        g = min((p for p in range(parts) if room is None or len(groups[p]) < room), key=lambda p: (loads[p], p))
+        loads[g] += lengths[i]
+        groups[g].append(i)
+    return [sorted(g) for g in groups]
 
 
 def longest_first(rows: torch.Tensor, lengths: torch.Tensor, parts: int) -> List[torch.Tensor]:
-    """Greedy longest-first (LPT) partition of `rows` into `parts` groups of nearly equal token counts: each
-    sequence, longest first, joins the lightest group. Within 4/3 of the optimal largest group and a single
-    sort; Karmarkar-Karp balances slightly better but the gap is below one sequence's length, which a token
-    budget tolerates anyway. Groups keep the rows' original order; none is empty (parts <= len(rows))."""
-    order = sorted(range(len(rows)), key=lambda i: (-int(lengths[i]), i))
-    loads, groups = [0] * parts, [[] for _ in range(parts)]
-    for i in order:
-        g = min(range(parts), key=lambda p: (loads[p], p))
-        loads[g] += int(lengths[i])
-        groups[g].append(i)
-    return [rows[sorted(g)] for g in groups]
+    """`rows` in `parts` longest-first groups by their `lengths` (longest_first_groups); none is empty
+    (parts <= len(rows)); each keeps the rows' original order."""
+    return [rows[g] for g in longest_first_groups([int(n) for n in lengths], parts)]
 
 
 def gather_over_dp(dims: ParallelDims, values: List[float]) -> List[List[float]]:
@@ -138,10 +145,9 @@ def token_budget_split(mini_rows: List[torch.Tensor], lengths_R: torch.Tensor, b
 
 def _parts_within(lengths: torch.Tensor, budget: int) -> int:
     """The fewest longest-first groups whose token counts all fit the budget (or one row per group)."""
-    longest = int(lengths.max())
-    rows = torch.arange(len(lengths))
-    for parts in range(max(-(-int(lengths.sum()) // budget), 1), len(lengths) + 1):
-        loads = [int(lengths[g].sum()) for g in longest_first(rows, lengths, parts)]
-        if max(loads) <= max(budget, longest):
+    items = [int(n) for n in lengths]
+    for parts in range(max(-(-sum(items) // budget), 1), len(items) + 1):
+        loads = [sum(items[i] for i in g) for g in longest_first_groups(items, parts)]
+        if max(loads) <= max(budget, max(items)):
             return parts
-    return len(lengths)
+    return len(items)

@@ -78,10 +78,7 @@ class MicroBatch:
 
 @dataclass
 class UpdateBatch:
-    input_RS: torch.Tensor
-    target_RS: torch.Tensor
-    mask_RS: torch.Tensor
-    rollout_logp_RS: torch.Tensor
+    row_len: int                                # S of the padded rows the micro-batches were cut from
     advantages_R: torch.Tensor                  # on the model's device
     routes_RPLyK: Optional[torch.Tensor]        # the engine's routes of these rows (R3 / rollout old_logp), or None
     minis: List[List[MicroBatch]]               # minis[k][j]
@@ -268,8 +265,7 @@ class RLStep:
         minis = [[MicroBatch(k, j, rows, micro_input(rows_data, rows, cfg.packing, self.dims))
                   for j, rows in enumerate(micro)] for k, micro in enumerate(split)]
         return UpdateBatch(
-            input_RS=rows_data.input_RS, target_RS=rows_data.target_RS, mask_RS=rows_data.mask_RS,
-            rollout_logp_RS=rows_data.rollout_logp_RS, advantages_R=advantages_R, routes_RPLyK=routes_RPLyK,
+            row_len=rows_data.input_RS.shape[1], advantages_R=advantages_R, routes_RPLyK=routes_RPLyK,
             minis=minis, tokens_per_mini=self.dims.dp_sum([float(rows_data.mask_RS[rows].sum()) for rows in mini_rows]),
             sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
 
@@ -278,7 +274,7 @@ class RLStep:
         cfg = self.rl
         policy = self.policy
         flat = batch.micro_batches
-        seq_len = batch.input_RS.shape[1]
+        seq_len = batch.row_len
         routes_RPLyK = batch.routes_RPLyK
         if cfg.old_logp == "recompute":
             if cfg.routing_replay == "r3":
