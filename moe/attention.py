@@ -13,7 +13,8 @@ An explicit mask (padding, any pattern) is honoured exactly, through SDPA's memo
 Packed sequences (THD: Megatron's PackedSeqParams with qkv_format "thd"; q [T, N, D], k / v [T, G, D], the
 sequences' offsets in cu_seqlens): each sequence attends causally to itself only, never to its neighbours in
 the stream. On CUDA with bf16 / fp16 one call of torch's variable-length flash attention
-(`torch.nn.attention.varlen.varlen_attn`, window (-1, 0) = causal) covers the whole stream; elsewhere (the CPU,
+(`torch.nn.attention.varlen.varlen_attn`, window (-1, 0) = causal, through moe.cuda_calls, which passes the
+grouped key/value heads in the form the installed torch takes) covers the whole stream; elsewhere (the CPU,
 or fp32, which flash attention does not take) the same module runs causal SDPA per sequence, the sequences of
 one length batched into one call, which computes the same function (tests/test_moe_packed_attention.py: values and gradients against the padded batch).
 """
@@ -29,19 +30,20 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+from moe import cuda_calls
 from moe.implementation import ImplementationError
 
 log = logging.getLogger(__name__)
 _LOGGED_PER_SEQUENCE = []
 
 
-def _varlen_attn():
-    """torch's variable-length flash attention, or None where this torch build lacks it."""
+def varlen_available() -> bool:
+    """Whether this torch build has variable-length flash attention (torch >= 2.11: torch.nn.attention.varlen)."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
-        return None
-    return varlen_attn
+        return False
+    return True
 
 
 class SDPACoreAttention(MegatronModule):
@@ -110,13 +112,11 @@ class SDPACoreAttention(MegatronModule):
                 and not torch.equal(params.cu_seqlens_kv, cu_N1):
             raise NotImplementedError("model.attention=sdpa: packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
         gqa = self.num_heads_per_partition != self.num_groups_per_partition
-        varlen = _varlen_attn()
-        if q_TND.is_cuda and q_TND.dtype in (torch.bfloat16, torch.float16) and varlen is not None:
+        if q_TND.is_cuda and q_TND.dtype in (torch.bfloat16, torch.float16) and varlen_available():
             # flash kernels want each head's D contiguous; Megatron's split of the fused QKV leaves v a strided view
             q_TND, k_TGD, v_TGD = (x.contiguous() for x in (q_TND, k_TGD, v_TGD))
-            out_TND = varlen(q_TND, k_TGD, v_TGD, cu_N1.to(torch.int32), cu_N1.to(torch.int32),
-                             params.max_seqlen_q, params.max_seqlen_kv, scale=self.softmax_scale,
-                             window_size=(-1, 0), enable_gqa=gqa)
+            out_TND = cuda_calls.varlen_attn(q_TND, k_TGD, v_TGD, cu_N1, params.max_seqlen_q,
+                                             scale=self.softmax_scale)
         else:
             if not _LOGGED_PER_SEQUENCE:
                 log.info("model.attention=sdpa: packed sequences on %s / %s run SDPA per sequence (batched by length) "

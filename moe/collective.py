@@ -12,6 +12,7 @@ from typing import Callable, Optional, Type, TypeVar
 
 import torch
 
+from moe import cuda_calls
 T = TypeVar("T")
 
 
@@ -20,7 +21,7 @@ def collective_device(group=None) -> torch.device:
     takes no CPU tensors), the CPU under gloo or without a process group."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", cuda_calls.current_cuda_device())
     return torch.device("cpu")
 
 

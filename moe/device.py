@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from moe import cuda_calls
 ENV = "MEGAGSPO_DEVICE"
 CHOICES = ("auto", "cpu", "cuda")
 
@@ -37,5 +38,5 @@ def use_cuda() -> bool:
 def model_device() -> torch.device:
     """The device this process's model lives on: its current GPU, or the CPU."""
     if use_cuda():
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", cuda_calls.current_cuda_device())
     return torch.device("cpu")

@@ -55,9 +55,9 @@ import collections
 import logging
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from moe import cuda_calls
 from moe.implementation import ImplementationError
 from moe.optimizer import gradient_added_to_main_grad, takes_gradient_in_main_grad
 
@@ -220,7 +220,7 @@ class GroupedLinear(torch.autograd.Function):
     def forward(ctx, x_TK, offs_E, wgrad, *weights_NK):
         ctx.save_for_backward(x_TK, offs_E, *weights_NK)
         ctx.wgrad = wgrad
-        return F.grouped_mm(x_TK, _stacked_ENK(weights_NK, "forward").transpose(1, 2), offs=offs_E)
+        return cuda_calls.grouped_mm(x_TK, _stacked_ENK(weights_NK, "forward").transpose(1, 2), offs_E)
 
     @staticmethod
     def backward(ctx, dy_TN):
@@ -228,7 +228,7 @@ class GroupedLinear(torch.autograd.Function):
         dy_TN = dy_TN.contiguous()
         dx_TK = None
         if ctx.needs_input_grad[0]:
-            dx_TK = F.grouped_mm(dy_TN, _stacked_ENK(weights_NK, "backward"), offs=offs_E)
+            dx_TK = cuda_calls.grouped_mm(dy_TN, _stacked_ENK(weights_NK, "backward"), offs_E)
         dweights = [None] * len(weights_NK)
         if any(ctx.needs_input_grad[3:]):
             dweights = ctx.wgrad.weight_gradients(dy_TN, x_TK, offs_E, weights_NK)
@@ -272,7 +272,7 @@ class _WgradPlan:
 
     def weight_gradients(self, dy_TN, x_TK, offs_E, weights_NK) -> list:
         if not all(takes_gradient_in_main_grad(w) for w in weights_NK):
-            return list(F.grouped_mm(dy_TN.t(), x_TK, offs=offs_E).unbind(0))
+            return list(cuda_calls.grouped_mm(dy_TN.t(), x_TK, offs_E).unbind(0))
         mains_NK = [w.main_grad for w in weights_NK]
         if self.mode == "addmm":
             start = 0
@@ -282,11 +282,11 @@ class _WgradPlan:
                     if x_TK.dtype == main_NK.dtype:
                         main_NK.addmm_(dy_TN[rows].t(), x_TK[rows])
                     else:
-                        torch.addmm(main_NK, dy_TN[rows].t(), x_TK[rows], out_dtype=main_NK.dtype, out=main_NK)
+                        cuda_calls.addmm_out_dtype(main_NK, dy_TN[rows].t(), x_TK[rows])
                 start += count
             return [gradient_added_to_main_grad(w) for w in weights_NK]
         # dW_e = dy_e^T x_e: both operands split along the token dimension; an empty expert gets zeros
-        dw_ENK = F.grouped_mm(dy_TN.t(), x_TK, offs=offs_E)
+        dw_ENK = cuda_calls.grouped_mm(dy_TN.t(), x_TK, offs_E)
         main_ENK = expert_weights_ENK(mains_NK) if self.mode == "add" else None
         if main_ENK is not None:
             # all experts' gradients in one add, instead of one hook add per expert (1,024 kernels per

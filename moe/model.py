@@ -19,6 +19,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from moe.architecture import Qwen3MoeArchitecture, transformer_config
+from moe import cuda_calls
 from moe.attention import SDPACoreAttention
 from moe.cpu_shim import is_applied, tensor_cuda_as_identity
 from moe.device import use_cuda
@@ -130,8 +131,13 @@ def build_model(
         )
     _mark_expert_parameters(model)
     if not cpu:
-        model = model.cuda(torch.cuda.current_device())
+        model = place_on_gpu(model)
     return model
+
+
+def place_on_gpu(model):
+    """The built model moved to this process's GPU (Megatron builds it on the host without TE's init)."""
+    return cuda_calls.module_to_cuda(model, cuda_calls.current_cuda_device())
 
 
 def _mark_expert_parameters(model) -> None:

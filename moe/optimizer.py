@@ -45,6 +45,7 @@ from typing import Optional
 
 import torch
 
+from moe import cuda_calls
 from moe.cpu_shim import cuda_tensor_types
 
 logger = logging.getLogger(__name__)
@@ -150,9 +151,7 @@ class _AdamWOptim:
         return getattr(torch.optim, name)
 
     def AdamW(self, *args, **kwargs):  # noqa: N802 (torch's name)
-        if self._fused:
-            kwargs.setdefault("fused", True)
-        return self._adamw_class(*args, **kwargs)
+        return cuda_calls.adamw(self._adamw_class, args, kwargs, fused=self._fused)
 
 
 class _AdamWTorch:

@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Optional, Type, TypeVar
 
 import torch
 
+from moe import cuda_calls
 from moe.collective import run_on_rank0, sum_over
 from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
 from moe.device import use_cuda
@@ -257,7 +258,7 @@ def init_distributed(backend: str | None = None) -> None:
     cuda = use_cuda()
     backend = backend or ("nccl" if cuda else "gloo")
     if cuda:  # one GPU per process (torchrun's LOCAL_RANK), before NCCL binds a device
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        cuda_calls.set_cuda_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:
         # An in-memory store: no port is taken and no MASTER_ADDR / MASTER_PORT is left in os.environ, where
         # a child process (a torchrun or CLI run started from this one) would inherit it and collide.

@@ -43,6 +43,7 @@ from safetensors import SafetensorError
 
 from megagspo.config import Config, flatten_keys
 from megagspo.errors import write_failure_message
+from moe import cuda_calls
 from moe import dist_checkpoint
 from moe.collective import run_on_rank0
 from moe.device import use_cuda
@@ -51,7 +52,7 @@ from moe.json_files import JsonFileError, loads_bounded, read_json
 
 from . import store
 from .guards import load_safetensors
-from .run_folder import RunAlreadyFinished, check_fresh_start, earlier_run, move_earlier_run_aside
+from .run_folder import RunAlreadyFinished, check_fresh_start, earlier_run, move_earlier_run_aside, nothing_to_resume
 from .store import CheckpointError
 
 MODEL_DIR = "model"
@@ -157,7 +158,7 @@ def capture_rng(sample_gen: torch.Generator) -> dict:
            "python": [py_state[0], list(py_state[1]), py_state[2]],
            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
     if use_cuda():  # the embedded engine samples on this GPU with its generator
-        out["cuda"] = torch.cuda.get_rng_state()
+        out["cuda"] = cuda_calls.cuda_rng_state()
     return out
 
 
@@ -167,7 +168,7 @@ def restore_rng(tensors: Dict[str, torch.Tensor], meta: dict, rank: int, sample_
     torch.set_rng_state(tensors[f"rank{rank}/torch"])
     sample_gen.set_state(tensors[f"rank{rank}/sample_gen"])
     if use_cuda() and f"rank{rank}/cuda" in tensors:
-        torch.cuda.set_rng_state(tensors[f"rank{rank}/cuda"])
+        cuda_calls.set_cuda_rng_state(tensors[f"rank{rank}/cuda"])
     py = meta["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = meta["numpy"]
@@ -272,9 +273,7 @@ class CheckpointManager:
         if mode == "latest":
             found = store.latest_good(self.root, REQUIRED, self.say, check=check)
             if found is None:
-                raise CheckpointError(f"--resume: no checkpoint under {self.root} to continue; run without --resume "
-                                      "to start a fresh run, or pass checkpoint.resume=auto to resume when there is "
-                                      "one and start fresh otherwise")
+                raise CheckpointError(nothing_to_resume(self.cfg.run_dir(), self.root))
             return found
         path = mode
         if os.path.isfile(os.path.join(path, store.MANIFEST)):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe import cuda_calls
 from moe.optimizer import gradient_added_to_main_grad, takes_gradient_in_main_grad
 
 from . import reference
@@ -348,7 +349,7 @@ def _addmm_out_dtype_ok(device: torch.device, dtype: torch.dtype) -> bool:
             a = torch.tensor([[1.0, 2.0, -1.0], [0.5, 3.0, 2.0]], dtype=dtype, device=device)
             b = torch.tensor([[1.0, -2.0], [0.25, 1.0], [4.0, 0.5]], dtype=dtype, device=device)
             acc = torch.full((2, 2), 0.125, dtype=torch.float32, device=device)
-            out = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            out = cuda_calls.addmm_out_dtype(acc, a, b)
             want = torch.full((2, 2), 0.125, dtype=torch.float64) + a.double().cpu() @ b.double().cpu()
             ok = bool(out.data_ptr() == acc.data_ptr() and out.dtype == torch.float32
                       and torch.equal(acc.double().cpu(), want))
@@ -368,7 +369,7 @@ def _add_weight_grad(d_weight_VH: Tensor, g_CV: Tensor, h_CH: Tensor) -> None:
         d_weight_VH.addmm_(g_CV.t(), h_CH)
         return
     if d_weight_VH.dtype == torch.float32 and _addmm_out_dtype_ok(g_CV.device, g_CV.dtype):
-        torch.addmm(d_weight_VH, g_CV.t(), h_CH, out_dtype=torch.float32, out=d_weight_VH)
+        cuda_calls.addmm_out_dtype(d_weight_VH, g_CV.t(), h_CH)
         return
     V, H = d_weight_VH.shape
     block = max(1, _WEIGHT_GRAD_BLOCK_ELEMENTS // max(H, 1))

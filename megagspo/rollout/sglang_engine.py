@@ -57,6 +57,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from moe import cuda_calls
 from moe.collective import run_on_rank0
 from moe.hf_checkpoint import PER_EXPERT, HFFolderWriter, hf_tensor_shapes
 from moe.parallel import free_port
@@ -273,7 +274,7 @@ class SGLangIpcCodec:
                 "version) in the trainer's environment, or use weight_sync = 'disk' or 'distributed'") from None
         monkey_patch_torch_reductions()
         self._serializer, self._bucket = MultiprocessingSerializer, FlattenedTensorBucket
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cuda", cuda_calls.current_cuda_device())
 
     def flatten(self, pairs: List[Tuple[str, torch.Tensor]]) -> dict:
         bucket = self._bucket(named_tensors=pairs)
@@ -283,7 +284,7 @@ class SGLangIpcCodec:
         return self._serializer.serialize(obj, output_str=True)
 
     def release(self) -> None:
-        torch.cuda.ipc_collect()  # free the blocks whose IPC handles the servers have closed
+        cuda_calls.cuda_ipc_collect()  # free the blocks whose IPC handles the servers have closed
 
 
 @register_engine("sglang")
@@ -631,7 +632,7 @@ class SGLangEngine(RolloutEngine):
             raise SGLangServerError(f"the weight-update process group broke in an earlier update ({self._group_failed}); "
                                     "restart the run (the servers' weights are partly updated)")
         self._ensure_group()
-        device = torch.device("cuda", torch.cuda.current_device()) if self.config.dist_backend == "nccl" \
+        device = torch.device("cuda", cuda_calls.current_cuda_device()) if self.config.dist_backend == "nccl" \
             else torch.device("cpu")
         version = str(self._version + 1)
         group = self._group
@@ -643,7 +644,7 @@ class SGLangEngine(RolloutEngine):
 
             def send(tensors=[t for _, t in pairs]):
                 if device.type == "cuda":
-                    torch.cuda.set_device(device)
+                    cuda_calls.set_cuda_device(device)
                 for work in broadcast_bucket(tensors, group):
                     work.wait()
 
