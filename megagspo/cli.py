@@ -10,6 +10,10 @@
 
 Under torchrun every process runs the same command (gloo on CPU):
     torchrun --nproc-per-node 2 -m megagspo.cli train --config configs/tiny_cpu.yaml
+
+This module imports only the standard library: a Ctrl-C in the seconds that torch, Megatron-Core and
+transformers take to import is one line, exit 130 (megagspo.interrupts), and --help is instant. The commands
+themselves are in megagspo.commands.
 """
 
 from __future__ import annotations
@@ -19,18 +23,7 @@ import os
 import sys
 import warnings
 
-from megagspo.ablation import AblationRunner, load_ablation, plan_runs, shell_command, write_report
-from megagspo.checkpoint import CheckpointError, Preempted
-from megagspo.checkpoint.full_state import load_checkpoint
-from megagspo.checkpoint.run_folder import RunAlreadyFinished, summary_lines
-from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
-from megagspo.config import ConfigError, deferred_path_checks, load_config
-from megagspo.dry_run import dry_run
-from megagspo.errors import bounded_message, os_error_message
-from megagspo.hf_export import export_hf
-from megagspo.planner import PlanError
-from moe.architecture import ArchitectureError
-from moe.parallel import LayoutError
+from megagspo import interrupts
 
 
 def _quiet_third_party() -> None:
@@ -98,138 +91,6 @@ class _PatchLines:
 _PATCH_LINES = _PatchLines()
 
 
-def _train(args, rl: bool) -> int:
-    if getattr(args, "resume", False) and getattr(args, "overwrite", False):
-        print(f"megagspo {args.command}: error: --resume continues the run in the folder and --overwrite moves it "
-              "aside: pass one of them", file=sys.stderr)
-        return 2
-    overrides = list(args.overrides) + (["checkpoint.resume=latest"] if getattr(args, "resume", False) else []) \
-        + (["checkpoint.resume=never"] if getattr(args, "overwrite", False) else [])
-    try:
-        cfg = load_config(args.config, overrides)
-        # the one lazy import: it loads Megatron-Core (+2.5 s of start-up that plan / export / ablate / --help
-        # do not need), and only after _quiet_third_party() has filtered what Megatron says on import
-        from megagspo.trainer.trainer import Trainer
-
-        trainer = Trainer(cfg)
-    except RunAlreadyFinished as exc:  # `make train` twice: the answer, not a second run
-        if os.environ.get("RANK", "0") == "0":
-            print(f"megagspo {args.command}: {exc}; its summary.json:")
-            print("\n".join(summary_lines(exc.summary)), flush=True)
-        return 0
-    except (ConfigError, ValueError, FileNotFoundError, CheckpointError, RunFolderBusy) as exc:
-        print(f"megagspo {args.command}: error: {bounded_message(exc)}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the filesystem refused a read or a write: say which path and why, in one line
-        print(f"megagspo {args.command}: error: {os_error_message(exc)}", file=sys.stderr)
-        return 2
-    _PATCH_LINES.say_once()
-    try:
-        trainer.train(rl=rl)
-    except Preempted as exc:
-        print(f"megagspo {args.command}: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except CheckpointError as exc:
-        print(f"megagspo {args.command}: error: {bounded_message(exc)}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"megagspo {args.command}: error: {os_error_message(exc)}; the checkpoints written so far are "
-              "intact (--resume continues from the newest)", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _plan(args) -> int:
-    """`megagspo plan` and `megagspo train --dry-run`: validate a recipe and print its per-GPU memory."""
-    try:
-        with deferred_path_checks() as missing:
-            cfg = load_config(args.config, args.overrides)
-        report = dry_run(cfg, missing_paths=missing, check_weights=getattr(args, "check_weights", False))
-    except (ValueError, FileNotFoundError, PlanError, LayoutError, ArchitectureError, CheckpointError) as exc:
-        print(f"megagspo {args.command}: error: {bounded_message(exc)}", file=sys.stderr)
-        return 2
-    print(report.text(cfg))
-    print(f"megagspo {args.command}: {args.config} is valid for {report.world_size} ranks")
-    return 0
-
-
-def _export(args) -> int:
-    src = args.checkpoint if os.path.isdir(args.checkpoint) else os.path.dirname(args.checkpoint)
-    out = args.out or os.path.join(src, "hf")
-    # The default output lies inside the run folder: it is written only while no trainer owns that folder.
-    lock = RunFolderLock(src, "megagspo export") if not args.out and _is_run_folder(src) else None
-    try:
-        if lock is not None:
-            lock.acquire()
-        notes = export_hf(load_checkpoint(args.checkpoint), out)
-    except (RunFolderBusy, CheckpointError, ValueError) as exc:
-        print(f"megagspo export: error: {bounded_message(exc)}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"megagspo export: error: {os_error_message(exc)}", file=sys.stderr)
-        return 2
-    finally:
-        if lock is not None:
-            lock.release()
-    for note in notes:
-        print(f"  {note}")
-    print(f"exported Hugging Face Qwen3MoeForCausalLM to {out}")
-    return 0
-
-
-def _is_run_folder(path: str) -> bool:
-    return os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(os.path.join(path, "metrics.jsonl"))
-
-
-def _ablate(args) -> int:
-    """`megagspo ablate`: run the arms x seeds of an ablation recipe (or print their commands), then report."""
-
-    def _ints(text):
-        try:
-            return [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(f"--seeds must be comma-separated integers, got {text!r}") from None
-
-    try:
-        spec = load_ablation(args.config, out_dir=args.out or None,
-                             seeds=_ints(args.seeds) if args.seeds else None,
-                             arms=[a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None)
-        if args.print_commands:
-            spec.validate_runs(args.overrides)
-            runs = plan_runs(spec, args.overrides)
-            if any(r.kind == "cold_start" for r in runs):
-                print("# stage 1: one cold-start SFT per seed")
-            for i, run in enumerate(runs):
-                if run.kind == "cell" and (i == 0 or runs[i - 1].kind == "cold_start"):
-                    print("# stage 2: the cells; each needs only the cold start of its own seed")
-                print(shell_command(spec, run, args.launcher))
-            print(f"# then: megagspo ablate --config {args.config} --report-only"
-                  + (f" --out {args.out}" if args.out else ""))
-            return 0
-        failed = []
-        if not args.report_only:
-            failed = AblationRunner(spec, args.overrides, jobs=args.jobs).run()
-    except ConfigError as exc:
-        print(f"megagspo ablate: error: {bounded_message(exc)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("megagspo ablate: interrupted; running cells were asked to checkpoint; rerun the same command to "
-              "resume", file=sys.stderr)
-        return 130
-    reproduce = "megagspo ablate --config " + args.config + (f" --out {args.out}" if args.out else "") + \
-        "".join(f" {o}" for o in args.overrides)
-    try:
-        path = write_report(spec, command=reproduce)
-    except (FileNotFoundError, ValueError) as exc:  # ValueError: a cell's summary / config file is not trusted
-        print(f"megagspo ablate: error: {bounded_message(exc)}", file=sys.stderr)
-        return 1
-    print(f"megagspo ablate: report written to {path}")
-    if failed:
-        print(f"megagspo ablate: {len(failed)} run(s) failed: " + ", ".join(r.label for r in failed), file=sys.stderr)
-        return 1
-    return 0
-
-
 def _parser() -> argparse.ArgumentParser:
     """The command line: one subcommand per job, each with its own help."""
     parser = argparse.ArgumentParser(prog="megagspo", description="GSPO RL for Qwen3-MoE on Megatron-Core",
@@ -283,6 +144,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    interrupts.arm()  # first: a stop from here until the run writes is one line and writes nothing
+    try:
+        return _main(argv)
+    except interrupts.StoppedDuringStartup as exc:
+        _say_stopped(argv, exc)
+        return exc.exit_code
+    finally:
+        interrupts.disarm()  # in-process callers (tests) get their own signal handlers back
+
+
+def _say_stopped(argv, exc: interrupts.StoppedDuringStartup) -> None:
+    """The one line of a stop during start-up (every rank under torchrun prints it: each was stopped)."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = next((w for w in words if not w.startswith("-")), "")
+    sys.stderr.write(f"megagspo{' ' + command if command else ''}: stopped by {exc.name} during start-up; "
+                     "nothing was written\n")
+    sys.stderr.flush()
+
+
+def _main(argv) -> int:
     parser = _parser()
     # Overrides may stand on both sides of a flag (`train --resume rl.steps=9` and `train rl.steps=9 --resume`):
     # argparse stops its positional list at the flag, so the words it leaves over that look like overrides
@@ -292,19 +173,22 @@ def main(argv=None) -> int:
         if not hasattr(args, "overrides") or not all("=" in word and not word.startswith("-") for word in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
-    _quiet_third_party()
-    if args.command == "ablate":
-        return _ablate(args)
-    if args.command == "export":
-        return _export(args)
     if getattr(args, "check_weights", False) and not args.dry_run:
         parser.error("--check-weights goes with --dry-run (a run checks the weights as it reads them)")
+    _quiet_third_party()
+    # the one lazy import: torch and the project (seconds), after the signal guard and the library filters
+    from megagspo import commands
+
+    if args.command == "ablate":
+        return commands.ablate(args)
+    if args.command == "export":
+        return commands.export(args)
     if args.command == "plan" or getattr(args, "dry_run", False):
-        return _plan(args)
+        return commands.plan(args)
     if args.command == "sft":
         args.overrides = list(args.overrides) + ["rl.steps=0"]
-        return _train(args, rl=False)
-    return _train(args, rl=True)
+        return commands.train(args, rl=False, started=_PATCH_LINES.say_once)
+    return commands.train(args, rl=True, started=_PATCH_LINES.say_once)
 
 
 if __name__ == "__main__":

@@ -85,14 +85,29 @@ def eval_record(prefix: str, row: dict, eval_samples: int) -> dict:
     return out
 
 
+def timeouts_note(*measured) -> str:
+    """'' when no verifier call of these held-out evaluations was cut off at reward.timeout_s; else what a line
+    adds, so that an accuracy lowered by time-outs (each scores 0) is not read as the model's own.
+    measured: (label, evaluation) pairs, e.g. ("after cold-start SFT", cold)."""
+    cut = [(label, int(ev.get("eval/timeouts", 0))) for label, ev in measured if ev.get("eval/timeouts")]
+    if not cut:
+        return ""
+    if len(measured) == 1:
+        n = cut[0][1]
+        return f"; {n} verifier call{'s' if n != 1 else ''} timed out at reward.timeout_s and scored 0 (eval/timeouts)"
+    return ("; verifier calls that timed out at reward.timeout_s and scored 0 (eval/timeouts): "
+            + ", ".join(f"{n} {label}" for label, n in cut))
+
+
 def cold_start_line(initial: dict, cold: dict, sft_steps: int) -> str:
     """The held-out accuracy before RL; without cold-start SFT there is one measurement, said as such."""
     count = int(cold["eval/count"])
     if not sft_steps:
         return (f"held-out accuracy: {cold['eval/accuracy']:.3f} before RL ({count} problems, greedy); "
-                "no cold-start SFT (sft.steps=0)")
+                "no cold-start SFT (sft.steps=0)" + timeouts_note(("before RL", cold)))
     return (f"held-out accuracy: initial {initial['eval/accuracy']:.3f}, after cold-start SFT "
-            f"{cold['eval/accuracy']:.3f} ({count} problems, greedy)")
+            f"{cold['eval/accuracy']:.3f} ({count} problems, greedy)"
+            + timeouts_note(("initially", initial), ("after cold-start SFT", cold)))
 
 
 def final_line(final: dict, cold: dict, rl_steps: int, loss: str, sft_steps: int, eval_samples: int,
@@ -102,9 +117,9 @@ def final_line(final: dict, cold: dict, rl_steps: int, loss: str, sft_steps: int
     line = (f"held-out accuracy after {rl_steps} {loss} steps: greedy {final['eval/accuracy']:.3f} "
             f"({start} {cold['eval/accuracy']:.3f}), ")
     if not eval_samples:
-        return line + "sampled: not measured (rl.eval_samples=0)"
+        return line + "sampled: not measured (rl.eval_samples=0)" + timeouts_note(("after RL", final))
     return line + (f"sampled T={temperature:g} {final['eval/sampled_accuracy']:.3f} "
-                   f"({start} {cold['eval/sampled_accuracy']:.3f})")
+                   f"({start} {cold['eval/sampled_accuracy']:.3f})") + timeouts_note(("after RL", final))
 
 
 # ---------------------------------------------------------------------------------------------- plots

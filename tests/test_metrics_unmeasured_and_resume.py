@@ -47,7 +47,9 @@ def test_sampled_accuracy_is_absent_when_not_measured():
 
     greedy_only = evaluator(0)()
     assert "eval/sampled_accuracy" not in greedy_only and calls == [(1, True)]
-    assert set(greedy_only) == {"eval/accuracy", "eval/response_length", "eval/count"}
+    # eval/timeouts is measured whatever the settings (verifier calls cut off at reward.timeout_s; here 0)
+    assert set(greedy_only) == {"eval/accuracy", "eval/response_length", "eval/count", "eval/timeouts"}
+    assert greedy_only["eval/timeouts"] == 0
     calls.clear()
     both = evaluator(2)()
     assert "eval/sampled_accuracy" in both and calls == [(1, True), (2, False)]

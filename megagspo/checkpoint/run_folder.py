@@ -2,7 +2,9 @@
 
     checkpoint.resume = ""      (a plain `megagspo train`) refused over an earlier run: FolderHoldsRun names
                                 --resume and --overwrite; a FINISHED run of the same config is not started over
-                                (RunAlreadyFinished: the CLI prints its summary and exits 0)
+                                (RunAlreadyFinished: the CLI prints its summary and exits 0). A run that stopped
+                                before its first checkpoint (holds_no_checkpoint) is taken over instead: moved
+                                aside as with --overwrite, since it has nothing to lose but its metric rows
     checkpoint.resume = never   (`--overwrite`) the whole earlier run (metrics, summary, plots, config,
                                 TensorBoard events, checkpoints, exports) moves to ONE sibling folder
                                 `<run>.replaced-<time>/` before this run writes anything; nothing is deleted
@@ -52,6 +54,72 @@ def earlier_run(run_dir: str) -> List[str]:
     return sorted(n for n in names if n != LOCK_FILE)
 
 
+# What a run writes before its first checkpoint (step_000000 comes right after cold-start SFT): the metric rows,
+# its config, TensorBoard events, and (after a cut-off first save) an empty checkpoints/ folder.
+BEFORE_FIRST_CHECKPOINT = {"metrics.jsonl": "file", CONFIG: "file", "tb": "dir", "checkpoints": "empty dir"}
+
+
+def holds_no_checkpoint(run_dir: str) -> bool:
+    """True when run_dir holds an earlier run that stopped before its first checkpoint (Ctrl-C during start-up
+    or cold-start SFT, a crash there): nothing but what BEFORE_FIRST_CHECKPOINT names, each of its kind (no
+    symbolic link). Such a run has nothing a restart could lose but its metric rows, and a plain start takes
+    the folder over (the rows move aside with the rest); anything else (a checkpoint, cold_start.pt, a summary,
+    a file no run writes) keeps the folder a run to continue or to move aside on purpose."""
+    names = earlier_run(run_dir)
+    if not names:
+        return False
+    for name in names:
+        path = os.path.join(run_dir, name)
+        kind = BEFORE_FIRST_CHECKPOINT.get(name)
+        if kind is None or os.path.islink(path):
+            return False
+        if kind == "file" and not os.path.isfile(path):
+            return False
+        if kind != "file" and not os.path.isdir(path):
+            return False
+        if kind == "empty dir" and os.listdir(path):
+            return False
+    return True
+
+
+def start_over_hint(run_dir: str) -> str:
+    """The one way on after a stop before the first checkpoint, as the stop line and the --resume refusal say it
+    (a plain start then takes the folder over: check_fresh_start)."""
+    return (f"to start over, run the same command again without --resume: it moves the rows logged so far aside to "
+            f"{os.path.basename(os.path.normpath(run_dir))}.replaced-<time>/")
+
+
+def nothing_to_resume(run_dir: str, root: str) -> str:
+    """--resume's refusal where run_dir holds no checkpoint to continue, naming the command that works."""
+    names = earlier_run(run_dir)
+    if not names:
+        return (f"--resume: no checkpoint under {root} to continue; run without --resume to start a fresh run, or "
+                "pass checkpoint.resume=auto to resume when there is one and start fresh otherwise")
+    if holds_no_checkpoint(run_dir):
+        return (f"--resume: the run in {run_dir} stopped before its first checkpoint (during start-up or cold-start "
+                f"SFT): nothing to continue; {start_over_hint(run_dir)}")
+    return (f"--resume: no checkpoint under {root} to continue (the folder holds {_shown(run_dir, names)}); "
+            f"--overwrite moves that aside to {os.path.basename(os.path.normpath(run_dir))}.replaced-<time>/ and "
+            "starts fresh, or pass name=OTHER to run beside it")
+
+
+def check_resume_reaches(point: dict, rl_steps: int) -> None:
+    """A resume continues a run; it never takes steps back. A checkpoint past rl.steps is refused before anything
+    is written: continuing would rewrite config.yaml to the smaller rl.steps and write summary.json and
+    checkpoint.pt for a run of rl.steps steps that never happened. rl.steps equal to the checkpoint's step
+    finishes the run where it stands (a stop after its last step)."""
+    step = int(point["state"]["step"])
+    if step > rl_steps:
+        raise CheckpointError(f"--resume: {point['path']} is after RL step {step}, past rl.steps = {rl_steps}: a "
+                              f"resume cannot take steps back; rl.steps={step + 1} is the smallest that continues "
+                              "it (or start a fresh run: --overwrite, or name=OTHER)")
+
+
+def _shown(run_dir: str, names: List[str]) -> str:
+    shown = ", ".join(n + ("/" if os.path.isdir(os.path.join(run_dir, n)) else "") for n in names[:8])
+    return shown + (", ..." if len(names) > 8 else "")
+
+
 def _read_summary(run_dir: str) -> Optional[dict]:
     path = os.path.join(run_dir, SUMMARY)
     if not os.path.isfile(path):
@@ -80,15 +148,14 @@ def check_fresh_start(run_dir: str, asked: dict) -> None:
     """A plain fresh start (checkpoint.resume = "") may go ahead only in a folder without an earlier run.
     Raises RunAlreadyFinished (a finished run of this very config) or FolderHoldsRun (anything else)."""
     names = earlier_run(run_dir)
-    if not names:
+    if not names or holds_no_checkpoint(run_dir):  # the latter is moved aside (retire_previous), then run over
         return
     summary = _read_summary(run_dir)
     diff = config_differences(run_dir, asked)
     if summary is not None and not diff:
         raise RunAlreadyFinished(f"{run_dir} already holds a finished run of this config: not starting over "
                                  "(--overwrite moves it aside and runs again; name=OTHER runs beside it)", summary)
-    shown = ", ".join(n + ("/" if os.path.isdir(os.path.join(run_dir, n)) else "") for n in names[:8])
-    shown += ", ..." if len(names) > 8 else ""
+    shown = _shown(run_dir, names)
     state = "a finished run" if summary is not None else "an unfinished run (no summary.json)"
     if diff:
         state += f" of a different config ({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})"
@@ -134,5 +201,6 @@ def summary_lines(summary: dict) -> List[str]:
     return [f"  {k:<30} {shown(summary[k])}" for k in keys]
 
 
-__all__ = ["FolderHoldsRun", "RunAlreadyFinished", "aside_path", "check_fresh_start", "config_differences",
-           "earlier_run", "move_earlier_run_aside", "summary_lines"]
+__all__ = ["BEFORE_FIRST_CHECKPOINT", "FolderHoldsRun", "RunAlreadyFinished", "aside_path", "check_fresh_start",
+           "check_resume_reaches", "config_differences", "earlier_run", "holds_no_checkpoint",
+           "move_earlier_run_aside", "nothing_to_resume", "start_over_hint", "summary_lines"]

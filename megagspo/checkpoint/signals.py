@@ -35,7 +35,8 @@ class StopRequest:
         self._old: dict = {}
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        """Idempotent (the Trainer installs it before its first write under the CLI, and again in train())."""
+        if threading.current_thread() is not threading.main_thread() or self._old:
             return
         for sig in self.SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)

@@ -128,10 +128,12 @@ def load_examples(path: str, prompt_key: str = "prompt", answer_key: str = "answ
 
 
 def encode_examples(pairs, tokenizer, max_prompt_tokens: int, drop_long: bool, where: str,
-                    already_long: int = 0, rows=None) -> tuple[list, int]:
+                    already_long: int = 0, rows=None, allow_empty: bool = False) -> tuple[list, int]:
     """-> (examples, number of prompts over the limit). Too-long prompts raise unless drop_long; the error
     counts them together with `already_long` found in the other split(s). `rows`: each pair's row in its file
-    (for messages; default 0, 1, ...)."""
+    (for messages; default 0, 1, ...). allow_empty: no prompt left is the caller's to judge (a first pass that
+    only counts: its drop_long is not the user's setting, so an error here would describe a setting nobody
+    made)."""
     out, too_long = [], []
     rows = range(len(pairs)) if rows is None else rows
     for i, (prompt, answer) in zip(rows, pairs):
@@ -152,7 +154,7 @@ def encode_examples(pairs, tokenizer, max_prompt_tokens: int, drop_long: bool, w
             f"data.max_prompt_tokens = {max_prompt_tokens} (as the model sees them: bos / chat template "
             f"included): {shown}{' ...' if len(too_long) > 5 else ''}; raise the limit or "
             "set data.drop_long_prompts=true to drop them")
-    if not out:
+    if not out and not allow_empty:
         why = (f"all {len(too_long)} prompts are longer than data.max_prompt_tokens = {max_prompt_tokens} and "
                "data.drop_long_prompts=true dropped them; raise the limit") if too_long else "it holds no prompts"
         raise DataError(f"{where}: no usable prompts: {why}")
@@ -262,13 +264,15 @@ def build_datasets(data_cfg, tokenizer=None, response_check="sft"):
             rng.shuffle(train_pairs)
             eval_pairs, train_pairs = train_pairs[:data_cfg.eval_size], train_pairs[data_cfg.eval_size:]
             where_eval = f"{data_cfg.train_path} (held-out split)"
+    # The held-out split is first only counted (its too-long prompts join the training split's count in one
+    # error); every error below then speaks of the user's own data.drop_long_prompts.
     held_out, eval_long = encode_examples(eval_pairs, tokenizer, data_cfg.max_prompt_tokens, True, where_eval,
-                                          rows=eval_rows)
+                                          rows=eval_rows, allow_empty=True)
     train, train_long = encode_examples(train_pairs, tokenizer, data_cfg.max_prompt_tokens,
                                         data_cfg.drop_long_prompts, where_train, already_long=eval_long)
-    if eval_long and not data_cfg.drop_long_prompts:
-        encode_examples(eval_pairs, tokenizer, data_cfg.max_prompt_tokens, False, where_eval, train_long,
-                        rows=eval_rows)
+    if (eval_long and not data_cfg.drop_long_prompts) or not held_out:
+        encode_examples(eval_pairs, tokenizer, data_cfg.max_prompt_tokens, data_cfg.drop_long_prompts, where_eval,
+                        train_long, rows=eval_rows)
     if data_cfg.task == "addition" and data_cfg.demo_drop_carry:
         demos = sloppy_demonstrations([(ex.prompt, ex.answer) for ex in train], data_cfg.demo_drop_carry,
                                       data_cfg.seed)

@@ -33,15 +33,18 @@ class Evaluator:
         model-parallel rank 0 decodes and scores (its TP x PP peers hold the same engine weights); its counts
         are shared."""
         local = self.dims.on_mp_rank0("held-out evaluation", self._evaluate_local)
-        total, correct, lengths, sampled_correct = self.dims.dp_sum(local)
+        total, correct, lengths, sampled_correct, timeouts = self.dims.dp_sum(local)
+        # eval/timeouts: verifier calls cut off at reward.timeout_s (each scored 0): an accuracy they lowered
+        # must not read as the model's own
         out = {"eval/accuracy": correct / max(total, 1), "eval/response_length": lengths / max(total, 1),
-               "eval/count": total}
+               "eval/count": total, "eval/timeouts": timeouts}
         if self.samples:  # unmeasured (rl.eval_samples = 0): absent from the rows, never recorded as 0
             out["eval/sampled_accuracy"] = sampled_correct / max(total, 1)
         return out
 
     def _evaluate_local(self) -> list:
-        """This data-parallel rank's share: [problems, greedy correct, response tokens, sampled correct]."""
+        """This data-parallel rank's share: [problems, greedy correct, response tokens, sampled correct, verifier
+        time-outs (greedy and sampled)]."""
         examples = self.held_out[self.dims.dp_rank::self.dims.dp_size]
         out = self.engine.generate([ex.prompt_ids for ex in examples], 1,
                                    SamplingParams(self.max_response_tokens, greedy=True))
@@ -57,7 +60,8 @@ class Evaluator:
             scores_s = score_batch(self.reward_fn, self._texts(sampled),
                                    [ex.answer for ex in examples for _ in range(n_s)], stats)
             sampled_correct = sum(1.0 for s in scores_s if s >= 1.0) / n_s
-        return [float(len(examples)), correct, float(out.response_mask_RL.sum()), sampled_correct]
+        return [float(len(examples)), correct, float(out.response_mask_RL.sum()), sampled_correct,
+                float(stats.timeouts)]
 
     def _texts(self, out) -> list:
         return [self.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]

@@ -7,12 +7,14 @@ stop); it never sees the Trainer."""
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from megagspo.metrics_log import timeouts_note
 from megagspo.trainer.engine_link import EngineLink
 from megagspo.trainer.hooks import RunHooks
 from megagspo.trainer.layout import micro_slices
@@ -54,17 +56,18 @@ class ColdStartSFT:
                 row = {"phase": "sft", "step": step, "sft/loss": loss_sum, "sft/lr": lr, "grad_norm": float(gnorm)}
                 if do_eval:
                     self.engine.sync_weights()
-                    row["eval/accuracy"] = self.evaluate()["eval/accuracy"]
+                    held_out = self.evaluate()
+                    row["eval/accuracy"], row["eval/timeouts"] = held_out["eval/accuracy"], held_out["eval/timeouts"]
                     self.hooks.say(f"SFT step {step + 1}: loss {loss_sum:.3f}, held-out accuracy "
-                                   f"{row['eval/accuracy']:.3f}")
+                                   f"{row['eval/accuracy']:.3f}" + timeouts_note(("", held_out)))
                 self.hooks.log(row)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_sum:.3f}")
             signum = self.hooks.stop_requested() if step < cfg.steps - 1 else None
             if signum:  # SFT is not checkpointed mid-way (step_000000 follows it): stop now, redo it on resume
-                raise self.hooks.preempted(f"stopped by a signal during cold-start SFT (after step {step + 1} of "
-                                           f"{cfg.steps}); no checkpoint yet: the next run starts over", signum)
+                raise self.hooks.preempted(f"stopped by {signal.Signals(signum).name} during cold-start SFT "
+                                           f"(after step {step + 1} of {cfg.steps})", signum)
         if bar is not None:
             bar.close()
         self.engine.sync_weights()

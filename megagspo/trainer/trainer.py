@@ -26,13 +26,15 @@ from typing import Callable, Optional
 
 import torch
 
+from megagspo import interrupts
 from megagspo.checkpoint import CheckpointManager, Preempted, StopRequest
 from megagspo.checkpoint.full_state import save_full_weights
+from megagspo.checkpoint.run_folder import check_resume_reaches, start_over_hint
 from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
 from megagspo.checkpoint.state import RunParts, RunRng
 from megagspo.config import Config
 from megagspo.data import PromptDataset
-from megagspo.metrics_log import cold_start_line, eval_record, final_line
+from megagspo.metrics_log import cold_start_line, eval_record, final_line, timeouts_note
 from megagspo.rollout import SamplingParams
 from megagspo.trainer.console import Console
 from megagspo.trainer.engine_link import EngineLink, build_engine
@@ -63,9 +65,11 @@ class Trainer:
         # ---- one owner per run folder, before anything in it is read for writing or moved ----
         self.run_lock = RunFolderLock(cfg.run_dir(), f"megagspo {'train' if cfg.rl.steps else 'sft'}")
         self.dims.on_rank0("taking the run folder", lambda: self.run_lock.acquire() and None, peer_error=RunFolderBusy)
+        self.stop = StopRequest()
         try:
             self._build_run(cfg, inputs, quiet)
         except BaseException:
+            self.stop.uninstall()  # the CLI's start-up guard again (or nothing was installed)
             self.run_lock.release()  # a start that failed leaves the folder free for the next attempt
             raise
 
@@ -76,7 +80,9 @@ class Trainer:
         arch = self.arch = inputs.checked.arch
         self.ckpt = CheckpointManager(cfg, self.dims)
         self.resume = self.ckpt.find_resume(arch, len(inputs.train))
-        self.stop = StopRequest()
+        if self.resume:  # the same answer on every rank: every rank refuses together
+            check_resume_reaches(self.resume, cfg.rl.steps)
+        self.checkpointed = bool(self.resume)  # this run has a checkpoint to continue from (a stop names the way on)
         # the policy, and the frozen KL reference (rl.kl_coef > 0) before the RNG is reseeded (models.py)
         self.policy, self.reference = build_models(cfg, arch, self.dims, self.ckpt, self.resume,
                                                    inputs.checked.init_source, self.adamw_class)
@@ -87,6 +93,8 @@ class Trainer:
         self.train_ds = PromptDataset(inputs.train, seed=cfg.seed + 17)
         self.quiet = quiet or not self.dims.is_main
         self.console = Console(self.dims.is_main, show_progress=not self.quiet and cfg.log.progress)
+        if interrupts.armed():  # the CLI: from the first write on, a signal stops at a step boundary, never mid-write
+            self.stop.install()
         self.logger = open_run_files(cfg, self.dims, self.ckpt, self.resume)
         # Sampling randomness differs per data-parallel rank; the TP ranks of one DP rank draw the same
         # (rank == dp_rank without TP). Training rollouts are also broadcast from TP rank 0 (EngineLink).
@@ -172,6 +180,11 @@ class Trainer:
 
     def _train(self, rl: bool) -> dict:
         t0 = time.perf_counter()
+        signum = self.stop.requested()  # a signal after the run folder was written, before the first step
+        if signum:
+            raise self._preempted(f"stopped by {signal.Signals(signum).name} during start-up, before the first "
+                                  "training step" + (f"; {self.resume['path']} is as it was: continue with --resume"
+                                                     if self.resume else ""), signum)
         if self.resume and rl and self.cfg.rl.steps:
             return self._train_resumed(t0)
         base = self.evaluator()
@@ -183,15 +196,16 @@ class Trainer:
         cold = self.evaluator()
         self.summary.update(eval_record("cold_start", cold, self.cfg.rl.eval_samples))  # only what was measured
         self.logger.log({"phase": "cold_start", "step": 0, "eval/accuracy": cold["eval/accuracy"],
-                         "init/accuracy": base["eval/accuracy"]})
+                         "eval/timeouts": cold["eval/timeouts"], "init/accuracy": base["eval/accuracy"]})
         if rl and self.cfg.rl.steps:
             if self.reference is not None:  # written before step_000000: every RL checkpoint has its reference
                 self.reference.start_from(self.policy)
             self.ckpt.save(self.checkpoint_parts(), 0, cold, phase="cold_start")  # step_000000: SFT is never redone
+            self.checkpointed = True
             signum = self.stop.requested()
             if signum:
-                raise self._preempted("stopped by a signal after cold-start SFT; checkpoint step_000000 written; "
-                                      "continue with --resume", signum)
+                raise self._preempted(f"stopped by {signal.Signals(signum).name} after cold-start SFT; checkpoint "
+                                      "step_000000 written; continue with --resume", signum)
         self.console.say(cold_start_line(base, cold, self.cfg.sft.steps))
         if rl and self.cfg.rl.steps:
             final = self._timed_rl(cold)
@@ -206,7 +220,7 @@ class Trainer:
         cold = dict(state["last_eval"])
         final = self._timed_rl(cold, state["step"]) if state["step"] < self.cfg.rl.steps else self._record_final(cold)
         self.console.say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps (resumed at step "
-                         f"{state['step']}): greedy {final['eval/accuracy']:.3f}")
+                         f"{state['step']}): greedy {final['eval/accuracy']:.3f}" + timeouts_note(("after RL", final)))
         return self._finish(t0)
 
     def _timed_rl(self, cold: dict, start_step: int = 0) -> dict:
@@ -239,6 +253,7 @@ class Trainer:
         signum = self.stop.requested()
         if signum or self.ckpt.due(steps_done, self.cfg.rl.steps):
             path = self.ckpt.save(self.checkpoint_parts(), steps_done, last_eval)
+            self.checkpointed = True
         if signum:
             name = signal.Signals(signum).name
             raise self._preempted(f"stopped by {name} after RL step {steps_done}; checkpoint {path} written; "
@@ -250,7 +265,11 @@ class Trainer:
         self.dims.on_rank0("appending to metrics.jsonl", self.logger.raise_write_error)
 
     def _preempted(self, msg: str, signum: int) -> Preempted:
+        """The stop's one line; before this run's first checkpoint it names the one way on (start over), the
+        same that the --resume refusal and a plain start's take-over give (megagspo.checkpoint.run_folder)."""
         self.logger.close()
+        if not self.checkpointed:
+            msg += f"; no checkpoint yet: {start_over_hint(self.cfg.run_dir())}"
         return Preempted(msg, 128 + signum)
 
     def save_checkpoint(self, name: str = "checkpoint.pt") -> Optional[str]:
