@@ -74,6 +74,21 @@ APIS: dict = {a.name: a for a in (
                 "moves the Megatron model to this process's GPU"),
 )}
 
+# The supported range (requirements/torch-range.txt): the GPU image's torch up to the CPU pin, both checked by CI
+SUPPORTED_TORCH = ((2, 11), (2, 13))
+
+
+def torch_version_problem(version: str | None = None) -> str | None:
+    """None for a torch in SUPPORTED_TORCH, else one line saying why another may fail."""
+    version = version or torch.__version__
+    major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    low, high = SUPPORTED_TORCH
+    if low <= major_minor <= high:
+        return None
+    return (f"torch {version} is outside megagspo's supported range {low[0]}.{low[1]} to {high[0]}.{high[1]} "
+            f"(requirements/torch-range.txt): its CUDA-only calls are checked against those two versions only")
+
+
 CALL_THROUGH = object()
 """What an interceptor returns to let the real call run."""
 

@@ -10,6 +10,7 @@ process groups of a started run (`ParallelDims`, built once where Megatron-Core'
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -288,6 +289,9 @@ def initialize_model_parallel(layout: ParallelLayout) -> ParallelDims:
 def setup_process_groups(layout: ParallelLayout, seed: int) -> ParallelDims:
     """torch.distributed (NCCL on GPU, gloo with the CPU shim on CPU; one rank without torchrun), Megatron's
     groups for `layout`, and its RNG: the one place a run's process layout is made. -> ParallelDims."""
+    problem = cuda_calls.torch_version_problem()
+    if problem:
+        logging.getLogger(__name__).warning("megagspo: %s", problem)
     cuda = use_cuda()
     if not cuda:
         apply_cpu_shim()

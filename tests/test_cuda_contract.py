@@ -384,3 +384,20 @@ def test_registry_lint_catches_planted_direct_calls():
     found = [what for _, what in direct_cuda_only_calls(Path("planted.py"), planted)]
     assert found == ["torch.cuda.synchronize", "varlen_attn", "torch.addmm(out_dtype=...)",
                      "torch.optim.AdamW(fused=...)", "model.cuda()", "torch.nn.functional.grouped_mm"]
+
+
+def test_supported_torch_range_is_stated_once_and_checked():
+    """requirements/torch-range.txt, moe.cuda_calls.SUPPORTED_TORCH, the recorded GPU-host torch and the CPU pin
+    agree; a torch outside the range gets a one-line warning."""
+    low, high = cuda_calls.SUPPORTED_TORCH
+    spec = [line for line in (ROOT / "requirements" / "torch-range.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert spec == [f"torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"]
+    pin = [line for line in (ROOT / "requirements" / "cpu-constraints.txt").read_text().splitlines()
+           if line.startswith("torch==")]
+    assert pin == [f"torch=={high[0]}.{high[1]}.0"]
+    assert RECORDED["torch"].startswith(f"{low[0]}.{low[1]}.")
+    assert cuda_calls.torch_version_problem("2.11.0+cu130") is None
+    assert cuda_calls.torch_version_problem("2.13.0+cpu") is None
+    assert "outside megagspo's supported range 2.11 to 2.13" in cuda_calls.torch_version_problem("2.9.1")
+    assert cuda_calls.torch_version_problem("2.14.1") is not None

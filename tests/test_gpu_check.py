@@ -91,3 +91,15 @@ def test_a_missing_or_broken_result_costs_its_verdict_not_the_table(tmp_path):
         assert f"\n{stage} " in text
     goals = json.load(open(out / "summary.json"))["goals"]
     assert goals["hidden"]["verdict"] == "missing" and goals["logits"]["verdict"] == "missing"
+
+
+def test_the_trainer_end_to_end_runs_right_after_the_build(tmp_path):
+    """A first GPU window learns within minutes whether a CUDA trainer run works: tiny-bf16 follows the build, the
+    CPU-side contract on the host's own torch next, the benchmarks after; the script and the summary agree."""
+    assert gpu_goals.STAGES[:5] == ["env", "install", "build", "tiny-bf16", "contract"]
+    assert gpu_goals.STAGES.index("step") > gpu_goals.STAGES.index("t-model")
+    listed = subprocess.run(["bash", SCRIPT, "--list"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert listed.stdout.split() == gpu_goals.STAGES
+    script = open(SCRIPT).read()
+    order = [script.index(f"run_stage {s} ") for s in gpu_goals.STAGES if f"run_stage {s} " in script]
+    assert order == sorted(order), "run_stage calls must come in the table's order"

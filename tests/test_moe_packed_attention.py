@@ -188,3 +188,37 @@ def test_packed_attention_on_cuda_is_varlen_flash_and_equals_padded():
         assert_close_scaled(got, ref, f"seed {seed} sequence {b} logits", **TOLERANCE[torch.float32])
     for name, ref in ref_grads.items():
         assert_close_scaled(grads[name], ref, f"seed {seed} grad {name}", **TOLERANCE[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [HEADS, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_varlen_gqa_modes_on_cuda_equal_padded(groups):
+    """Each way moe.cuda_calls can hand grouped key/value heads to torch's varlen flash attention on this torch
+    ('kwarg' only where it takes enable_gqa; 'grouped' k / v as they are; 'expand' repeated to N heads), in bf16
+    against causal SDPA per sequence: the output and the q / k / v gradients within the bf16 rule of the table
+    (at most 2x the padded bf16 path's error against float32, plus one bf16 ulp)."""
+    from moe import cuda_calls
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    total, scale = sum(LENGTHS), DIM ** -0.5
+    q = torch.randn(total, HEADS, DIM, generator=gen).cuda().bfloat16()
+    k = torch.randn(total, groups, DIM, generator=gen).cuda().bfloat16()
+    v = torch.randn(total, groups, DIM, generator=gen).cuda().bfloat16()
+    grad = torch.randn(total, HEADS * DIM, generator=gen).cuda()
+    cu_N1 = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device="cuda")
+    reference = _run(lambda a, b, c: _padded_causal(a.float(), b.float(), c.float(), LENGTHS, scale), q, k, v, grad)
+    padded = _run(lambda a, b, c: _padded_causal(a, b, c, LENGTHS, scale), q, k, v, grad)
+    modes = [m for m in cuda_calls.VARLEN_GQA_MODES
+             if m != "kwarg" or cuda_calls.takes_keyword("torch.nn.attention.varlen.varlen_attn", "enable_gqa")]
+    for mode in modes:
+        got = _run(lambda a, b, c, mode=mode: cuda_calls.varlen_attn(a, b, c, cu_N1, max(LENGTHS), scale=scale,
+                                                                     gqa_mode=mode).reshape(total, -1),
+                   q, k, v, grad)
+        for what, pick in (("output", lambda r: r[0]), ("q", lambda r: r[1][0]), ("k", lambda r: r[1][1]),
+                           ("v", lambda r: r[1][2])):
+            ref = pick(reference)
+            ulp = 2.0**-8 * float(ref.abs().max())
+            err = float((pick(got) - ref).abs().max())
+            padded_err = float((pick(padded) - ref).abs().max())
+            assert err <= 2 * padded_err + ulp, f"seed {seed} {mode} {what}: {err:.3g} vs padded {padded_err:.3g}"

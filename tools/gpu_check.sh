@@ -36,7 +36,7 @@ while (($#)); do
     esac
 done
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget must be whole seconds, got $BUDGET" >&2; exit 2; }
-STAGES="env install build t-model t-kernels step lp-logits lp-hidden tiny-bf16 packing gpu-tests peers"
+STAGES="env install build tiny-bf16 contract t-model t-kernels step varlen lp-logits lp-hidden packing gpu-tests peers"
 if ((LIST)); then echo "$STAGES"; exit 0; fi
 for s in ${ONLY//,/ }; do
     [[ " $STAGES " == *" $s "* ]] || { echo "gpu_check: --only: unknown stage $s; stages: $STAGES" >&2; exit 2; }
@@ -229,15 +229,22 @@ XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 6"
 
 # ---- 3.. the stages, most valuable first ------------------------------------------------------------------
+# the trainer end to end first (bf16, packed): one stage says whether a CUDA run trains at all
+run_stage tiny-bf16 180 60 "cuda deps ext" "$PYTEST 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]'"
+# this host's torch against the record the CPU's contract test binds to (tests/assets/gpu_host_torch_signatures.json),
+# then the contract, branch and fake-CUDA tests on this torch itself
+run_stage contract 90 20 "cuda deps" "set -e
+$PY tools/torch_signatures.py --installed --out '$OUT/torch_signatures.json' --compare tests/assets/gpu_host_torch_signatures.json
+$PYTEST tests/test_cuda_contract.py tests/test_cuda_branches.py tests/test_fake_cuda_trace.py"
 run_stage t-model 170 40 "cuda deps" "$PYTEST -m gpu tests/test_moe_grouped_experts.py tests/test_moe_token_dispatch.py tests/test_moe_sdpa_attention.py tests/test_moe_packed_attention.py tests/test_moe_optimizer_fused.py"
 run_stage t-kernels 120 30 "cuda ext" "$PYTEST $XDIST tests/test_extension_build.py tests/test_kernel_extension.py tests/test_kernel_logprob.py tests/test_kernel_gspo.py tests/test_kernel_linear.py tests/test_kernel_policy_losses.py"
 # GPU_CHECK_STEP_PATHS: more bench_train_step paths to time beside the default one (A/B of an implementation choice)
 STEP_PATHS=${GPU_CHECK_STEP_PATHS:-grouped+sdpa}
 STEP_LIMIT=$(( 110 + 45 * $(tr ',' '\n' <<< "$STEP_PATHS" | wc -l) ))
 run_stage step "$STEP_LIMIT" 60 "cuda deps" "$PY benchmarks/bench_train_step.py --micro-batches 4 --paths '$STEP_PATHS' --json '$OUT/step.json' --profile '$OUT/profile'" step
+run_stage varlen 45 15 "cuda deps" "$PY benchmarks/bench_varlen_gqa.py --json '$OUT/varlen.json'"
 run_stage lp-logits 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --tokens 32768 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths fused,fused-inplace --json '$OUT/logits.json'" logits
 run_stage lp-hidden 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths hidden --json '$OUT/hidden.json'" hidden
-run_stage tiny-bf16 180 60 "cuda deps ext" "$PYTEST 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]'"
 # everything else marked gpu in one pytest over several workers (the GPU has room for them): the policy and
 # precision tests, the other end-to-end cases (fp32, fused GSPO loss, GRPO-R2, resume) and the CUDA variants
 run_stage packing 150 60 "cuda deps ext" "$PY benchmarks/bench_packing.py --rows 128 --resp-max 1024 --hidden 512 --extra model.precision=bf16 --json '$OUT/packing.json'"

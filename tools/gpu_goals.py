@@ -20,8 +20,9 @@ import json
 import os
 import sys
 
-STAGES = ["env", "install", "build", "t-model", "t-kernels", "step", "lp-logits", "lp-hidden", "tiny-bf16",
-          "packing", "gpu-tests", "peers"]
+# the trainer end to end right after the build: a first window learns in two minutes whether the trainer runs
+STAGES = ["env", "install", "build", "tiny-bf16", "contract", "t-model", "t-kernels", "step", "varlen", "lp-logits",
+          "lp-hidden", "packing", "gpu-tests", "peers"]
 GOALS = {  # name: (file, what, goal text)
     "step": ("step.json", "model step fwd+bwd TFLOP/s (k >= 4)", ">= 240 (stretch 277; < 200 not done)"),
     "optimizer": ("step.json", "optimizer step, share of a k = 8 step", "reported"),

@@ -48,6 +48,9 @@ def main(argv=None) -> int:
     where.add_argument("--torch-root", help="a torch package folder (an unzipped wheel's torch/)")
     parser.add_argument("--origin", default=None, help="how the sources were obtained (recorded in the file)")
     parser.add_argument("--out", default="-", help="JSON file to write (default: stdout)")
+    parser.add_argument("--compare", default=None, metavar="RECORD",
+                        help="a committed record: print each API whose signatures differ; exit 1 when the torch "
+                             "versions are the same and the signatures are not (the record is wrong)")
     args = parser.parse_args(argv)
     if args.installed:
         import torch
@@ -64,7 +67,27 @@ def main(argv=None) -> int:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write(text)
         print(f"torch_signatures: {len(APIS)} APIs of torch {torch_version(root)} -> {args.out}")
+    if args.compare:
+        return compare(json.loads(text), args.compare)
     return 0
+
+
+def compare(current: dict, record_path: str) -> int:
+    with open(record_path, encoding="utf-8") as fh:
+        recorded = json.load(fh)
+    differ = sorted(name for name in set(current["apis"]) | set(recorded["apis"])
+                    if current["apis"].get(name, {}).get("overloads") != recorded["apis"].get(name, {}).get("overloads"))
+    same_torch = current["torch"] == recorded["torch"]
+    for name in differ:
+        print(f"torch_signatures: {name} differs between torch {current['torch']} (here) and {recorded['torch']} "
+              f"({record_path})")
+    if not differ:
+        print(f"torch_signatures: torch {current['torch']} here has the signatures of {record_path} "
+              f"(torch {recorded['torch']})")
+    elif not same_torch:
+        print(f"torch_signatures: this host's torch is not the recorded one: to check the CPU against it, commit "
+              f"this output as {record_path}")
+    return 1 if differ and same_torch else 0
 
 
 if __name__ == "__main__":
