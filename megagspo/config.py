@@ -630,14 +630,6 @@ class Config:
             if not ok:
                 raise ConfigError(f"rl.routing_replay = {_show(self.rl.routing_replay)} is not available yet: {why}")
         self._derive_replay_flags()
-        if self.rollout.staleness and self.rl.filter_groups:
-            raise ConfigError("rollout.staleness = 1 with rl.filter_groups = true is not supported: dynamic "
-                              "sampling draws more rounds after seeing the rewards, which a batch generated ahead "
-                              "cannot; set one of them")
-        if self.rollout.staleness and self.parallel.tensor_parallel * self.parallel.pipeline_parallel > 1:
-            raise ConfigError("rollout.staleness = 1 needs parallel.tensor_parallel = pipeline_parallel = 1: under "
-                              "TP x PP the generating rank broadcasts the rollouts to its peers, a collective that "
-                              "cannot run beside the training thread's")
 
     def _derive_replay_flags(self) -> None:
         """rl.routing_replay is the one switch for routing replay; the engine-side flags follow from it (and

@@ -64,10 +64,13 @@ def test_each_batch_comes_from_the_weights_one_update_old(tmp_path):
     (["rollout.staleness=1", "parallel.tensor_parallel=2"], ["tensor_parallel", "pipeline_parallel = 1"]),
 ])
 def test_what_one_step_off_cannot_run_is_refused(overrides, words):
+    """Refused by the config (a key's own range) or by the preflight the trainer and the dry run share (what
+    combines with what: megagspo.trainer.rollout_sources.source_class)."""
     from megagspo.config import ConfigError, load_config
+    from megagspo.trainer.preflight import preflight
 
     with pytest.raises(ConfigError) as err:
-        load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
+        preflight(load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides), world=2, vocab_size=0)
     for w in words:
         assert w in str(err.value), str(err.value)
 

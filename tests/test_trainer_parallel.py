@@ -340,8 +340,8 @@ def _tp_reward_body(rank, world_size, out_dir, seed):
                         "name=tp2"], reward_fn=_rank_dependent_reward(calls))
     assert trainer.dims.tp_size == 2 and trainer.dims.dp_size == 1
     step = trainer.step  # the stages of RLStep.__call__, with the scores kept
-    rollouts = step.collect()
-    scores = step.score(rollouts)
+    sourced = step.source.next(0)
+    rollouts, scores = sourced.rollouts, sourced.scores
     batch = step.prepare(rollouts, scores)
     step.old_policy(batch, rollouts)
     row = step.summarize(rollouts, scores, batch, step.update(batch, 0, trainer.optimizer))

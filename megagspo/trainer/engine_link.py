@@ -33,6 +33,11 @@ class EngineLink:
         self.engine.update_weights_from_buckets(buckets)
         return time.perf_counter() - t0
 
+    def seeded_generator(self, seed: int):
+        """The engine's own sampling generator seeded with `seed` (None where the engine samples elsewhere): what
+        generation beside the training thread draws from (megagspo.trainer.rollouts_ahead)."""
+        return self.engine.seeded_generator(seed)
+
     def generate(self, prompt_ids: list, n: int, sampling: SamplingParams) -> RolloutOutput:
         """The engine's samples; under TP / PP only rank 0 of each model-parallel group (the TP x PP ranks of
         one data-parallel rank) generates and broadcasts to its peers, so that they all train on the same

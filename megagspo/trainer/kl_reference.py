@@ -22,6 +22,11 @@ class KLReference:
         self.run_id = run_id
         self.ready = False            # its weights are the start of RL (start_from or resume has run)
 
+    def logprobs(self, inputs: list) -> list:
+        """log pi_ref of each micro-batch input (its own router: never replaying), as run_micro_batches returns
+        them (None on stages without the LM head)."""
+        return self.policy.run_micro_batches(inputs)
+
     def start_from(self, policy: MegatronPolicy) -> None:
         """Collective: reference := `policy`'s full state now (start of RL); rank 0 writes it to
         <run>/reference.safetensors (atomic, checksummed) so that a resume gets the same reference."""

@@ -178,6 +178,19 @@ class MegatronPolicy:
         self.replay = RoutingReplay(self.model, tp_group=dims.tp_group)
         self.set_micro_batches(1)
 
+    def recording(self):
+        """A context recording the routes of the forwards inside it (its `.routes`: [T, Ly, K] of this stage)."""
+        return self.replay.recording()
+
+    def replaying(self, routes_TLK):
+        """A context in which the forwards inside it route with `routes_TLK` (R2 / R3)."""
+        return self.replay.replaying(routes_TLK)
+
+    @property
+    def replay_spec(self):
+        """This stage's MoE layers and the routes' dtype (moe.routing_replay.ReplaySpec)."""
+        return self.replay.spec
+
     def set_micro_batches(self, num_micro_batches: int) -> None:
         """Router aux-loss gradient scale 1 / micro-batches per optimizer step, which DDP's 1 / DP reduction
         makes 1 / (DP * micro-batches): each DP rank and each micro-batch adds its own aux loss (Megatron's

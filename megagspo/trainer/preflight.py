@@ -13,6 +13,7 @@ from typing import Optional
 from megagspo.config import Config, ConfigError
 from megagspo.trainer.init_weights import InitSource, preflight_init_from
 from megagspo.trainer.layout import check_layout
+from megagspo.trainer.rollout_sources import source_class
 from moe.parallel import ParallelShape
 
 
@@ -26,6 +27,8 @@ class Preflight:
 def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bool = True) -> Preflight:
     """Raise ConfigError (naming the key) for the first thing that cannot work; `vocab_size` is the
     tokenizer's (0 when it is not on this machine)."""
+    source_class(cfg.rollout.staleness, cfg.rl.filter_groups,  # which rollout source; what combines with what
+                 cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
     arch = cfg.model.architecture(vocab_size)
     # batch sizes over the ranks, and the sizes the model is built from (arch_file / init_from's config.json /
     # the recipe) over TP / EP / PP

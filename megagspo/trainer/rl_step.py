@@ -1,7 +1,8 @@
 """One RL step as named stages, each a function of what the previous one produced:
 
-    collect  -> Rollouts     B prompts (this DP rank's share) -> G samples each from the rollout engine
-    score    -> Scores       verifier rewards (errors score 0, counted) and group advantages (eq. 7)
+    source   -> Rollouts, Scores   B prompts (this DP rank's share) -> G samples each, verifier rewards (errors
+                             score 0, counted) and group advantages (eq. 7), from the run's rollout source:
+                             synchronous, one step ahead or group-filtered (megagspo.trainer.rollout_sources)
     prepare  -> UpdateBatch  the sequences on the model's device, split into mini-batches of MicroBatches: each one
                              packed stream of whole sequences (rl.packing) or padded rows, by row count or by
                              token budget (megagspo.trainer.micro_batches)
@@ -14,8 +15,8 @@
     summarize -> metrics     sums over the data-parallel group, by name
 
 `RLStep` is built from what the step uses (the process layout, the policy, the engine link, the loss, the
-reward, the optional KL reference, the rl.* config, the tokenizer, the prompt stream and the sampling
-generator) and never sees the Trainer; `RLStep(...)(step, optimizer)` runs one rollout batch.
+optional KL reference, the rl.* config, the rollout source, the tokenizer and the mini-batch generator) and never
+sees the Trainer; `RLStep(...)(step, optimizer)` runs one rollout batch.
 
 Legend (as in docs/architecture.md): B prompts, G samples per prompt, R = B*G responses, S model input length,
 L response length, Ly MoE layers of this pipeline stage, K top-k, T = rows*S tokens in storage order.
@@ -31,36 +32,19 @@ from typing import Callable, List, Optional
 
 import torch
 
-from megagspo.algorithm import PackedBatch, group_advantages, merge_metrics
-from megagspo.algorithm.registry import build_advantage_config
-from megagspo.rewards import RewardStats, score_batch
-from megagspo.rollout import SamplingParams
+from megagspo.algorithm import PackedBatch, merge_metrics
 from megagspo.trainer.dp_balance import balance_over_dp
-from megagspo.trainer.dynamic_sampling import GroupFilter, merge_stats
 from megagspo.trainer.engine_link import EngineLink
 from megagspo.trainer.kl_reference import KLReference
 from megagspo.trainer.layout import micro_slices
 from megagspo.trainer.micro_batches import (MicroInput, PaddedRows, gather_over_dp, micro_input, row_lengths,
                                             token_budget_split)
 from megagspo.trainer.policy import MegatronPolicy, build_sequences
-from megagspo.trainer.rollouts_ahead import RolloutsAhead
+from megagspo.trainer.rollout_sources import Rollouts, RolloutSource, Scores
 from megagspo.trainer.schedule import lr_at
 from moe.optimizer import set_lr
 from moe.parallel import ParallelDims
 from moe.volatility import VolatilityTally
-
-
-@dataclass
-class Rollouts:
-    prompts: list          # this rank's Example prompts
-    out: object            # megagspo.rollout.RolloutOutput: response_ids_RL, response_mask_RL, logp_RL, routes
-
-
-@dataclass
-class Scores:
-    rewards_R: torch.Tensor
-    advantages_R: torch.Tensor
-    stats: object          # megagspo.rewards.RewardStats
 
 
 @dataclass
@@ -112,38 +96,17 @@ class RLStep:
     engine: EngineLink
     loss_fn: Callable                # (PackedBatch, loss_cfg) -> (loss, metrics): megagspo.kernels.policy_losses.build_loss
     loss_cfg: object
-    reward_fn: Callable              # (response, answer) -> [0, 1]
     reference: Optional[KLReference]  # the frozen KL reference (rl.kl_coef > 0), else None
     rl: object                       # megagspo.config.RLConfig
-    sampling: SamplingParams         # the rollouts' sampling (data.max_response_tokens, rollout.temperature / top_p)
+    source: RolloutSource            # scored rollouts: synchronous, one step ahead or group-filtered
     tokenizer: object
-    prompts: object                  # megagspo.data.PromptDataset: sample(n) -> Examples
     sample_gen: torch.Generator      # the mini-batch permutation
-    staleness: int = 0               # rollout.staleness: 1 = one-step-off rollouts (megagspo.trainer.rollouts_ahead)
-    ahead_seed: int = 0              # staleness 1: the seed of the engine's own sampling generator
-    ahead: Optional[RolloutsAhead] = field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        if self.staleness:
-            # generation on the background thread samples from its own generator, never the global one
-            generator = self.engine.engine.seeded_generator(self.ahead_seed)
-            if generator is not None:
-                self.sampling = dataclasses.replace(self.sampling, generator=generator)
-            self.ahead = RolloutsAhead(self.generate, generator)
 
     def __call__(self, step: int, optimizer) -> dict:
         """One rollout batch: every stage in order; returns the step's metrics row (timings included)."""
-        times = {}
         t0 = time.perf_counter()
-        if self.rl.filter_groups:
-            rollouts, scores, filter_metrics = self.collect_scored(times)
-        else:
-            rollouts = self.collect_ahead(step) if self.ahead is not None else self.collect()
-            times["time/rollout_s"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            scores = self.score(rollouts)
-            times["time/reward_s"] = time.perf_counter() - t1
-            filter_metrics = {}
+        sourced = self.source.next(step)
+        rollouts, scores, times = sourced.rollouts, sourced.scores, dict(sourced.times)
         batch = self.prepare(rollouts, scores)
         t2 = time.perf_counter()
         self.old_policy(batch, rollouts)
@@ -151,11 +114,10 @@ class RLStep:
         t3 = time.perf_counter()
         updates = self.update(batch, step, optimizer)
         times["time/train_s"] = time.perf_counter() - t3
-        if self.ahead is not None:  # the next batch, generated with the weights before this update, first
-            times["time/rollout_wait_s"] = self.ahead.wait()
+        times.update(self.source.after_update())  # one step ahead: the next batch, generated before this update
         times["time/sync_s"] = self.engine.sync_weights()
         row = self.summarize(rollouts, scores, batch, updates)
-        row.update(filter_metrics)
+        row.update(sourced.metrics)
         row.update(times)
         step_time = time.perf_counter() - t0
         row["time/step_s"] = step_time
@@ -163,76 +125,6 @@ class RLStep:
         return row
 
     # -------------------------------------------------------------------------------------------- stages
-    def collect(self) -> Rollouts:
-        prompts = self.draw_prompts()
-        return Rollouts(prompts, self.generate(prompts))
-
-    def draw_prompts(self) -> list:
-        """The next rl.prompts_per_step prompts of the stream (every rank the same draw): this rank's share."""
-        return self.dims.local_slice(self.prompts.sample(self.rl.prompts_per_step))
-
-    def generate(self, prompts: list):
-        return self.engine.generate([ex.prompt_ids for ex in prompts], self.rl.group_size, self.sampling)
-
-    def collect_ahead(self, step: int) -> Rollouts:
-        """rollout.staleness = 1: this step's batch (generated during the previous step, or now when none is
-        held), and the next batch's generation started with the engine's current weights."""
-        rollouts = Rollouts(*self.ahead.take()) if self.ahead.holds_batch else self.collect()
-        if step + 1 < self.rl.steps:
-            self.ahead.launch(self.draw_prompts())
-        return rollouts
-
-    def score(self, rollouts: Rollouts) -> Scores:
-        rewards_R, stats = self.rewards(rollouts)
-        return self.scores_of(rewards_R, stats)
-
-    def rewards(self, rollouts: Rollouts) -> tuple:
-        """(rewards_R, RewardStats) of the verifier on the rollouts' responses."""
-        out = rollouts.out
-        texts = [self.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
-        answers = [ex.answer for ex in rollouts.prompts for _ in range(self.rl.group_size)]
-        stats = RewardStats()
-        if self.dims.mp_size == 1:
-            scores = score_batch(self.reward_fn, texts, answers, stats)
-        else:  # the verifier (time-limited, maybe non-deterministic) runs once per TP x PP group: peers agree
-            scores, stats = self.dims.on_mp_rank0(
-                "reward scoring", lambda: (score_batch(self.reward_fn, texts, answers, stats), stats))
-        return torch.tensor(scores, dtype=torch.float32), stats
-
-    def scores_of(self, rewards_R: torch.Tensor, stats) -> Scores:
-        advantages_R = group_advantages(rewards_R, group_size=self.rl.group_size,
-                                        **dataclasses.asdict(build_advantage_config(self.rl)))  # eq. 7, rl.adv_*
-        return Scores(rewards_R, advantages_R, stats)
-
-    def collect_scored(self, times: dict) -> tuple:
-        """Dynamic sampling (rl.filter_groups; megagspo.trainer.dynamic_sampling): rounds of collect + rewards
-        until every data-parallel rank holds its share of informative groups, at most rl.filter_max_rounds.
-        -> (Rollouts, Scores, the filter's metrics); times gets the rounds' rollout and reward seconds."""
-        cfg = self.rl
-        need = len(self.dims.local_slice(list(range(cfg.prompts_per_step))))
-        kept = GroupFilter(need, cfg.group_size)
-        stats, rollout_s, reward_s = [], 0.0, 0.0
-        while True:
-            t0 = time.perf_counter()
-            rollouts = self.collect()
-            t1 = time.perf_counter()
-            rewards_R, round_stats = self.rewards(rollouts)
-            reward_s += time.perf_counter() - t1
-            rollout_s += t1 - t0
-            stats.append(round_stats)
-            kept.add_round(rollouts.prompts, rollouts.out, rewards_R)
-            ranks_short = self.dims.dp_sum([float(kept.short > 0)])[0]
-            if ranks_short == 0 or kept.rounds >= cfg.filter_max_rounds:
-                break
-        prompts, out, rewards_R, filled = kept.result(self.tokenizer.pad_id)
-        times["time/rollout_s"], times["time/reward_s"] = rollout_s, reward_s
-        generated, informative, filled_total = self.dims.dp_sum([float(kept.generated), float(kept.informative),
-                                                                 float(filled)])
-        metrics = {"filter/rounds": float(kept.rounds),
-                   "filter/informative_frac": informative / max(generated, 1.0),  # of the groups generated
-                   "filter/filled_frac": filled_total / cfg.prompts_per_step}    # of the batch: zero-advantage fill
-        return Rollouts(prompts, out), self.scores_of(rewards_R, merge_stats(stats)), metrics
-
     def prepare(self, rollouts: Rollouts, scores: Scores) -> UpdateBatch:
         cfg = self.rl
         out = rollouts.out
@@ -280,7 +172,7 @@ class RLStep:
             if cfg.routing_replay == "r3":
                 for mb in flat:
                     mb.old_routes = _engine_routes_TLK(policy, routes_RPLyK, mb, seq_len)
-                context = lambda i: policy.replay.replaying(flat[i].old_routes)  # noqa: E731
+                context = lambda i: policy.replaying(flat[i].old_routes)  # noqa: E731
             else:
                 recorded = [None] * len(flat)
                 context = lambda i: _recording_into(policy, recorded, i)  # noqa: E731
@@ -298,7 +190,7 @@ class RLStep:
             # log pi_ref: the frozen reference always routes with its own router, never replaying (its model has
             # no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the reference
             # must stay the fixed start-of-RL policy, not follow them.
-            results = self.reference.policy.run_micro_batches(batch.inputs(flat))
+            results = self.reference.logprobs(batch.inputs(flat))
             for i, mb in enumerate(flat):
                 mb.ref_logp = results[i][0] if results[i] is not None else None
 
@@ -314,7 +206,7 @@ class RLStep:
             policy.set_micro_batches(len(micro))  # a token budget may split mini-batches differently
             new_routes = [None] * len(micro)
             if replayed:
-                context = lambda j, micro=micro: policy.replay.replaying(micro[j].old_routes)  # noqa: E731
+                context = lambda j, micro=micro: policy.replaying(micro[j].old_routes)  # noqa: E731
             else:
                 context = lambda j: _recording_into(policy, new_routes, j)  # noqa: E731
             inputs = batch.inputs(micro)
@@ -433,7 +325,7 @@ def _recording_into(policy, store: list, i: int):
     """A context recording this stage's routes of one forward into store[i] ([T, Ly, K])."""
     @contextlib.contextmanager
     def record():
-        with policy.replay.recording() as rec:
+        with policy.recording() as rec:
             yield
         store[i] = rec.routes
 
@@ -457,5 +349,5 @@ def _engine_routes_TLK(policy, routes_RPLyK, mb: MicroBatch, seq_len):
         r_TLK = r_TLK[view.valid_T]
         tail = view.computed_tokens - r_TLK.shape[0]
         r_TLK = torch.cat([r_TLK, torch.arange(k).expand(tail, r_TLK.shape[1], k)])
-    spec = policy.replay.spec
+    spec = policy.replay_spec
     return spec.stage_slice(r_TLK).to(policy.device, spec.dtype)

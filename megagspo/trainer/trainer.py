@@ -43,6 +43,7 @@ from megagspo.trainer.hooks import RunHooks
 from megagspo.trainer.models import build_models, rl_optimizer_settings
 from megagspo.trainer.policy import setup_parallel
 from megagspo.trainer.rl_step import RLStep
+from megagspo.trainer.rollout_sources import RolloutCollector, build_rollout_source
 from megagspo.trainer.run_files import open_run_files, write_summary
 from megagspo.trainer.run_inputs import RunInputs, read_run_inputs
 from megagspo.trainer.sft import ColdStartSFT
@@ -120,18 +121,20 @@ class Trainer:
                                 self.evaluator, hooks)
         sampling = SamplingParams(cfg.data.max_response_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p)
-        self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reward_fn,
-                           self.reference, cfg.rl, sampling, self.tokenizer, self.train_ds, self.sample_gen,
-                           staleness=cfg.rollout.staleness,
-                           ahead_seed=cfg.seed * 7919 + 104_729 + self.dims.dp_rank)
-        if self.resume and self.step.ahead is not None:
-            self.ckpt.restore_rollouts_ahead(self.step.ahead, self.resume)
+        collector = RolloutCollector(self.dims, self.link, cfg.rl, sampling, self.tokenizer, self.train_ds,
+                                     self.reward_fn)
+        source = build_rollout_source(collector, cfg.rollout.staleness,
+                                      ahead_seed=cfg.seed * 7919 + 104_729 + self.dims.dp_rank)
+        self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reference,
+                           cfg.rl, source, self.tokenizer, self.sample_gen)
+        if self.resume and source.holder is not None:
+            self.ckpt.restore_rollouts_ahead(source.holder, self.resume)
 
     def checkpoint_parts(self) -> RunParts:
         """What a checkpoint holds of this run, by name (megagspo.checkpoint.state.RunParts)."""
         return RunParts(policy=self.policy, optimizer=self.optimizer, dataset=self.train_ds, rng=self.rng,
                         metrics=self.logger, summary=self.summary, arch=self.arch,
-                        rollouts_ahead=getattr(getattr(self, "step", None), "ahead", None))
+                        rollouts_ahead=self.step.source.holder if hasattr(self, "step") else None)
 
     # ------------------------------------------------------------------------------------------- the parts
     def run_sft(self) -> dict:
