@@ -8,7 +8,7 @@ the update (forward + backward + optimizer steps of every mini-batch), and the p
 
 One synthetic rollout batch (fixed seed, the same for every mode): prompts of uniform 16-64 tokens, responses
 log-uniform 16-512 tokens (RL responses range from a few dozen to hundreds of tokens), random token ids,
-random advantages, engine log-probs. It goes through megagspo.trainer.rl_step's own stages — `prepare`,
+random advantages, engine log-probs. It goes through megagspo.rl.step's own stages — `prepare`,
 `old_policy` (a Megatron no-grad recompute of pi_old) and `update` (rl.mini_batches optimizer steps) — in each
 mode, each mode in a fresh subprocess so its peak resident memory (VmHWM) is its own:
   padded        rl.packing=false: rows right-padded to the longest sequence of the batch
@@ -72,7 +72,7 @@ def run_mode(args, mode: str) -> dict:
     import torch
 
     from megagspo.config import load_config
-    from megagspo.trainer.rl_step import Rollouts, Scores
+    from megagspo.rl.step import Rollouts, Scores
     from megagspo.trainer.trainer import Trainer
 
     overrides = [

@@ -37,13 +37,13 @@ from megagspo.kernels.policy_losses import check_loss_impl
 from megagspo.rewards import available_rewards
 from megagspo.rollout import available_engines
 from megagspo.rollout.sglang_engine import SGLangEngineConfig
-from megagspo.trainer.replay import replay_available
 from moe.architecture import Qwen3MoeArchitecture
 from moe.hf_checkpoint import is_hf_model_folder
 from moe.hf_config import architecture_from_hf_config
 from moe.implementation import ATTENTION_PATHS, EXPERT_PATHS, RECOMPUTE_MODES, ModelImplementation
 from moe.json_files import read_json
 from moe.parallel import ParallelLayout
+from moe.routing_replay import replay_available
 from moe.yaml_files import yaml_depth
 
 
@@ -316,7 +316,7 @@ class RolloutConfig:
     # engine = sglang: the fields of megagspo.rollout.sglang_engine.SGLangEngineConfig (urls of running
     # servers or launch settings, sync_dir, colocate, ...), validated here so a typo fails before any compute.
     sglang: dict = field(default_factory=dict)
-    # 1: one-step-off asynchronous rollouts (megagspo/trainer/rollouts_ahead.py): batch n+1 is generated with
+    # 1: one-step-off asynchronous rollouts (megagspo/rl/rollouts_ahead.py): batch n+1 is generated with
     # the weights after update n-1 while the trainer updates on batch n; 0: generate, then train (synchronous)
     staleness: int = 0
 
@@ -433,7 +433,7 @@ class RLConfig:
     token_mask_high: float = 5.0
     opsm_delta: float = 1e-4        # opsm masks A_i < 0 sequences whose mean log pi_rollout/pi_theta exceeds this
     loss_input_checks: bool = True  # check each batch's shapes and finiteness in the loss (host syncs; false = skip)
-    # Dynamic sampling (DAPO; megagspo/trainer/dynamic_sampling.py): drop the groups whose rewards are all equal
+    # Dynamic sampling (DAPO; megagspo/rl/dynamic_sampling.py): drop the groups whose rewards are all equal
     # (zero advantage) and draw more prompts until the batch is full, in at most filter_max_rounds rounds of
     # generation (then zero-advantage groups fill what is left, reported as filter/filled_frac)
     filter_groups: bool = False

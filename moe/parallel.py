@@ -223,6 +223,13 @@ class ParallelDims:
         """Python numbers summed elementwise over the data-parallel group (float64)."""
         return sum_over(values, self.dp_group)
 
+    def dp_gather(self, values: List[float]) -> List[List[float]]:
+        """Every data-parallel rank's `values` (a list of one length on every rank), rank by rank."""
+        slot = [0.0] * (len(values) * self.dp_size)
+        slot[self.dp_rank * len(values):(self.dp_rank + 1) * len(values)] = values
+        total = self.dp_sum(slot)
+        return [total[r * len(values):(r + 1) * len(values)] for r in range(self.dp_size)]
+
     def pp_sum(self, values: List[float]) -> List[float]:
         """Per-stage counts (each stage holds its own layers) summed over the pipeline."""
         return sum_over(values, self.pp_group)

@@ -541,3 +541,13 @@ __all__ = [
     "filler_routes", "pack_sample_routes", "route_dtype", "router_token_index", "validate_routes",
     "validate_sample_routes",
 ]
+
+
+def replay_available() -> tuple[bool, str]:
+    """(True, "") where routing replay can run: Megatron-Core's router replay (megatron-core >= 0.16) imports;
+    else (False, why). The config asks before a recipe with rl.routing_replay r2 / r3 is accepted."""
+    try:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction  # noqa: F401
+    except ImportError as exc:
+        return False, f"Megatron-Core's router replay cannot be imported ({exc})"
+    return True, ""

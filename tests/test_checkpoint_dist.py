@@ -30,7 +30,7 @@ OVERRIDES = ["data.train_size=200", "data.eval_size=20"]
 def _policy(ep):
     from megagspo.config import load_config
     from megagspo.data import build_datasets
-    from megagspo.trainer.policy import MegatronPolicy, setup_parallel
+    from megagspo.policy.megatron_policy import MegatronPolicy, setup_parallel
 
     cfg = load_config("configs/tiny_cpu.yaml", [*OVERRIDES, f"parallel.expert_parallel={ep}"])
     tok, _, _, _ = build_datasets(cfg.data)

@@ -150,7 +150,7 @@ def _reload_body(rank, world_size, ckpt_dir, cfg_overrides):
     from megagspo.checkpoint.state import CheckpointManager, gather_optimizer_state
     from megagspo.config import load_config
     from megagspo.data import build_datasets
-    from megagspo.trainer.policy import MegatronPolicy, setup_parallel
+    from megagspo.policy.megatron_policy import MegatronPolicy, setup_parallel
     from moe.optimizer import OptimizerSettings
 
     cfg = load_config("configs/tiny_cpu.yaml", cfg_overrides)

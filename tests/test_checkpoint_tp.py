@@ -70,7 +70,7 @@ def _reload_body(rank, world_size, ckpt_dir, overrides):
     from megagspo.checkpoint.state import CheckpointManager, gather_optimizer_state
     from megagspo.config import load_config
     from megagspo.data import build_datasets
-    from megagspo.trainer.policy import MegatronPolicy, setup_parallel
+    from megagspo.policy.megatron_policy import MegatronPolicy, setup_parallel
     from moe.optimizer import OptimizerSettings
 
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)

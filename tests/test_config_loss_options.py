@@ -18,8 +18,8 @@ from megagspo.algorithm.advantages import GroupAdvantageConfig
 from megagspo.algorithm.losses import GRPOConfig, GSPOConfig, grpo_loss
 from megagspo.algorithm.registry import (ADVANTAGE_OPTION_KEYS, LOSS_OPTION_KEYS, LossOptionError,
                                          available_losses, build_advantage_config, config_paths, loss_option_keys)
-from megagspo.kernels.policy_losses import build_loss
 from megagspo.config import ConfigError, RLConfig, config_from_dict, deferred_path_checks, load_config
+from megagspo.kernels.policy_losses import build_loss
 
 TINY = "configs/tiny_cpu.yaml"
 
@@ -234,7 +234,7 @@ def test_loss_impl_kernels_raises_instead_of_falling_back(monkeypatch):
 
 def test_logprob_impl_kernels_raises_instead_of_falling_back(monkeypatch):
     import megagspo.kernels as kernels
-    from megagspo.trainer.policy import _logprob_fn
+    from megagspo.policy.megatron_policy import _logprob_fn
 
     monkeypatch.setattr(kernels, "has_device_kernel", lambda device: False)
     logits, target = torch.randn(3, 7), torch.tensor([0, 4, 6])

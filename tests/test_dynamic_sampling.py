@@ -1,4 +1,4 @@
-"""Dynamic sampling (rl.filter_groups; megagspo.trainer.dynamic_sampling): the group filter's rounds on synthetic
+"""Dynamic sampling (rl.filter_groups; megagspo.rl.dynamic_sampling): the group filter's rounds on synthetic
 rollouts (which groups are kept, in what order, the zero-advantage fill, the padding of rounds of different
 lengths), and a real `megagspo train` run that filters (several rounds on some step), killed and resumed: every
 metric equals the uninterrupted run's."""
@@ -10,8 +10,8 @@ import signal
 import pytest
 import torch
 
+from megagspo.rl.dynamic_sampling import GroupFilter, concat_outputs, informative_groups, merge_stats
 from megagspo.rollout.base import RolloutOutput
-from megagspo.trainer.dynamic_sampling import GroupFilter, concat_outputs, informative_groups, merge_stats
 
 G = 2  # samples per prompt
 

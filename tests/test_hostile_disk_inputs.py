@@ -84,7 +84,7 @@ def test_a_stale_checkpoint_pt_is_moved_aside_and_never_read(runs):
 def test_init_from_and_export_of_the_run_folder_take_the_same_checkpoint(runs, tmp_path):
     from megagspo.config import load_config
     from megagspo.data.tokenizer import BuiltinTokenizer
-    from megagspo.trainer.init_weights import preflight_init_from
+    from megagspo.policy.init_weights import preflight_init_from
 
     run = runs["run"]
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), [*TINY, f"model.init_from={run}"])

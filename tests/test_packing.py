@@ -1,4 +1,4 @@
-"""Packed sequences in the RL step (rl.packing, megagspo/trainer/micro_batches.py): the packed step equals the
+"""Packed sequences in the RL step (rl.packing, megagspo/rl/micro_batches.py): the packed step equals the
 padded step — every logged metric, every gradient of every optimizer step, the weights after it — under
 GSPO-token with R3 and GRPO with R2 and the KL reference on one process (GSPO and GRPO with R2 in packed
 micro-batches against one padded pass: tests/test_trainer_parallel.py's accumulation test), and with
@@ -39,7 +39,7 @@ class _Dims:
 
 
 def _rows():
-    from megagspo.trainer.micro_batches import PaddedRows, row_lengths
+    from megagspo.rl.micro_batches import PaddedRows, row_lengths
 
     prompts = [[5, 6, 7], [8], [9, 10]]
     mask_RL = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
@@ -57,7 +57,7 @@ def test_row_lengths_count_prompt_and_response_up_to_its_last_token():
 
 @pytest.mark.parametrize("multiple", [1, 4])
 def test_packed_stream_holds_real_positions_and_an_aligned_tail(multiple):
-    from megagspo.trainer.micro_batches import micro_input
+    from megagspo.rl.micro_batches import micro_input
 
     batch = _rows()
     rows = torch.tensor([2, 0])
@@ -82,7 +82,7 @@ def test_packed_stream_holds_real_positions_and_an_aligned_tail(multiple):
 
 
 def test_longest_first_balances_tokens_and_keeps_every_row_once():
-    from megagspo.trainer.micro_batches import longest_first
+    from megagspo.rl.micro_batches import longest_first
 
     gen = torch.Generator().manual_seed(fresh_seed())
     lengths = torch.randint(1, 200, (37,), generator=gen)
@@ -95,7 +95,7 @@ def test_longest_first_balances_tokens_and_keeps_every_row_once():
 
 
 def test_token_budget_split_sizes_micro_batches_by_tokens():
-    from megagspo.trainer.micro_batches import token_budget_split
+    from megagspo.rl.micro_batches import token_budget_split
 
     lengths = torch.tensor([50, 10, 10, 30, 40, 60, 5, 5])
     minis = [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5, 6, 7])]
@@ -161,7 +161,7 @@ def _budget_body(rank, world_size, out_dir, seed, layout):
 def test_token_budget_micro_batches_equal_the_padded_step_at_dp2_ep2(tmp_path):
     """DP=2 x EP=2: micro-batches of at most 24 tokens (each rank's 8 sequences of ~8-12 tokens per mini-batch
     need 3-5 of them; both ranks run the larger count), each mini-batch's sequences re-partitioned over the
-    ranks by tokens (megagspo.trainer.dp_balance), against padded whole mini-batches as generated."""
+    ranks by tokens (megagspo.rl.dp_balance), against padded whole mini-batches as generated."""
     seed = fresh_seed()
     padded = run_distributed(_budget_body, world_size=2, args=(str(tmp_path / "padded"), seed, ["rl.packing=false"]),
                              timeout_s=300)
@@ -178,7 +178,7 @@ def test_token_budget_micro_batches_equal_the_padded_step_at_dp2_ep2(tmp_path):
 def test_token_budget_adds_micro_batches_until_each_fits():
     """Whole sequences decide the count, not the total: 145 tokens fit 3 groups of <= 60; three 40-token
     sequences (120 tokens, 2 groups by count) need 3 groups at a budget of 60."""
-    from megagspo.trainer.micro_batches import token_budget_split
+    from megagspo.rl.micro_batches import token_budget_split
 
     lengths = torch.tensor([30, 30, 30, 30, 25])
     split = token_budget_split([torch.arange(5)], lengths, budget=60, dims=_Dims())[0]
@@ -190,7 +190,7 @@ def test_token_budget_adds_micro_batches_until_each_fits():
 
 
 def test_equal_count_partition_balances_tokens():
-    from megagspo.trainer.dp_balance import equal_count_longest_first
+    from megagspo.rl.dp_balance import equal_count_longest_first
 
     gen = torch.Generator().manual_seed(fresh_seed())
     lengths = torch.randint(1, 500, (48,), generator=gen).tolist()
@@ -231,8 +231,8 @@ def test_planner_sizes_token_budget_micro_batches():
 def _balance_body(rank, world_size, seed):
     """Rank 0 generated long sequences, rank 1 short ones; after balance_over_dp each rank holds half of every
     mini-batch with nearly equal tokens, and every sequence's data arrived intact."""
-    from megagspo.trainer.dp_balance import balance_over_dp
-    from megagspo.trainer.micro_batches import PaddedRows
+    from megagspo.rl.dp_balance import balance_over_dp
+    from megagspo.rl.micro_batches import PaddedRows
     from moe.cpu_shim import apply_cpu_shim
     from moe.parallel import ParallelLayout, initialize_model_parallel
 

@@ -103,7 +103,7 @@ def _update_peaks(seed, peak_bytes, tied=False):
     (its gradient sums the head's, added by the kernel into DDP's buffer, and the embedding lookup's)."""
     from megagspo.algorithm import PackedBatch, get_loss
     from megagspo.config import ParallelConfig
-    from megagspo.trainer.policy import MegatronPolicy, setup_parallel
+    from megagspo.policy.megatron_policy import MegatronPolicy, setup_parallel
     from moe.architecture import Qwen3MoeArchitecture
 
     torch.set_num_threads(1)

@@ -43,7 +43,7 @@ def _trainer(overrides):
 
 def _batch(trainer, rows: int, seed: int):
     """A fixed batch of prompt + demonstration-answer rows, on the model's device."""
-    from megagspo.trainer.policy import build_sequences
+    from megagspo.policy.megatron_policy import build_sequences
 
     tok = trainer.tokenizer
     gen = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""Rollout sources (megagspo.trainer.rollout_sources): one rule picks the source a recipe gets, and the RL step
+"""Rollout sources (megagspo.rl.sources): one rule picks the source a recipe gets, and the RL step
 never branches on the rollout mode. The sources' behaviour end to end is in test_rollouts_ahead.py (one step
 ahead: versions, resume), test_dynamic_sampling.py (group-filtered rounds) and the golden metrics
 (synchronous, bit for bit)."""
@@ -15,7 +15,7 @@ from helpers import REPO
 
 def test_one_rule_picks_the_source():
     from megagspo.config import ConfigError
-    from megagspo.trainer.rollout_sources import GroupFiltered, OneStepAhead, Synchronous, source_class
+    from megagspo.rl.sources import GroupFiltered, OneStepAhead, Synchronous, source_class
 
     assert source_class(0, False, 1) is Synchronous
     assert source_class(0, True, 4) is GroupFiltered
@@ -29,7 +29,7 @@ def test_one_rule_picks_the_source():
 def test_the_step_has_no_rollout_mode_branches():
     """RLStep reads no rollout-mode key and holds no engine, reference or replay internals (narrow faces:
     policy.recording / replaying / replay_spec, reference.logprobs, engine_link.seeded_generator)."""
-    source = open(os.path.join(REPO, "megagspo", "trainer", "rl_step.py")).read()
+    source = open(os.path.join(REPO, "megagspo", "rl", "step.py")).read()
     names = {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)}
     assert not names & {"staleness", "filter_groups", "filter_max_rounds", "ahead"}
     chains = {ast.unparse(n) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)}

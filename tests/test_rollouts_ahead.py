@@ -1,4 +1,4 @@
-"""One-step-off asynchronous rollouts (rollout.staleness = 1; megagspo.trainer.rollouts_ahead): each RL batch is
+"""One-step-off asynchronous rollouts (rollout.staleness = 1; megagspo.rl.rollouts_ahead): each RL batch is
 generated on the background thread from exactly the weights one update old (an engine that counts its weight
 updates records the version each generate call saw), staleness 0 is the synchronous order, the configuration
 refuses what it cannot run, and a run killed mid-way and resumed logs the metrics of the uninterrupted one."""
@@ -65,7 +65,7 @@ def test_each_batch_comes_from_the_weights_one_update_old(tmp_path):
 ])
 def test_what_one_step_off_cannot_run_is_refused(overrides, words):
     """Refused by the config (a key's own range) or by the preflight the trainer and the dry run share (what
-    combines with what: megagspo.trainer.rollout_sources.source_class)."""
+    combines with what: megagspo.rl.sources.source_class)."""
     from megagspo.config import ConfigError, load_config
     from megagspo.trainer.preflight import preflight
 

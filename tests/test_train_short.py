@@ -106,7 +106,7 @@ def _parity_body(rank, world_size):
     from megagspo.config import load_config
     from megagspo.data import build_datasets
     from megagspo.rollout import HFRolloutEngine, SamplingParams
-    from megagspo.trainer.policy import MegatronPolicy, build_sequences, setup_parallel
+    from megagspo.policy.megatron_policy import MegatronPolicy, build_sequences, setup_parallel
     from moe.model import forward_logits
 
     cfg = load_config("configs/tiny_cpu.yaml", ["data.train_size=50", "data.eval_size=5"])

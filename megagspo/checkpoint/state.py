@@ -21,7 +21,7 @@ Files in `step_X/` (see store.py for the atomic protocol; the manifest lists eve
 
 Every rank writes its own shards (moe.dist_checkpoint); rank 0 writes the rest and commits. Loading goes
 against the current model's sharded_state_dict, so a checkpoint written at EP=2 loads at EP=1 (and back),
-moments included. The learning-rate schedule is a function of the step (megagspo.trainer.schedule.lr_at), so
+moments included. The learning-rate schedule is a function of the step (megagspo.rl.schedule.lr_at), so
 the step is the scheduler's state. RNG states are restored per rank when the world size is unchanged; otherwise each rank
 reseeds from (seed, step, rank) and says so (a run resumed on another layout is continued, not reproduced
 bit-for-bit). `load_run_checkpoint` rebuilds the full TP=EP=1 weights from the shards in one process, with
@@ -232,14 +232,14 @@ class RunParts:
     trainer). dataset / rng / metrics expose state_dict(); policy and optimizer go through Megatron's
     sharded checkpointing (moe.dist_checkpoint)."""
 
-    policy: object                    # megagspo.trainer.policy.MegatronPolicy
+    policy: object                    # megagspo.policy.megatron_policy.MegatronPolicy
     optimizer: object                 # Megatron's distributed optimizer, None before RL
     dataset: object                   # megagspo.data.PromptDataset
     rng: RunRng
     metrics: object                   # megagspo.metrics_log.MetricsLogger
     summary: dict
     arch: object                      # moe.architecture.Qwen3MoeArchitecture
-    rollouts_ahead: object = None     # megagspo.trainer.rollouts_ahead.RolloutsAhead (rollout.staleness = 1)
+    rollouts_ahead: object = None     # megagspo.rl.rollouts_ahead.RolloutsAhead (rollout.staleness = 1)
 
 
 # ------------------------------------------------------------------------------------------- manager

@@ -109,8 +109,3 @@ def check_model_sizes(cfg: Config, arch=None) -> None:
 def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
-
-def micro_slices(rows: int, micro_batch_size: int) -> list:
-    """Row slices of the micro-batches of `rows` sequences on a rank (micro_batch_size 0 = all in one)."""
-    size = micro_batch_size or rows
-    return [slice(i, i + size) for i in range(0, rows, size)]

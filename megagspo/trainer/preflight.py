@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megagspo.config import Config, ConfigError
-from megagspo.trainer.init_weights import InitSource, preflight_init_from
+from megagspo.policy.init_weights import InitSource, preflight_init_from
+from megagspo.rl.sources import source_class
 from megagspo.trainer.layout import check_layout
-from megagspo.trainer.rollout_sources import source_class
 from moe.parallel import ParallelShape
 
 

@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 
 from megagspo.metrics_log import timeouts_note
-from megagspo.trainer.engine_link import EngineLink
+from megagspo.policy.engine_link import EngineLink
+from megagspo.policy.megatron_policy import MegatronPolicy, build_sequences
+from megagspo.rl.micro_batches import micro_slices
+from megagspo.rl.schedule import lr_at
 from megagspo.trainer.hooks import RunHooks
-from megagspo.trainer.layout import micro_slices
-from megagspo.trainer.policy import MegatronPolicy, build_sequences
-from megagspo.trainer.schedule import lr_at
 from moe.optimizer import OptimizerSettings, set_lr
 from moe.parallel import ParallelDims
 

@@ -4,7 +4,7 @@ checkpoints and preemption. The parts never see it: each is built from explicit 
     Trainer(cfg)   preflight (layout, data, tokenizer, architecture, model.init_from: megagspo.trainer.preflight)
                    -> process groups (ParallelDims, moe.parallel) -> the run folder's lock -> resume point
                    -> policy (+ KLReference: models), rollout engine (engine_link), metrics files (run_files)
-                   -> Evaluator, ColdStartSFT, RLStep (megagspo.trainer.evaluation / sft / rl_step)
+                   -> Evaluator, ColdStartSFT, RLStep (megagspo.trainer.evaluation / sft, megagspo.rl.step)
     train()        held-out accuracy -> cold-start SFT -> step_000000
                    -> RL steps (collect -> score -> prepare -> old_policy -> update -> summarize), evaluation
                       every rl.eval_every steps (step_rows), a checkpoint when due or on SIGTERM / SIGINT
@@ -35,15 +35,15 @@ from megagspo.checkpoint.state import RunParts, RunRng
 from megagspo.config import Config
 from megagspo.data import PromptDataset
 from megagspo.metrics_log import cold_start_line, eval_record, final_line, timeouts_note
+from megagspo.policy.engine_link import EngineLink, build_engine
+from megagspo.policy.megatron_policy import setup_parallel
+from megagspo.policy.models import build_models, rl_optimizer_settings
+from megagspo.rl.sources import RolloutCollector, build_rollout_source
+from megagspo.rl.step import RLStep
 from megagspo.rollout import SamplingParams
 from megagspo.trainer.console import Console
-from megagspo.trainer.engine_link import EngineLink, build_engine
 from megagspo.trainer.evaluation import Evaluator
 from megagspo.trainer.hooks import RunHooks
-from megagspo.trainer.models import build_models, rl_optimizer_settings
-from megagspo.trainer.policy import setup_parallel
-from megagspo.trainer.rl_step import RLStep
-from megagspo.trainer.rollout_sources import RolloutCollector, build_rollout_source
 from megagspo.trainer.run_files import open_run_files, write_summary
 from megagspo.trainer.run_inputs import RunInputs, read_run_inputs
 from megagspo.trainer.sft import ColdStartSFT
@@ -141,7 +141,7 @@ class Trainer:
         return self.sft()
 
     def rl_step(self, step: int) -> dict:
-        """One rollout batch through the stages of megagspo.trainer.rl_step; its metrics row."""
+        """One rollout batch through the stages of megagspo.rl.step; its metrics row."""
         return self.step(step, self.optimizer)
 
     def make_rl_optimizer(self):

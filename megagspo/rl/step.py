@@ -2,10 +2,10 @@
 
     source   -> Rollouts, Scores   B prompts (this DP rank's share) -> G samples each, verifier rewards (errors
                              score 0, counted) and group advantages (eq. 7), from the run's rollout source:
-                             synchronous, one step ahead or group-filtered (megagspo.trainer.rollout_sources)
+                             synchronous, one step ahead or group-filtered (megagspo.rl.sources)
     prepare  -> UpdateBatch  the sequences on the model's device, split into mini-batches of MicroBatches: each one
                              packed stream of whole sequences (rl.packing) or padded rows, by row count or by
-                             token budget (megagspo.trainer.micro_batches)
+                             token budget (megagspo.rl.micro_batches)
     old_policy               pi_old per micro-batch: a Megatron no-grad recompute (routes recorded for R2 and
                              volatility; R3 replays the engine's) or the engine's log-probs (GSPO §5.4); and
                              the frozen KL reference's log-probs when rl.kl_coef > 0
@@ -33,15 +33,13 @@ from typing import Callable, List, Optional
 import torch
 
 from megagspo.algorithm import PackedBatch, merge_metrics
-from megagspo.trainer.dp_balance import balance_over_dp
-from megagspo.trainer.engine_link import EngineLink
-from megagspo.trainer.kl_reference import KLReference
-from megagspo.trainer.layout import micro_slices
-from megagspo.trainer.micro_batches import (MicroInput, PaddedRows, gather_over_dp, micro_input, row_lengths,
-                                            token_budget_split)
-from megagspo.trainer.policy import MegatronPolicy, build_sequences
-from megagspo.trainer.rollout_sources import Rollouts, RolloutSource, Scores
-from megagspo.trainer.schedule import lr_at
+from megagspo.policy.engine_link import EngineLink
+from megagspo.policy.kl_reference import KLReference
+from megagspo.policy.megatron_policy import MegatronPolicy, build_sequences
+from megagspo.rl.dp_balance import balance_over_dp
+from megagspo.rl.micro_batches import MicroInput, PaddedRows, micro_input, micro_slices, row_lengths, token_budget_split
+from megagspo.rl.schedule import lr_at
+from megagspo.rl.sources import Rollouts, RolloutSource, Scores
 from moe.optimizer import set_lr
 from moe.parallel import ParallelDims
 from moe.volatility import VolatilityTally
@@ -273,7 +271,7 @@ class RLStep:
     def _union_over_dp(self, m: dict) -> dict:
         """Every data-parallel rank's merged loss metrics, merged again over the ranks (merge_metrics)."""
         keys = sorted(m)
-        per_rank = gather_over_dp(self.dims, [m[k] for k in keys])
+        per_rank = self.dims.dp_gather([m[k] for k in keys])
         parts = [{k: torch.tensor(v, dtype=torch.float64) for k, v in zip(keys, values)} for values in per_rank]
         return {k: float(v) for k, v in merge_metrics(parts).items()}
 
@@ -283,7 +281,7 @@ class RLStep:
         batch/dp_tokens_max_over_mean: how unevenly the ranks' real tokens are spread."""
         views = [mb.view for mb in batch.micro_batches]
         computed = [float(v.computed_tokens) for v in views]
-        per_rank = gather_over_dp(self.dims, [float(sum(v.real_tokens for v in views)), sum(computed),
+        per_rank = self.dims.dp_gather([float(sum(v.real_tokens for v in views)), sum(computed),
                                               min(computed), max(computed)])
         real, total = (sum(r[i] for r in per_rank) for i in (0, 1))
         return {"batch/pad_fraction": 1.0 - real / total,

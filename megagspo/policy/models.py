@@ -8,9 +8,9 @@ from typing import Optional, Tuple
 
 from megagspo.checkpoint import CheckpointManager
 from megagspo.config import Config
-from megagspo.trainer.init_weights import load_init_weights
-from megagspo.trainer.kl_reference import KLReference
-from megagspo.trainer.policy import MegatronPolicy
+from megagspo.policy.init_weights import load_init_weights
+from megagspo.policy.kl_reference import KLReference
+from megagspo.policy.megatron_policy import MegatronPolicy
 from moe.optimizer import OptimizerSettings
 from moe.parallel import ParallelDims
 

@@ -6,9 +6,9 @@
 
     Synchronous     collect, then score (rollout.staleness 0)
     OneStepAhead    take the batch generated during the previous step, launch the next one (rollout.staleness 1;
-                    megagspo.trainer.rollouts_ahead)
+                    megagspo.rl.rollouts_ahead)
     GroupFiltered   rounds of collect + rewards until every DP rank holds its share of informative groups
-                    (rl.filter_groups: DAPO's dynamic sampling; megagspo.trainer.dynamic_sampling)
+                    (rl.filter_groups: DAPO's dynamic sampling; megagspo.rl.dynamic_sampling)
 
 `source_class` is the one rule for which source a recipe gets and what combines with what; the preflight that
 the trainer and the dry run share applies it, and `build_rollout_source` builds from it. The step never branches
@@ -30,11 +30,11 @@ from megagspo.algorithm import group_advantages
 from megagspo.algorithm.registry import build_advantage_config
 from megagspo.config import ConfigError, RLConfig
 from megagspo.data.datasets import Example, PromptDataset
+from megagspo.policy.engine_link import EngineLink
 from megagspo.rewards import RewardStats, score_batch
+from megagspo.rl.dynamic_sampling import GroupFilter, merge_stats
+from megagspo.rl.rollouts_ahead import RolloutsAhead
 from megagspo.rollout import RolloutOutput, SamplingParams
-from megagspo.trainer.dynamic_sampling import GroupFilter, merge_stats
-from megagspo.trainer.engine_link import EngineLink
-from megagspo.trainer.rollouts_ahead import RolloutsAhead
 from moe.parallel import ParallelDims
 
 

@@ -22,7 +22,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megagspo.trainer.micro_batches import PaddedRows, gather_over_dp, longest_first_groups
+from megagspo.rl.micro_batches import PaddedRows, longest_first_groups
 from moe.parallel import ParallelDims
 
 
@@ -45,7 +45,7 @@ def equal_count_longest_first(lengths: List[int], parts: int) -> List[List[int]]
 
 def _gather_rows(dims: ParallelDims, x: torch.Tensor, fill) -> torch.Tensor:
     """[R, ...] on every rank (trailing sizes may differ in dim 1) -> [dp*R, ...] rank by rank, padded with fill."""
-    width = max(int(w[0]) for w in gather_over_dp(dims, [float(x.shape[1])])) if x.dim() > 1 else None
+    width = max(int(w[0]) for w in dims.dp_gather([float(x.shape[1])])) if x.dim() > 1 else None
     if width is not None and x.shape[1] < width:
         pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), fill)
         x = torch.cat([x, pad], dim=1)
@@ -59,8 +59,8 @@ def _gather_rows(dims: ParallelDims, x: torch.Tensor, fill) -> torch.Tensor:
 def balance_over_dp(dims: ParallelDims, rows: PaddedRows, advantages_R: torch.Tensor,
                     routes_RPLyK: Optional[torch.Tensor], mini_rows: List[torch.Tensor]) -> BalancedRows:
     num_rows = rows.input_RS.shape[0]
-    lengths_all = [int(n) for per_rank in gather_over_dp(dims, [float(n) for n in rows.lengths_R]) for n in per_rank]
-    minis_all = gather_over_dp(dims, [float(i) for chunk in mini_rows for i in chunk])
+    lengths_all = [int(n) for per_rank in dims.dp_gather([float(n) for n in rows.lengths_R]) for n in per_rank]
+    minis_all = dims.dp_gather([float(i) for chunk in mini_rows for i in chunk])
     sizes = [len(chunk) for chunk in mini_rows]
     mine: List[List[int]] = []
     for k in range(len(mini_rows)):  # global row id = rank * R + local row

@@ -10,7 +10,7 @@ import os
 
 from megagspo.checkpoint import CheckpointError, load_safetensors, save_reference, verify_reference
 from megagspo.errors import os_error_message
-from megagspo.trainer.policy import MegatronPolicy
+from megagspo.policy.megatron_policy import MegatronPolicy
 from moe.parallel import ParallelDims
 
 

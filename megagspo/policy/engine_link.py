@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from megagspo.config import Config
+from megagspo.policy.megatron_policy import MegatronPolicy
 from megagspo.rollout import RolloutEngine, RolloutOutput, SamplingParams
-from megagspo.trainer.policy import MegatronPolicy
 from moe.parallel import ParallelDims
 from moe.sharding import iter_full_state_buckets
 
@@ -35,7 +35,7 @@ class EngineLink:
 
     def seeded_generator(self, seed: int):
         """The engine's own sampling generator seeded with `seed` (None where the engine samples elsewhere): what
-        generation beside the training thread draws from (megagspo.trainer.rollouts_ahead)."""
+        generation beside the training thread draws from (megagspo.rl.rollouts_ahead)."""
         return self.engine.seeded_generator(seed)
 
     def generate(self, prompt_ids: list, n: int, sampling: SamplingParams) -> RolloutOutput:

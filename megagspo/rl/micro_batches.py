@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import torch
 
-from megagspo.trainer.policy import ModelInput
+from megagspo.policy.megatron_policy import ModelInput
 from moe.model import PackedSequences
 from moe.parallel import ParallelDims
 
@@ -104,6 +104,12 @@ def micro_input(batch: PaddedRows, rows: torch.Tensor, packed: bool, dims: Paral
         valid_T=valid_RS.reshape(-1), real_tokens=real)
 
 
+def micro_slices(rows: int, micro_batch_size: int) -> list:
+    """Row slices of the micro-batches of `rows` sequences on a rank (micro_batch_size 0 = all in one)."""
+    size = micro_batch_size or rows
+    return [slice(i, i + size) for i in range(0, rows, size)]
+
+
 def longest_first_groups(lengths: List[int], parts: int, room: Optional[int] = None) -> List[List[int]]:
     """Greedy longest-first (LPT) partition of items (by index) into `parts` groups of nearly equal token counts:
     each item, longest first, joins the lightest group (with `room`: the lightest that holds fewer than `room`
@@ -124,14 +130,6 @@ def longest_first(rows: torch.Tensor, lengths: torch.Tensor, parts: int) -> List
     return [rows[g] for g in longest_first_groups([int(n) for n in lengths], parts)]
 
 
-def gather_over_dp(dims: ParallelDims, values: List[float]) -> List[List[float]]:
-    """Every data-parallel rank's `values` (a list of one length on every rank), rank by rank."""
-    slot = [0.0] * (len(values) * dims.dp_size)
-    slot[dims.dp_rank * len(values):(dims.dp_rank + 1) * len(values)] = values
-    total = dims.dp_sum(slot)
-    return [total[r * len(values):(r + 1) * len(values)] for r in range(dims.dp_size)]
-
-
 def token_budget_split(mini_rows: List[torch.Tensor], lengths_R: torch.Tensor, budget: int,
                        dims: ParallelDims) -> List[List[torch.Tensor]]:
     """rl.max_tokens_per_micro_batch: each mini-batch's rows split into micro-batches of at most `budget`
@@ -139,7 +137,7 @@ def token_budget_split(mini_rows: List[torch.Tensor], lengths_R: torch.Tensor, b
     runs the same number of micro-batches, the count the fullest rank needs, as expert-parallel all-to-alls
     and the pipeline schedule require."""
     needed = [float(_parts_within(lengths_R[rows], budget)) for rows in mini_rows]
-    counts = [max(col) for col in zip(*gather_over_dp(dims, needed))]
+    counts = [max(col) for col in zip(*dims.dp_gather(needed))]
     return [longest_first(rows, lengths_R[rows], min(int(m), len(rows))) for rows, m in zip(mini_rows, counts)]
 
 
