@@ -134,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="output folder (default: the recipe's out_dir, else runs/ablations/NAME)")
     p.add_argument("--seeds", default="", help="comma-separated subset of the recipe's seeds")
     p.add_argument("--arms", default="", help="comma-separated subset of the recipe's arms")
+    p.add_argument("--settings", default="", help="comma-separated subset of the recipe's settings (its second "
+                   "dimension: every arm runs under every setting)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time on this machine (one per core on CPU)")
     p.add_argument("--report-only", action="store_true", help="only combine finished runs into the report")
     p.add_argument("--print-commands", action="store_true",

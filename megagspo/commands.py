@@ -128,7 +128,9 @@ def ablate(args) -> int:
     try:
         spec = load_ablation(args.config, out_dir=args.out or None,
                              seeds=_ints(args.seeds) if args.seeds else None,
-                             arms=[a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None)
+                             arms=[a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None,
+                             settings=([x.strip() for x in args.settings.split(",") if x.strip()]
+                                       if args.settings else None))
         if args.print_commands:
             spec.validate_runs(args.overrides)
             runs = plan_runs(spec, args.overrides)

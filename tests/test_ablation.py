@@ -261,17 +261,21 @@ def test_short_ablation_end_to_end(tmp_path):
     assert other.returncode == 2 and "different config (data.eval_size: 20 there, 10 asked" in other.stderr
 
 
-def test_cluster_ablation_arms_each_pass_the_dry_run():
-    """Every arm of the Qwen3-30B-A3B ablation is a valid 8-GPU recipe (config, layout, memory plan)."""
+def test_cluster_ablation_cells_each_pass_the_dry_run():
+    """Every cell (arm x setting) of the Qwen3-30B-A3B ablation is a valid 8-GPU recipe (config, layout, memory
+    plan); R3 cells ask the SGLang servers for routes."""
     from megagspo.dry_run import dry_run
 
     spec = load_ablation(os.path.join(REPO, "configs", "ablations", "qwen3_30b_a3b.yaml"))
     configs = spec.validate_runs([])
-    assert set(configs) == {"gspo", "grpo_r2", "grpo"} and spec.cold_start == "recipe"
-    assert [r.kind for r in plan_runs(spec, [])] == ["cell"] * 6  # no SFT: the recipe's init_from is shared
-    for arm in spec.arms:
+    assert set(spec.arms) == {"gspo", "gspo_r3", "grpo", "grpo_r2", "grpo_r3"} and spec.cold_start == "recipe"
+    assert set(configs) == set(spec.cells()) and len(configs) == 10
+    assert [r.kind for r in plan_runs(spec, [])] == ["cell"] * 20  # no SFT: the recipe's init_from is shared
+    for cell in spec.cells():
         missing = []
-        cfg = spec.cell_config(arm, 0, [], missing)
+        cfg = spec.cell_config(cell, 0, [], missing)
         report = dry_run(cfg, missing_paths=missing)
-        assert report.world_size == 8, arm
-    assert configs["gspo"].rl.clip_low == 3e-4 and configs["grpo_r2"].rl.routing_replay == "r2"
+        assert report.world_size == 8, cell
+        assert cfg.rollout.record_routes == (cfg.rl.routing_replay == "r3"), cell
+    assert configs["off_policy_4x/gspo"].rl.clip_low == 3e-4 and configs["on_policy/grpo_r2"].rl.routing_replay == "r2"
+    assert {c.rl.mini_batches for c in configs.values()} == {1, 4}

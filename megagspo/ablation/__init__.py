@@ -1,7 +1,8 @@
 """A/B ablations: arms of one base recipe, several seeds, a shared cold start, a combined report
 (`megagspo ablate`; configs/ablations/)."""
 
-from megagspo.ablation.report import load_results, write_report
+from megagspo.ablation.report import write_report
+from megagspo.ablation.results import load_results
 from megagspo.ablation.runner import AblationRunner, plan_runs, shell_command
 from megagspo.ablation.spec import AblationSpec, load_ablation
 

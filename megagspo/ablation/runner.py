@@ -30,7 +30,7 @@ from moe.json_files import read_json
 @dataclass
 class Run:
     kind: str              # "cold_start" | "cell"
-    arm: str               # "cold_start" for cold starts
+    arm: str               # the cell ("<arm>" or "<setting>/<arm>", AblationSpec.cells); "cold_start" for cold starts
     seed: int
     run_dir: str
     command: str           # megagspo subcommand: sft | train
@@ -43,15 +43,16 @@ class Run:
 
 def plan_runs(spec: AblationSpec, extra: List[str]) -> List[Run]:
     """Cold starts first (every cell of a seed needs its own), then cells seed-major: a partial ablation
-    covers every arm at the first seeds rather than every seed of the first arms."""
+    covers every cell (arm, or arm x setting) at the first seeds rather than every seed of the first cells."""
     runs = []
     if spec.cold_start == "sft":
         for seed in spec.seeds:
             runs.append(Run("cold_start", "cold_start", seed, spec.cold_start_dir(seed), "sft",
                             spec.cold_start_overrides(seed, extra)))
     for seed in spec.seeds:
-        for arm in spec.arms:
-            runs.append(Run("cell", arm, seed, spec.cell_dir(arm, seed), "train", spec.cell_overrides(arm, seed, extra)))
+        for cell in spec.cells():
+            runs.append(Run("cell", cell, seed, spec.cell_dir(cell, seed), "train",
+                            spec.cell_overrides(cell, seed, extra)))
     return runs
 
 
@@ -121,7 +122,7 @@ class AblationRunner:
 
     def _start(self, run: Run, overwrite: bool = False) -> subprocess.Popen:
         os.makedirs(self.log_dir, exist_ok=True)
-        log_path = os.path.join(self.log_dir, f"{run.arm}_seed{run.seed}.log")
+        log_path = os.path.join(self.log_dir, f"{run.arm.replace('/', '_')}_seed{run.seed}.log")
         env = dict(os.environ)
         # One process per core: intra-op threads come from the recipe's `threads`, OpenMP must not add more.
         env.setdefault("OMP_NUM_THREADS", "1")
