@@ -236,3 +236,47 @@ def test_gspo_paper_claims_per_setting_and_one_seed_is_indicative():
         assert v["Figure 3: GRPO on MoE needs routing replay to converge" + tag].startswith("HELD")
     single = _verdicts([_arm("gspo", "gspo", {0: 0.7}, setting=""), _arm("grpo", "grpo", {0: 0.5}, setting="")])
     assert single["Figure 1: GSPO trains more efficiently than GRPO"].startswith("indicative only (one seed)")
+
+
+# ------------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_short_arms_x_settings_ablation_end_to_end(tmp_path):
+    """2 arms x 2 settings x 1 seed of the default testbed, a few steps: each cell runs in its own folder with
+    its setting's updates per batch, the report holds every cell, the per-setting and per-arm plots and the
+    on- vs off-policy claims; a rerun finds all done."""
+    import json
+
+    from multiprocess import cpu_pinned_env
+
+    recipe = os.path.join(REPO, "configs", "ablations", "moe_volatile_cpu.yaml")
+    short = ["sft.steps=4", "sft.batch_size=16", "rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4",
+             "rl.eval_every=2", "data.train_size=200", "data.eval_size=20", "checkpoint.every_steps=0"]
+    out = str(tmp_path / "abl")
+    args = ["--config", recipe, "--out", out, "--seeds", "0", "--arms", "grpo,grpo_r3", "--jobs", "2", *short]
+    env = cpu_pinned_env(PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def ablate():
+        return subprocess.run([sys.executable, "-m", "megagspo.cli", "ablate", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    proc = ablate()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    spec = load_ablation(recipe, out_dir=out, seeds=[0], arms=["grpo", "grpo_r3"])
+    text = open(os.path.join(out, "report.md")).read()
+    for cell in spec.cells():
+        arm, setting = spec.split_cell(cell)
+        assert f"| {cell} |" in text
+        with open(os.path.join(spec.cell_dir(cell, 0), "config.yaml")) as f:
+            cfg = yaml.safe_load(f)
+        assert cfg["rl"]["mini_batches"] == spec.settings[setting]["rl.mini_batches"]
+        assert cfg["rl"]["routing_replay"] == spec.arms[arm]["rl.routing_replay"]
+        rows = [json.loads(line) for line in open(os.path.join(spec.cell_dir(cell, 0), "metrics.jsonl"))]
+        assert len([r for r in rows if r["phase"] == "rl"]) == 2
+    for setting in spec.settings:
+        assert os.path.getsize(os.path.join(out, f"ablation_reward_accuracy_{setting}.png")) > 1000
+    assert os.path.getsize(os.path.join(out, "ablation_per_arm.png")) > 1000
+    assert "## Expert volatility reached" in text and "Qwen team: on-policy" in text
+    report = json.load(open(os.path.join(out, "report.json")))
+    assert set(spec.cells()) <= set(report) and report["_claims"]
+    again = ablate()
+    assert again.returncode == 0 and again.stdout.count(": already done (") == 1 + 4, again.stdout
