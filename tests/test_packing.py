@@ -26,7 +26,7 @@ GRPO = ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28"]
 
 
 class _Dims:
-    """The two members micro_input / token_budget_split read of moe.parallel.ParallelDims, for unit tests."""
+    """The members SequenceBatch.model_input / token_budget_split read of moe.parallel.ParallelDims, for unit tests."""
 
     def __init__(self, seq_multiple=1):
         self.seq_multiple, self.dp_size, self.dp_rank = seq_multiple, 1, 0
@@ -37,48 +37,63 @@ class _Dims:
     def dp_sum(self, values):
         return list(values)
 
+    def dp_gather(self, values):
+        return [list(values)]
 
-def _rows():
-    from megagspo.rl.micro_batches import PaddedRows, row_lengths
+
+def _rollouts():
+    from megagspo.rollout import RolloutOutput
 
     prompts = [[5, 6, 7], [8], [9, 10]]
+    response_RL = torch.tensor([[11, 12, 0], [13, 14, 15], [0, 0, 0]])
     mask_RL = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
-    lengths = row_lengths(prompts, mask_RL)
-    seq = 5
-    input_RS = torch.arange(100, 100 + 3 * seq).reshape(3, seq)
-    return PaddedRows(input_RS, input_RS + 1000, torch.rand(3, seq) > 0.5, torch.randn(3, seq), lengths, pad_id=0)
+    logp_RL = -torch.arange(1, 10, dtype=torch.float32).reshape(3, 3) / 10
+    return RolloutOutput(prompts, response_RL, mask_RL, logp_RL)
 
 
-def test_row_lengths_count_prompt_and_response_up_to_its_last_token():
-    batch = _rows()
-    # prompt 3 + 2 response tokens - 1; prompt 1 + 3 - 1; an empty response keeps its prompt's positions
-    assert batch.lengths_R.tolist() == [4, 3, 1]
+def _sequences(row_len=5):
+    from megagspo.rl.batch import SequenceBatch
+
+    return SequenceBatch.from_rollouts(_rollouts(), torch.tensor([0.5, -1.0, 0.0]), pad_id=0, row_len=row_len)
+
+
+def test_sequences_hold_prompt_and_response_up_to_its_last_token():
+    """prompt 3 + 2 response tokens - 1; prompt 1 + 3 - 1; an empty response keeps its prompt's positions; the
+    targets are the next tokens, the loss mask and the engine's log-probs sit on the response targets."""
+    seqs = _sequences()
+    assert seqs.lengths == [4, 3, 1] and seqs.cu_seqlens_S1.tolist() == [0, 4, 7, 8]
+    assert seqs.tokens_T.tolist() == [5, 6, 7, 11, 8, 13, 14, 9]
+    assert seqs.targets_T.tolist() == [6, 7, 11, 12, 13, 14, 15, 10]
+    assert seqs.loss_mask_T.tolist() == [False, False, True, True, True, True, True, False]
+    assert torch.equal(seqs.rollout_logp_T, torch.tensor([0, 0, -0.1, -0.2, -0.4, -0.5, -0.6, 0]))
+    part = seqs.select([2, 0])
+    assert part.lengths == [1, 4] and part.tokens_T.tolist() == [9, 5, 6, 7, 11]
+    assert part.advantages_S.tolist() == [0.0, 0.5]
 
 
 @pytest.mark.parametrize("multiple", [1, 4])
 def test_packed_stream_holds_real_positions_and_an_aligned_tail(multiple):
-    from megagspo.rl.micro_batches import micro_input
-
-    batch = _rows()
-    rows = torch.tensor([2, 0])
-    view = micro_input(batch, rows, packed=True, dims=_Dims(multiple))
-    expected = torch.cat([batch.input_RS[2, :1], batch.input_RS[0, :4]])
+    part = _sequences().select([2, 0])
+    view = part.model_input(packed=True, dims=_Dims(multiple))
     total = 5 if multiple == 1 else 8
     assert view.model.input_ids_BS.shape == (1, total) and view.computed_tokens == total
-    assert torch.equal(view.model.input_ids_BS[0, :5], expected)
-    assert torch.equal(view.model.targets_BS[0, :5], expected + 1000)
+    assert view.model.input_ids_BS[0, :5].tolist() == [9, 5, 6, 7, 11]
+    assert view.model.targets_BS[0, :5].tolist() == [10, 6, 7, 11, 12]
     assert view.model.packed.cu_seqlens_N1.tolist() == ([0, 1, 5] if multiple == 1 else [0, 1, 5, 8])
-    assert view.cu_seqlens_S1.tolist() == [0, 1, 5] and view.num_loss_tokens == view.real_tokens == 5
-    assert torch.equal(view.mask_BS[0, :5], torch.cat([batch.mask_RS[2, :1], batch.mask_RS[0, :4]]))
+    # the loss reads the sequences' tokens of any per-position result, never the tail
+    logp = torch.arange(total, dtype=torch.float32)[None]
+    assert view.tokens_of(logp, part.num_tokens).tolist() == [0, 1, 2, 3, 4]
     if multiple == 1:
         assert view.model.padding_mask_BS is None
-    else:  # the tail: pad tokens, padding for the aux loss, never in the loss
+    else:  # the tail: pad tokens, padding for the aux loss
         assert view.model.input_ids_BS[0, 5:].tolist() == [0, 0, 0]
         assert view.model.padding_mask_BS[0].tolist() == [False] * 5 + [True] * 3
-        assert not view.mask_BS[0, 5:].any()
-    padded = micro_input(batch, rows, packed=False, dims=_Dims(multiple))
-    assert padded.computed_tokens == 10 and padded.real_tokens == 5
+    padded = part.model_input(packed=False, dims=_Dims(multiple))
+    assert padded.computed_tokens == 10
+    assert padded.model.input_ids_BS.tolist() == [[9, 0, 0, 0, 0], [5, 6, 7, 11, 0]]
     assert padded.model.padding_mask_BS.tolist() == [[False, True, True, True, True], [False] * 4 + [True]]
+    rows_logp = torch.arange(10, dtype=torch.float32).reshape(2, 5)
+    assert padded.tokens_of(rows_logp, part.num_tokens).tolist() == [0, 5, 6, 7, 8]
 
 
 def test_longest_first_balances_tokens_and_keeps_every_row_once():
@@ -231,8 +246,8 @@ def test_planner_sizes_token_budget_micro_batches():
 def _balance_body(rank, world_size, seed):
     """Rank 0 generated long sequences, rank 1 short ones; after balance_over_dp each rank holds half of every
     mini-batch with nearly equal tokens, and every sequence's data arrived intact."""
+    from megagspo.rl.batch import SequenceBatch
     from megagspo.rl.dp_balance import balance_over_dp
-    from megagspo.rl.micro_batches import PaddedRows
     from moe.cpu_shim import apply_cpu_shim
     from moe.parallel import ParallelLayout, initialize_model_parallel
 
@@ -240,44 +255,41 @@ def _balance_body(rank, world_size, seed):
     dims = initialize_model_parallel(ParallelLayout())
     gen = torch.Generator().manual_seed(seed + rank)
     rows, width = 8, 40 if rank == 0 else 12
-    lengths = torch.randint(width // 2, width + 1, (rows,), generator=gen)
+    lengths = torch.randint(width // 2, width + 1, (rows,), generator=gen).tolist()
     # every token says where it came from: rank * 1000 + row * 100 + position
-    input_RS = rank * 1000 + torch.arange(rows)[:, None] * 100 + torch.arange(width)[None]
-    batch = PaddedRows(input_RS, input_RS + 1, torch.arange(width)[None] < lengths[:, None],
-                       input_RS.float() / 7, lengths, pad_id=-1)
-    advantages = rank * 10.0 + torch.arange(rows, dtype=torch.float32)
-    routes = (input_RS[:, :, None, None] % 4).expand(rows, width, 2, 2).to(torch.int16)
+    tokens_T = torch.cat([rank * 1000 + r * 100 + torch.arange(n) for r, n in enumerate(lengths)])
+    routes = (tokens_T[:, None, None] % 4).expand(len(tokens_T), 2, 2).to(torch.int16)
+    seqs = SequenceBatch(tokens_T, tokens_T + 1, torch.ones(len(tokens_T), dtype=torch.bool), tokens_T.float() / 7,
+                         rank * 10.0 + torch.arange(rows, dtype=torch.float32), lengths, -1, width, routes)
     minis = [torch.tensor([3, 0, 5, 6]), torch.tensor([1, 2, 4, 7])]
-    out = balance_over_dp(dims, batch, advantages, routes, minis)
-    return {"lengths": lengths, "out": out}
+    out, mini_rows = balance_over_dp(dims, seqs, minis)
+    return {"lengths": lengths, "out": out, "mini_rows": mini_rows}
 
 
-@pytest.mark.multiprocess
 def test_balance_over_dp_spreads_each_mini_batch_by_tokens_and_moves_data_intact():
     seed = fresh_seed()
     res = run_distributed(_balance_body, world_size=2, args=(seed,), timeout_s=120)
     lengths = {r: res[r]["lengths"] for r in range(2)}
-    longest = max(int(n.max()) for n in lengths.values())
+    longest = max(max(n) for n in lengths.values())
     seen = []
     for k in range(2):
         loads = []
         for r in range(2):
-            out = res[r]["out"]
-            rows = out.mini_rows[k]
+            out, rows = res[r]["out"], res[r]["mini_rows"][k]
             assert len(rows) == 4  # equal counts
-            loads.append(int(out.rows.lengths_R[rows].sum()))
+            assert out.row_len == 40  # padded rows hold any rank's longest
+            loads.append(sum(out.lengths[i] for i in rows.tolist()))
             for i in rows.tolist():
-                first = int(out.rows.input_RS[i, 0])
+                one = out.select([i])
+                first = int(one.tokens_T[0])
                 src_rank, src_row = first // 1000, (first % 1000) // 100
-                n = int(lengths[src_rank][src_row])
-                assert int(out.rows.lengths_R[i]) == n
+                n = lengths[src_rank][src_row]
+                assert one.lengths == [n]
                 expected = src_rank * 1000 + src_row * 100 + torch.arange(n)
-                assert torch.equal(out.rows.input_RS[i, :n], expected)
-                assert torch.equal(out.rows.target_RS[i, :n], expected + 1)
-                assert torch.equal(out.rows.rollout_logp_RS[i, :n], expected.float() / 7)
-                assert out.rows.mask_RS[i, :n].all() and not out.rows.mask_RS[i, n:].any()
-                assert float(out.advantages_R[i]) == src_rank * 10.0 + src_row
-                assert torch.equal(out.routes_RPLyK[i, :n, 0, 0], (expected % 4).to(torch.int16))
+                assert torch.equal(one.tokens_T, expected) and torch.equal(one.targets_T, expected + 1)
+                assert torch.equal(one.rollout_logp_T, expected.float() / 7) and one.loss_mask_T.all()
+                assert float(one.advantages_S[0]) == src_rank * 10.0 + src_row
+                assert torch.equal(one.routes_TLy[:, 0, 0], (expected % 4).to(torch.int16))
                 seen.append((k, src_rank, src_row))
         assert abs(loads[0] - loads[1]) <= longest, loads
     # each mini-batch holds exactly the rows both ranks put in it

@@ -6,32 +6,26 @@ Each rank generated and scored its own prompts' groups (advantages are per group
 mini-batch is global: the union of every rank's chunk k. Its sequences are assigned longest first, each to the
 rank with the fewest tokens that still has room (greedy longest-first with equal counts, as verl's balanced
 partition keeps counts equal: equal counts keep the number of micro-batches a rank can form at least the count
-every rank must run). Then each rank gathers its sequences: the rows of every rank are all-gathered over the
-data-parallel group (token ids, masks, the engine's log-probs, advantages and, when the step uses them, the
-engine's routes), padded to the longest row. Losses divide by global counts and the step's metrics are unions
-over the ranks, so which rank computes which sequence changes nothing but the time (tests/test_packing.py).
+every rank must run). Then the sequences move: every rank learns every sequence's length (a few numbers per
+sequence), and each sequence's tokens, masks, the engine's log-probs, its advantage and, when the step uses them,
+the engine's routes travel once, from the rank that generated it to the rank that keeps it (one all-to-all per
+tensor, split sizes from the lengths); nothing is gathered that a rank does not keep. Losses divide by global
+counts and the step's metrics are unions over the ranks, so which rank computes which sequence changes nothing but
+the time (tests/test_packing.py).
 
-Legend (docs/architecture.md): R rows per rank, S row length, P route positions, Ly MoE layers, K top-k.
+Legend (docs/architecture.md): R sequences per rank, T tokens, Ly MoE layers, K top-k.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
 
-from megagspo.rl.micro_batches import PaddedRows, longest_first_groups
+from megagspo.rl.batch import SequenceBatch
+from megagspo.rl.micro_batches import longest_first_groups
 from moe.parallel import ParallelDims
-
-
-@dataclass
-class BalancedRows:
-    rows: PaddedRows                    # this rank's sequences after the exchange
-    advantages_R: torch.Tensor
-    routes_RPLyK: Optional[torch.Tensor]
-    mini_rows: List[torch.Tensor]       # per mini-batch: indices into `rows`
 
 
 def equal_count_longest_first(lengths: List[int], parts: int) -> List[List[int]]:
@@ -43,44 +37,54 @@ def equal_count_longest_first(lengths: List[int], parts: int) -> List[List[int]]
     return longest_first_groups(lengths, parts, room=len(lengths) // parts)
 
 
-def _gather_rows(dims: ParallelDims, x: torch.Tensor, fill) -> torch.Tensor:
-    """[R, ...] on every rank (trailing sizes may differ in dim 1) -> [dp*R, ...] rank by rank, padded with fill."""
-    width = max(int(w[0]) for w in dims.dp_gather([float(x.shape[1])])) if x.dim() > 1 else None
-    if width is not None and x.shape[1] < width:
-        pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), fill)
-        x = torch.cat([x, pad], dim=1)
-    wire = x.to(torch.uint8) if x.dtype == torch.bool else x
-    parts = [torch.empty_like(wire) for _ in range(dims.dp_size)]
-    dist.all_gather(parts, wire.contiguous(), group=dims.dp_group)
-    out = torch.cat(parts)
+def _exchange(dims: ParallelDims, x: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+    """x's rows [n, ...], sent in rank order (send_counts[r] rows to rank r) -> the rows received, in rank order."""
+    wire = x.to(torch.uint8) if x.dtype == torch.bool else x.contiguous()
+    out = wire.new_empty((sum(recv_counts), *wire.shape[1:]))
+    dist.all_to_all_single(out, wire, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
+                           group=dims.dp_group)
     return out.bool() if x.dtype == torch.bool else out
 
 
-def balance_over_dp(dims: ParallelDims, rows: PaddedRows, advantages_R: torch.Tensor,
-                    routes_RPLyK: Optional[torch.Tensor], mini_rows: List[torch.Tensor]) -> BalancedRows:
-    num_rows = rows.input_RS.shape[0]
-    lengths_all = [int(n) for per_rank in dims.dp_gather([float(n) for n in rows.lengths_R]) for n in per_rank]
+def balance_over_dp(dims: ParallelDims, seqs: SequenceBatch, mini_rows: List[torch.Tensor]):
+    """-> (this rank's SequenceBatch after the exchange, per mini-batch the indices into it)."""
+    num_rows = seqs.num_sequences
+    lengths_all = [int(n) for per_rank in dims.dp_gather([float(n) for n in seqs.lengths]) for n in per_rank]
     minis_all = dims.dp_gather([float(i) for chunk in mini_rows for i in chunk])
     sizes = [len(chunk) for chunk in mini_rows]
+    owner = {}  # global sequence id (rank * R + local index) -> the rank that keeps it
     mine: List[List[int]] = []
-    for k in range(len(mini_rows)):  # global row id = rank * R + local row
+    for k in range(len(mini_rows)):
         start = sum(sizes[:k])
         members = [r * num_rows + int(i) for r in range(dims.dp_size) for i in minis_all[r][start:start + sizes[k]]]
         groups = equal_count_longest_first([lengths_all[g] for g in members], dims.dp_size)
+        for rank, group in enumerate(groups):
+            owner.update({members[i]: rank for i in group})
         mine.append([members[i] for i in groups[dims.dp_rank]])
-    take = torch.tensor([g for chunk in mine for g in chunk], dtype=torch.long)
-    dev = rows.input_RS.device
-    gathered = [_gather_rows(dims, x, fill) for x, fill in ((rows.input_RS, rows.pad_id), (rows.target_RS, rows.pad_id),
-                                                         (rows.mask_RS, False), (rows.rollout_logp_RS, 0.0))]
-    input_RS, target_RS, mask_RS, logp_RS = (x[take.to(dev)] for x in gathered)
-    advantages = _gather_rows(dims, advantages_R.to(dev), 0.0)[take.to(dev)]
+    # what this rank sends, destination by destination, and what it receives, source by source (global order)
+    me = dims.dp_rank
+    send = [[i for i in range(num_rows) if owner[me * num_rows + i] == dest] for dest in range(dims.dp_size)]
+    recv = [[g for g in sorted(owner) if owner[g] == me and g // num_rows == src] for src in range(dims.dp_size)]
+    outgoing = seqs.select([i for ids in send for i in ids])
+    token_send = [sum(seqs.lengths[i] for i in ids) for ids in send]
+    token_recv = [sum(lengths_all[g] for g in ids) for ids in recv]
+    seq_send, seq_recv = [len(ids) for ids in send], [len(ids) for ids in recv]
+    moved = {name: _exchange(dims, getattr(outgoing, name), token_send, token_recv)
+             for name in ("tokens_T", "targets_T", "loss_mask_T", "rollout_logp_T")}
+    advantages = _exchange(dims, outgoing.advantages_S, seq_send, seq_recv)
     routes = None
-    if routes_RPLyK is not None:  # on the wire as int32 from the model's device (NCCL); back as the engine's
-        wire = _gather_rows(dims, routes_RPLyK.to(dev, torch.int32), -1)[take.to(dev)]
-        routes = wire.to("cpu", routes_RPLyK.dtype)
+    if seqs.routes_TLy is not None:  # on the wire from the model's device (NCCL takes no CPU tensors)
+        dev = seqs.tokens_T.device
+        routes = _exchange(dims, outgoing.routes_TLy.to(dev, torch.int32), token_send, token_recv)
+        routes = routes.to("cpu", seqs.routes_TLy.dtype)
+    arrived = [g for ids in recv for g in ids]
+    row_len = max(int(r[0]) for r in dims.dp_gather([float(seqs.row_len)]))  # padded rows hold any rank's longest
+    received = SequenceBatch(moved["tokens_T"], moved["targets_T"], moved["loss_mask_T"], moved["rollout_logp_T"],
+                             advantages, [lengths_all[g] for g in arrived], seqs.pad_id, row_len, routes)
+    # in the order of the assignment: mini-batch by mini-batch, each group's members in order
+    position = {g: i for i, g in enumerate(arrived)}
+    ordered = received.select([position[g] for chunk in mine for g in chunk])
     offsets = [0]
     for chunk in mine:
         offsets.append(offsets[-1] + len(chunk))
-    balanced = PaddedRows(input_RS, target_RS, mask_RS, logp_RS, torch.tensor(lengths_all)[take], rows.pad_id)
-    return BalancedRows(balanced, advantages, routes,
-                        [torch.arange(a, b) for a, b in zip(offsets[:-1], offsets[1:])])
+    return ordered, [torch.arange(a, b) for a, b in zip(offsets[:-1], offsets[1:])]

@@ -1,107 +1,16 @@
-"""The update batch's micro-batches: which rows of the rollout batch go together (fixed row counts, or a token
-budget balanced by greedy longest-first), and what the model and the loss see of them — one packed stream of
-whole sequences (THD, `rl.packing: true`) or right-padded rows (`false`, kept for comparison).
+"""The update batch's micro-batches: which sequences of the rollout batch go together (fixed counts, or a token
+budget balanced by greedy longest-first). What the model and the loss see of them: megagspo.rl.batch.
 
-Legend (docs/architecture.md): R rows of this rank's rollout batch, S the padded row length (a multiple of the
-sequence-length multiple), T tokens of one packed stream, N sequences of one micro-batch (`_S1` offsets as in
-megagspo.algorithm.packing).
-
-A packed stream holds each row's real model-input positions only (prompt + response up to its last token,
-minus the final target), row after row; under sequence parallelism its total is rounded up to the multiple of
-TP with pad tokens that form a sequence of their own (`cu_seqlens` of the model) and are left out of the router
-aux loss and of the loss (`num_loss_tokens`). Padded rows mark every position past the row's length as padding
-for the aux loss, so the two layouts route, score and balance exactly the same real tokens.
+Legend (docs/architecture.md): R sequences of this rank's rollout batch; a micro-batch is a set of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
-from megagspo.policy.megatron_policy import ModelInput
-from moe.model import PackedSequences
 from moe.parallel import ParallelDims
-
-
-@dataclass
-class PaddedRows:
-    """This rank's rollout batch as right-padded rows on the model's device, with each row's real length."""
-
-    input_RS: torch.Tensor
-    target_RS: torch.Tensor
-    mask_RS: torch.Tensor           # True at target positions holding response tokens
-    rollout_logp_RS: torch.Tensor
-    lengths_R: torch.Tensor         # real model-input positions of each row (CPU, int64)
-    pad_id: int
-
-
-@dataclass
-class MicroInput:
-    """What the model and the loss see of one micro-batch, in the micro-batch's own [B, S] layout ([1, T]
-    packed): the loss reads the first `num_loss_tokens` positions, flattened, segmented by cu_seqlens_S1."""
-
-    model: ModelInput
-    mask_BS: torch.Tensor
-    rollout_logp_BS: torch.Tensor
-    cu_seqlens_S1: torch.Tensor     # int64 sequence offsets over the flattened positions the loss reads
-    num_loss_tokens: int
-    valid_T: torch.Tensor           # packed: which of the rows' [rows*S] positions the stream holds (routes)
-    real_tokens: int                # real model-input positions (the rest is padding)
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.model.input_ids_BS.numel()
-
-
-def row_lengths(prompt_ids: list, response_mask_RL: torch.Tensor) -> torch.Tensor:
-    """Model-input positions of each row: prompt + response up to its last real token, minus the final target
-    (at least one position)."""
-    resp_len = response_mask_RL.shape[1]
-    position_L = torch.arange(1, resp_len + 1)
-    extent_R = torch.where(response_mask_RL.bool(), position_L, 0).amax(1) if resp_len else torch.zeros(len(prompt_ids))
-    lengths = torch.tensor([len(p) for p in prompt_ids]) + extent_R.long() - 1
-    return lengths.clamp(min=1)
-
-
-def micro_input(batch: PaddedRows, rows: torch.Tensor, packed: bool, dims: ParallelDims) -> MicroInput:
-    """The model's and the loss's view of `rows` (indices into the batch)."""
-    seq_len = batch.input_RS.shape[1]
-    lengths = batch.lengths_R[rows]
-    valid_RS = torch.arange(seq_len)[None] < lengths[:, None]
-    real = int(lengths.sum())
-    dev = batch.input_RS.device
-    if not packed:
-        padding_BS = ~valid_RS.to(dev)
-        num_rows = len(rows)
-        return MicroInput(
-            model=ModelInput(batch.input_RS[rows], batch.target_RS[rows], padding_BS if padding_BS.any() else None),
-            mask_BS=batch.mask_RS[rows], rollout_logp_BS=batch.rollout_logp_RS[rows],
-            cu_seqlens_S1=torch.arange(num_rows + 1, device=dev) * seq_len, num_loss_tokens=num_rows * seq_len,
-            valid_T=valid_RS.reshape(-1), real_tokens=real)
-    valid_dev = valid_RS.to(dev)
-    total = dims.seq_length(real)
-    tail = total - real
-    seq_lengths = lengths.tolist() + ([tail] if tail else [])
-
-    def stream(x_RS, fill):
-        x_T = x_RS[rows][valid_dev]
-        if tail:
-            x_T = torch.cat([x_T, x_T.new_full((tail,), fill)])
-        return x_T[None]
-
-    padding = None
-    if tail:
-        padding = (torch.arange(total, device=dev) >= real)[None]
-    sequences = PackedSequences.from_lengths(seq_lengths, device=dev)
-    return MicroInput(
-        model=ModelInput(stream(batch.input_RS, batch.pad_id), stream(batch.target_RS, batch.pad_id), padding,
-                         sequences),
-        mask_BS=stream(batch.mask_RS, False), rollout_logp_BS=stream(batch.rollout_logp_RS, 0.0),
-        # the loss's segments: the real sequences' offsets, without the alignment tail's
-        cu_seqlens_S1=sequences.cu_seqlens_N1[:len(rows) + 1].long(), num_loss_tokens=real,
-        valid_T=valid_RS.reshape(-1), real_tokens=real)
 
 
 def micro_slices(rows: int, micro_batch_size: int) -> list:

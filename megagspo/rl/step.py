@@ -3,9 +3,11 @@
     source   -> Rollouts, Scores   B prompts (this DP rank's share) -> G samples each, verifier rewards (errors
                              score 0, counted) and group advantages (eq. 7), from the run's rollout source:
                              synchronous, one step ahead or group-filtered (megagspo.rl.sources)
-    prepare  -> UpdateBatch  the sequences on the model's device, split into mini-batches of MicroBatches: each one
-                             packed stream of whole sequences (rl.packing) or padded rows, by row count or by
-                             token budget (megagspo.rl.micro_batches)
+    prepare  -> UpdateBatch  the rollouts as one SequenceBatch (flat per-token tensors, megagspo.rl.batch) on the
+                             model's device, shuffled into mini-batches (with a token budget: re-partitioned over
+                             DP, megagspo.rl.dp_balance), split into MicroBatches by count or token budget
+                             (megagspo.rl.micro_batches); each micro-batch's model view is one packed stream of
+                             whole sequences (rl.packing) or padded rows, its loss view the flat tensors
     old_policy               pi_old per micro-batch: a Megatron no-grad recompute (routes recorded for R2 and
                              volatility; R3 replays the engine's) or the engine's log-probs (GSPO §5.4); and
                              the frozen KL reference's log-probs when rl.kl_coef > 0
@@ -19,7 +21,8 @@ optional KL reference, the rl.* config, the rollout source, the tokenizer and th
 sees the Trainer; `RLStep(...)(step, optimizer)` runs one rollout batch.
 
 Legend (as in docs/architecture.md): B prompts, G samples per prompt, R = B*G responses, S model input length,
-L response length, Ly MoE layers of this pipeline stage, K top-k, T = rows*S tokens in storage order.
+L response length, Ly MoE layers of this pipeline stage, K top-k, T tokens of a micro-batch's sequences, T' the
+positions of its model input (the packed stream with its alignment tail, or rows * S).
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ import torch
 from megagspo.algorithm import PackedBatch, merge_metrics
 from megagspo.policy.engine_link import EngineLink
 from megagspo.policy.kl_reference import KLReference
-from megagspo.policy.megatron_policy import MegatronPolicy, build_sequences
+from megagspo.policy.megatron_policy import MegatronPolicy
+from megagspo.rl.batch import ModelView, SequenceBatch
 from megagspo.rl.dp_balance import balance_over_dp
-from megagspo.rl.micro_batches import MicroInput, PaddedRows, micro_input, micro_slices, row_lengths, token_budget_split
+from megagspo.rl.micro_batches import micro_slices, token_budget_split
 from megagspo.rl.schedule import lr_at
 from megagspo.rl.sources import Rollouts, RolloutSource, Scores
 from moe.optimizer import set_lr
@@ -47,22 +51,24 @@ from moe.volatility import VolatilityTally
 
 @dataclass
 class MicroBatch:
-    """Rows of one forward/backward (micro-batch j of mini-batch k) and what the old-policy pass adds."""
+    """Micro-batch j of mini-batch k: its sequences, the model's view of them, and what the old-policy pass adds
+    (in the model input's storage order: [B, S] / [1, T'], routes [T', Ly, K])."""
 
     k: int
     j: int
-    rows: torch.Tensor
-    view: MicroInput                            # the model input ([1, T] packed or [rows, S]) and the loss's view
-    old_logp: Optional[torch.Tensor] = None     # [B, S] of view: pi_old log-probs (LM-head stage; recompute only)
-    old_routes: Optional[torch.Tensor] = None   # [B*S, Ly, K] pi_old's (or the engine's) routes
-    ref_logp: Optional[torch.Tensor] = None     # [B, S] KL reference log-probs (kl_coef > 0)
+    seqs: SequenceBatch
+    view: ModelView
+    old_logp: Optional[torch.Tensor] = None     # pi_old log-probs (LM-head stage; recompute only)
+    old_routes: Optional[torch.Tensor] = None   # pi_old's (or the engine's) routes
+    ref_logp: Optional[torch.Tensor] = None     # KL reference log-probs (kl_coef > 0)
+
+    def tokens_of(self, x):
+        """A per-position model result at this micro-batch's sequence tokens, [T] in sequence order."""
+        return self.view.tokens_of(x, self.seqs.num_tokens)
 
 
 @dataclass
 class UpdateBatch:
-    row_len: int                                # S of the padded rows the micro-batches were cut from
-    advantages_R: torch.Tensor                  # on the model's device
-    routes_RPLyK: Optional[torch.Tensor]        # the engine's routes of these rows (R3 / rollout old_logp), or None
     minis: List[List[MicroBatch]]               # minis[k][j]
     tokens_per_mini: List[float]                # response tokens of each mini-batch over all DP ranks
     sequences_per_mini: int                     # sequences of each mini-batch over all DP ranks
@@ -124,52 +130,45 @@ class RLStep:
 
     # -------------------------------------------------------------------------------------------- stages
     def prepare(self, rollouts: Rollouts, scores: Scores) -> UpdateBatch:
-        cfg = self.rl
-        out = rollouts.out
+        """The rollouts as one SequenceBatch on the model's device, its sequences shuffled into rl.mini_batches
+        mini-batches (re-partitioned over DP by tokens with a token budget), each split into micro-batches."""
+        cfg, out = self.rl, rollouts.out
         natural = max(map(len, out.prompt_ids)) + out.response_ids_RL.shape[1] - 1
-        input_RS, target_RS, mask_RS, pos_RL = build_sequences(out.prompt_ids, out.response_ids_RL,
-                                                               out.response_mask_RL, self.tokenizer.pad_id,
-                                                               length=self.dims.seq_length(natural))
-        num_rows, seq_len = input_RS.shape
-        rollout_logp_RS = torch.zeros(num_rows, seq_len)
-        rollout_logp_RS.scatter_(1, pos_RL, torch.where(out.response_mask_RL, out.logp_RL, 0.0))
-        # the batch on the model's device (the engine's outputs and the rewards come back on the CPU)
-        dev = self.policy.device
-        input_RS, target_RS, mask_RS, rollout_logp_RS = (t.to(dev) for t in (input_RS, target_RS, mask_RS,
-                                                                              rollout_logp_RS))
-        rows_data = PaddedRows(input_RS, target_RS, mask_RS, rollout_logp_RS,
-                               row_lengths(out.prompt_ids, out.response_mask_RL), self.tokenizer.pad_id)
-        perm = torch.randperm(num_rows, generator=self.sample_gen)
+        uses_engine_routes = out.routes_RPLyK is not None and (cfg.routing_replay == "r3" or cfg.old_logp == "rollout")
+        seqs = SequenceBatch.from_rollouts(out, scores.advantages_R, self.tokenizer.pad_id,
+                                           row_len=self.dims.seq_length(natural),
+                                           route_spec=self.policy.replay_spec if uses_engine_routes else None)
+        seqs = seqs.to(self.policy.device)
+        perm = torch.randperm(seqs.num_sequences, generator=self.sample_gen)
         mini_rows = list(perm.chunk(cfg.mini_batches))
-        advantages_R, routes_RPLyK = scores.advantages_R.to(dev), out.routes_RPLyK
         if cfg.max_tokens_per_micro_batch and self.dims.dp_size > 1:
             # each mini-batch's sequences re-partitioned over the DP ranks: equal counts, nearly equal tokens
-            balanced = balance_over_dp(self.dims, rows_data, advantages_R, routes_RPLyK, mini_rows)
-            rows_data, advantages_R, routes_RPLyK = balanced.rows, balanced.advantages_R, balanced.routes_RPLyK
-            mini_rows = balanced.mini_rows
+            seqs, mini_rows = balance_over_dp(self.dims, seqs, mini_rows)
+        lengths = torch.tensor(seqs.lengths)
         # the gradients of a mini-batch's micro-batches accumulate before its one reduction / clip / optimizer step
         if cfg.max_tokens_per_micro_batch:
-            split = token_budget_split(mini_rows, rows_data.lengths_R, cfg.max_tokens_per_micro_batch, self.dims)
+            split = token_budget_split(mini_rows, lengths, cfg.max_tokens_per_micro_batch, self.dims)
         else:
             split = [[rows[sl] for sl in micro_slices(len(rows), cfg.micro_batch_size)] for rows in mini_rows]
-        minis = [[MicroBatch(k, j, rows, micro_input(rows_data, rows, cfg.packing, self.dims))
-                  for j, rows in enumerate(micro)] for k, micro in enumerate(split)]
-        return UpdateBatch(
-            row_len=rows_data.input_RS.shape[1], advantages_R=advantages_R, routes_RPLyK=routes_RPLyK,
-            minis=minis, tokens_per_mini=self.dims.dp_sum([float(rows_data.mask_RS[rows].sum()) for rows in mini_rows]),
-            sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
+        minis = []
+        for k, micro in enumerate(split):
+            minis.append([])
+            for j, rows in enumerate(micro):
+                part = seqs.select(rows.tolist())
+                minis[-1].append(MicroBatch(k, j, part, part.model_input(cfg.packing, self.dims)))
+        response_tokens = [float(seqs.select(rows.tolist()).loss_mask_T.sum()) for rows in mini_rows]
+        return UpdateBatch(minis=minis, tokens_per_mini=self.dims.dp_sum(response_tokens),
+                           sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
 
     def old_policy(self, batch: UpdateBatch, rollouts: Rollouts) -> None:
         """Fill each micro-batch's pi_old log-probs and routes (and the reference's log-probs)."""
         cfg = self.rl
         policy = self.policy
         flat = batch.micro_batches
-        seq_len = batch.row_len
-        routes_RPLyK = batch.routes_RPLyK
         if cfg.old_logp == "recompute":
             if cfg.routing_replay == "r3":
                 for mb in flat:
-                    mb.old_routes = _engine_routes_TLK(policy, routes_RPLyK, mb, seq_len)
+                    mb.old_routes = mb.seqs.routes_for(mb.view, policy.device)
                 context = lambda i: policy.replaying(flat[i].old_routes)  # noqa: E731
             else:
                 recorded = [None] * len(flat)
@@ -181,9 +180,7 @@ class RLStep:
                     mb.old_routes = recorded[i]
         else:
             for mb in flat:
-                mb.old_logp = mb.view.rollout_logp_BS
-                mb.old_routes = (_engine_routes_TLK(policy, routes_RPLyK, mb, seq_len)
-                                 if routes_RPLyK is not None else None)
+                mb.old_routes = mb.seqs.routes_for(mb.view, policy.device)
         if self.reference is not None:
             # log pi_ref: the frozen reference always routes with its own router, never replaying (its model has
             # no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the reference
@@ -219,7 +216,7 @@ class RLStep:
             if replayed:
                 policy.run_micro_batches(inputs, context=lambda j: _recording_into(policy, new_routes, j))
             for j, mb in enumerate(micro):
-                tally.add(mb.old_routes.long(), new_routes[j].long(), mb.view.mask_BS.reshape(-1))
+                tally.add(mb.tokens_of(mb.old_routes).long(), mb.tokens_of(new_routes[j]).long(), mb.seqs.loss_mask_T)
         # over pipeline stages
         result.volatility_changed, result.volatility_total = self.dims.pp_sum(tally.counts())
         return result
@@ -232,18 +229,13 @@ class RLStep:
 
         def policy_loss(j, logp_BS, entropy_BS):
             mb = micro[j]
-            view = mb.view
-            n = view.num_loss_tokens  # packed: the stream's alignment tail is not read
-
-            def flat(x_BS):
-                return None if x_BS is None else x_BS.reshape(-1)[:n]
-
+            seqs = mb.seqs  # the loss reads the sequences' tokens of the model's outputs (not the alignment tail)
             packed = PackedBatch(
-                logp_T=flat(logp_BS), loss_mask_T=flat(view.mask_BS), cu_seqlens_S1=view.cu_seqlens_S1,
-                num_global_sequences=batch.sequences_per_mini, old_logp_T=flat(mb.old_logp) if recompute else None,
-                rollout_logp_T=flat(view.rollout_logp_BS), advantages_S=batch.advantages_R[mb.rows],
-                num_global_tokens=max(batch.tokens_per_mini[k], 1.0), entropy_T=flat(entropy_BS),
-                ref_logp_T=flat(mb.ref_logp))
+                logp_T=mb.tokens_of(logp_BS), loss_mask_T=seqs.loss_mask_T, cu_seqlens_S1=seqs.cu_seqlens_S1,
+                num_global_sequences=batch.sequences_per_mini,
+                old_logp_T=mb.tokens_of(mb.old_logp) if recompute else None, rollout_logp_T=seqs.rollout_logp_T,
+                advantages_S=seqs.advantages_S, num_global_tokens=max(batch.tokens_per_mini[k], 1.0),
+                entropy_T=mb.tokens_of(entropy_BS), ref_logp_T=mb.tokens_of(mb.ref_logp))
             return self.loss_fn(packed, self.loss_cfg)
 
         return policy_loss
@@ -279,10 +271,10 @@ class RLStep:
         """batch/pad_fraction: padded / computed tokens of the step's micro-batches (0 when packed, but for the
         TP alignment); batch/tokens_per_micro_batch_min / _max: computed tokens per micro-batch over all ranks;
         batch/dp_tokens_max_over_mean: how unevenly the ranks' real tokens are spread."""
-        views = [mb.view for mb in batch.micro_batches]
-        computed = [float(v.computed_tokens) for v in views]
-        per_rank = self.dims.dp_gather([float(sum(v.real_tokens for v in views)), sum(computed),
-                                              min(computed), max(computed)])
+        micro = batch.micro_batches
+        computed = [float(mb.view.computed_tokens) for mb in micro]
+        per_rank = self.dims.dp_gather([float(sum(mb.seqs.num_tokens for mb in micro)), sum(computed),
+                                        min(computed), max(computed)])
         real, total = (sum(r[i] for r in per_rank) for i in (0, 1))
         return {"batch/pad_fraction": 1.0 - real / total,
                 "batch/tokens_per_micro_batch_min": min(r[2] for r in per_rank),
@@ -328,24 +320,3 @@ def _recording_into(policy, store: list, i: int):
         store[i] = rec.routes
 
     return record()
-
-
-def _engine_routes_TLK(policy, routes_RPLyK, mb: MicroBatch, seq_len):
-    """Engine routes of a micro-batch's rows in the storage order of its model input ([rows*S] padded, or the
-    packed stream's real positions then its alignment tail) as [T, Ly, K], Ly = this pipeline stage's MoE layers;
-    unfed positions get a fixed valid route (their outputs are never scored)."""
-    r = routes_RPLyK[mb.rows].long()
-    k = r.shape[-1]
-    if r.shape[1] < seq_len:
-        pad = torch.full((r.shape[0], seq_len - r.shape[1], r.shape[2], k), -1, dtype=torch.long)
-        r = torch.cat([r, pad], dim=1)
-    r = r[:, :seq_len]
-    filler = torch.arange(k).expand_as(r)
-    r_TLK = torch.where(r < 0, filler, r).reshape(-1, r.shape[2], k)
-    view = mb.view
-    if view.model.packed is not None:
-        r_TLK = r_TLK[view.valid_T]
-        tail = view.computed_tokens - r_TLK.shape[0]
-        r_TLK = torch.cat([r_TLK, torch.arange(k).expand(tail, r_TLK.shape[1], k)])
-    spec = policy.replay_spec
-    return spec.stage_slice(r_TLK).to(policy.device, spec.dtype)

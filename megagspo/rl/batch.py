@@ -1,0 +1,181 @@
+"""One batch of sequences from the rollout engine to the loss: `SequenceBatch`, flat per-token tensors built once
+from the engine's `RolloutOutput`, and its two views of a micro-batch — the model's input (`ModelInput`: one packed
+stream of whole sequences, `rl.packing: true`, or one right-padded row per sequence) and the loss's (the same
+flat tensors, segmented by the sequences' offsets).
+
+Legend (docs/architecture.md): R sequences of this rank's rollout batch (one per response), S the padded row
+length, T tokens (the model-input positions of the sequences, one after another), N sequences of a micro-batch,
+Ly MoE layers of this pipeline stage, K top-k. Sequence i holds positions [cu[i], cu[i+1]) of every `_T` tensor:
+its prompt and response up to its last real token, minus the final target (at least one position).
+
+A packed stream under sequence parallelism is rounded up to a multiple of TP with pad tokens that form a
+sequence of their own (the model's cu_seqlens), left out of the router aux loss and of the loss; padded rows
+mark every position past the sequence as padding for the aux loss. Both layouts route, score and balance exactly
+the same real tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+from megagspo.policy.megatron_policy import ModelInput
+from megagspo.rollout import RolloutOutput
+from moe.model import PackedSequences
+from moe.parallel import ParallelDims
+from moe.routing_replay import pack_sample_routes
+
+
+def sequence_lengths(prompt_ids: list, response_mask_RL: torch.Tensor) -> List[int]:
+    """Model-input positions of each sequence: prompt + response up to its last real token, minus the final
+    target (at least one position)."""
+    resp_len = response_mask_RL.shape[1]
+    position_L = torch.arange(1, resp_len + 1)
+    extent_R = torch.where(response_mask_RL.bool(), position_L, 0).amax(1) if resp_len else torch.zeros(len(prompt_ids))
+    lengths = torch.tensor([len(p) for p in prompt_ids]) + extent_R.long() - 1
+    return lengths.clamp(min=1).tolist()
+
+
+@dataclass
+class SequenceBatch:
+    tokens_T: torch.Tensor                 # model input ids, int64
+    targets_T: torch.Tensor                # the token each position predicts, int64
+    loss_mask_T: torch.Tensor              # bool: the target is a generated response token
+    rollout_logp_T: torch.Tensor           # float32: the engine's log-prob of that target (0 elsewhere)
+    advantages_S: torch.Tensor             # float32, per sequence (eq. 7)
+    lengths: List[int]                     # per sequence, on the host
+    pad_id: int
+    row_len: int                           # S of the padded layout (rl.packing = false)
+    routes_TLy: Optional[torch.Tensor] = None   # the engine's routes [T, Ly, K] of this stage (R3, rollout pi_old)
+    cu_seqlens_S1: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        offsets = [0]
+        for n in self.lengths:
+            offsets.append(offsets[-1] + n)
+        self.cu_seqlens_S1 = torch.tensor(offsets, dtype=torch.int64, device=self.tokens_T.device)
+        self._offsets = offsets
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._offsets[-1]
+
+    @classmethod
+    def from_rollouts(cls, out: RolloutOutput, advantages_R: torch.Tensor, pad_id: int, row_len: int,
+                      route_spec=None) -> "SequenceBatch":
+        """The engine's rows as sequences: prompt + response, shifted into (input, target) pairs, the engine's
+        log-probs at the response targets; its routes packed per sequence for this stage (`route_spec`: the
+        policy's, when the step uses the engine's routes)."""
+        lengths = sequence_lengths(out.prompt_ids, out.response_mask_RL)
+        pieces = {"tokens": [], "targets": [], "mask": [], "logp": []}
+        for r, (prompt, n) in enumerate(zip(out.prompt_ids, lengths)):
+            p = len(prompt)
+            full = torch.cat([torch.tensor(prompt, dtype=torch.long), out.response_ids_RL[r].long()])
+            mask = torch.cat([torch.zeros(p, dtype=torch.bool), out.response_mask_RL[r].bool()])
+            logp = torch.cat([torch.zeros(p), torch.where(out.response_mask_RL[r].bool(), out.logp_RL[r], 0.0)])
+            pieces["tokens"].append(full[:n])
+            pieces["targets"].append(full[1:n + 1])
+            pieces["mask"].append(mask[1:n + 1])
+            pieces["logp"].append(logp[1:n + 1].float())
+        routes = None
+        if out.routes_RPLyK is not None and route_spec is not None:
+            samples = [out.routes_RPLyK[r, :n].long() for r, n in enumerate(lengths)]
+            samples = [torch.where(s < 0, torch.arange(s.shape[-1]).expand_as(s), s) for s in samples]
+            routes = pack_sample_routes(samples, lengths, route_spec)
+        cat = {k: torch.cat(v) for k, v in pieces.items()}
+        return cls(cat["tokens"], cat["targets"], cat["mask"], cat["logp"], advantages_R.float(), lengths, pad_id,
+                   row_len, routes)
+
+    def select(self, indices: Sequence[int]) -> "SequenceBatch":
+        """The sub-batch of these sequences, in this order."""
+        idx = [int(i) for i in indices]
+        spans = [torch.arange(self._offsets[i], self._offsets[i + 1]) for i in idx]
+        take = torch.cat(spans).to(self.tokens_T.device) if spans else torch.zeros(0, dtype=torch.long)
+        routes = None if self.routes_TLy is None else self.routes_TLy[take.to(self.routes_TLy.device)]
+        return SequenceBatch(self.tokens_T[take], self.targets_T[take], self.loss_mask_T[take],
+                             self.rollout_logp_T[take], self.advantages_S[torch.tensor(idx, dtype=torch.long,
+                                                                                       device=self.advantages_S.device)],
+                             [self.lengths[i] for i in idx], self.pad_id, self.row_len, routes)
+
+    def to(self, device) -> "SequenceBatch":
+        """The per-token tensors on `device` (the routes stay where they are: they go per micro-batch)."""
+        return SequenceBatch(self.tokens_T.to(device), self.targets_T.to(device), self.loss_mask_T.to(device),
+                             self.rollout_logp_T.to(device), self.advantages_S.to(device), self.lengths, self.pad_id,
+                             self.row_len, self.routes_TLy)
+
+    # ---- the views of one micro-batch -------------------------------------------------------------------
+    def model_input(self, packed: bool, dims: ParallelDims) -> "ModelView":
+        """What the model sees of these sequences: one packed stream (with the TP alignment tail) or padded rows."""
+        dev, T = self.tokens_T.device, self.num_tokens
+        if packed:
+            total = dims.seq_length(T)
+            tail = total - T
+
+            def stream(x_T, fill):
+                return (torch.cat([x_T, x_T.new_full((tail,), fill)]) if tail else x_T)[None]
+
+            sequences = PackedSequences.from_lengths(self.lengths + ([tail] if tail else []), device=dev)
+            padding = (torch.arange(total, device=dev) >= T)[None] if tail else None
+            return ModelView(ModelInput(stream(self.tokens_T, self.pad_id), stream(self.targets_T, self.pad_id),
+                                        padding, sequences), None)
+        rows, S = self.num_sequences, self.row_len
+        position_T = torch.cat([torch.arange(n) for n in self.lengths]) if self.lengths else torch.zeros(0, dtype=torch.long)
+        row_T = torch.repeat_interleave(torch.arange(rows), torch.tensor(self.lengths))
+        flat_T = (row_T * S + position_T).to(dev)
+
+        def rows_of(x_T, fill):
+            out = x_T.new_full((rows * S,), fill)
+            out[flat_T] = x_T
+            return out.view(rows, S)
+
+        padding_BS = torch.ones(rows * S, dtype=torch.bool, device=dev)
+        padding_BS[flat_T] = False
+        padding_BS = padding_BS.view(rows, S)
+        return ModelView(ModelInput(rows_of(self.tokens_T, self.pad_id), rows_of(self.targets_T, self.pad_id),
+                                    padding_BS if bool(padding_BS.any()) else None), flat_T)
+
+    def routes_for(self, view: "ModelView", device) -> Optional[torch.Tensor]:
+        """The engine's routes of these sequences in the storage order of `view`'s model input ([T', Ly, K]);
+        positions outside the sequences (alignment tail, row padding) get a fixed valid route (never scored)."""
+        if self.routes_TLy is None:
+            return None
+        r_TLK = self.routes_TLy
+        computed = view.model.input_ids_BS.numel()
+        layers, k = r_TLK.shape[1], r_TLK.shape[2]
+        base_K = torch.arange(k, dtype=r_TLK.dtype)
+        if view.flat_T is None:
+            out = torch.cat([r_TLK, base_K.expand(computed - r_TLK.shape[0], layers, k)])
+        else:
+            out = base_K.expand(computed, layers, k).clone()
+            out[view.flat_T.cpu()] = r_TLK
+        return out.to(device)
+
+
+@dataclass
+class ModelView:
+    """One micro-batch's model input and where its sequences' tokens sit in it: the first T positions of the packed
+    stream (flat_T None) or, in padded rows, the flattened positions flat_T."""
+
+    model: ModelInput
+    flat_T: Optional[torch.Tensor]
+
+    def tokens_of(self, x_BS: Optional[torch.Tensor], num_tokens: int) -> Optional[torch.Tensor]:
+        """A per-position result of the model ([B, S] / [1, T'], or routes [T', Ly, K] in its storage order) at the
+        sequences' tokens, in sequence order ([T] / [T, Ly, K])."""
+        if x_BS is None:
+            return None
+        flat = x_BS.reshape(-1) if x_BS.dim() == 2 else x_BS  # [B, S] results; routes are [T', Ly, K] already
+        return flat[:num_tokens] if self.flat_T is None else flat[self.flat_T.to(flat.device)]
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.model.input_ids_BS.numel()
+
+
+__all__ = ["ModelView", "SequenceBatch", "sequence_lengths"]
