@@ -280,3 +280,13 @@ def test_short_arms_x_settings_ablation_end_to_end(tmp_path):
     assert set(spec.cells()) <= set(report) and report["_claims"]
     again = ablate()
     assert again.returncode == 0 and again.stdout.count(": already done (") == 1 + 4, again.stdout
+
+
+def test_clipping_claim_is_not_testable_on_policy_but_judged_off_policy():
+    """At 1 update per batch every ratio is 1: no arm can clip, and Figure 2 says so instead of 'did not hold';
+    the same zero clipping at 4 updates per batch is judged."""
+    for mb, start in ((1, "NOT TESTABLE"), (4, "DID NOT HOLD: GSPO clipped no token")):
+        v = _verdicts([_arm("gspo", "gspo", _accs(0.7), mb, "x", tok_clip=0.0),
+                       _arm("grpo_r2", "grpo_r2", _accs(0.6), mb, "x", tok_clip=0.0)])
+        key = next(k for k in v if k.startswith("Figure 2"))
+        assert v[key].startswith(start), (mb, v[key])

@@ -17,7 +17,8 @@ that one arm is above several others is HELD when every pair is beyond noise in 
 when any pair is beyond noise the other way, PARTLY when some pairs are beyond noise in the claimed direction and
 none against, and "not resolved at this scale" when every pair is within noise. A claim of no benefit (on-policy
 needs no replay) is HELD when no replay arm is above the no-replay arm beyond noise, and DID NOT HOLD otherwise.
-None of these rules looks at what the paper reported.
+None of these rules looks at what the paper reported. One exception is structural, not statistical: with 1 update
+per batch every importance ratio is exactly 1, so Figure 2's clipping claim is reported NOT TESTABLE there.
 
 Arms are recognised by their config (loss family, rl.routing_replay), settings by rl.mini_batches, so a recipe
 may name them as it likes.
@@ -185,6 +186,10 @@ def gspo_paper_claims(by_role: Dict[str, ArmResult], where: str = "") -> List[Cl
 def _clip_verdict(gspo: ArmResult, baseline: ArmResult, acc: Comparison) -> str:
     g_tok, b_tok = arm_table(gspo)["tok_clip"][0], arm_table(baseline)["tok_clip"][0]
     learns = acc.diff >= 0 or acc.significant is False
+    if g_tok == 0 and b_tok == 0 and gspo.updates_per_batch == 1:
+        # The one update of a batch starts at pi_old: every ratio is exactly 1 and no loss can clip. The claim
+        # is about off-policy updates; a "did not hold" here would judge something the setting cannot show.
+        return "NOT TESTABLE in this setting: with 1 update per batch every ratio is 1, so nothing is clipped"
     if g_tok == 0:
         return "DID NOT HOLD: GSPO clipped no token"
     if b_tok == 0:

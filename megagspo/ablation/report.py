@@ -231,7 +231,8 @@ def _arms_section(spec: AblationSpec, arms: Dict[str, ArmResult]) -> List[str]:
     def over(flat):
         return ", ".join(f"`{k}={v}`" for k, v in flat.items()) or "(nothing: the base recipe)"
 
-    lines = ["## Arms", "", "| arm | differs from the base recipe in | seeds finished |", "|---|---|---|"]
+    finished = "seeds finished" if not spec.settings else "runs finished (seeds x settings)"
+    lines = ["## Arms", "", f"| arm | differs from the base recipe in | {finished} |", "|---|---|---|"]
     for name in spec.arms:
         done = sum(len(a.cells) for a in arms.values() if a.arm == name)
         lines.append(f"| {name} | {over(spec.arms[name])} | {done} of {len(spec.seeds) * max(1, len(spec.settings))} |")
