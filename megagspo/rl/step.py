@@ -44,6 +44,7 @@ from megagspo.rl.dp_balance import balance_over_dp
 from megagspo.rl.micro_batches import micro_slices, token_budget_split
 from megagspo.rl.schedule import lr_at
 from megagspo.rl.sources import Rollouts, RolloutSource, Scores
+from megagspo.rl.step_metrics import metrics_row
 from moe.optimizer import set_lr
 from moe.parallel import ParallelDims
 from moe.volatility import VolatilityTally
@@ -256,7 +257,8 @@ class RLStep:
             "reward_clamped": float(scores.stats.clamped), "reward_timeouts": float(scores.stats.timeouts),
         }
         total = dict(zip(local, self.dims.dp_sum(list(local.values()))))
-        row = _metrics_row(total, self._union_over_dp(m), updates, with_reference=self.reference is not None)
+        row = metrics_row(total, self._union_over_dp(m), updates.grad_norms, updates.lr,
+                          with_reference=self.reference is not None)
         row.update(self.batch_metrics(batch))
         return row
 
@@ -281,33 +283,6 @@ class RLStep:
                 "batch/tokens_per_micro_batch_max": max(r[3] for r in per_rank),
                 # the fullest data-parallel rank's real tokens over the ranks' mean (1 = balanced)
                 "batch/dp_tokens_max_over_mean": max(r[0] for r in per_rank) * len(per_rank) / max(real, 1.0)}
-
-
-# loss metrics logged as they are (unions over the data-parallel ranks): megagspo.algorithm.rollout_correction
-DIAGNOSTIC_PREFIXES = ("mismatch/", "rollout_correction/", "rollout_is/")
-
-
-def _metrics_row(total: dict, union: dict, updates: Updates, with_reference: bool) -> dict:
-    """The logged row from the counts summed over the data-parallel ranks (`total`) and the loss's metrics
-    merged over them (`union`)."""
-    rows, gnorms = total["rows"], updates.grad_norms
-    row = {
-        "reward/mean": total["reward"] / rows, "reward/accuracy": total["correct"] / rows,
-        "reward/errors": total["reward_errors"], "reward/clamped": total["reward_clamped"],
-        "reward/timeouts": total["reward_timeouts"],  # cut off at reward.timeout_s (also in reward/errors)
-        "reward/nonzero_adv_frac": total["nonzero_adv"] / rows,
-        "response/length_mean": total["response_tokens"] / rows,
-        "moe/expert_volatility": VolatilityTally.fraction(total["vol_changed"], total["vol_total"]),
-        "clip/seq_frac": union["seq/clip_frac"], "clip/tok_frac": union["tok/clip_frac"],
-        "clip/seq_low_frac": union["seq/clip_low_frac"], "clip/seq_high_frac": union["seq/clip_high_frac"],
-        "kl/approx_old": union["kl/approx_old"], "entropy/mean": union.get("entropy/mean", 0.0),
-        "ratio/mean": union["ratio/mean"], "loss": union["loss"], "grad_norm": sum(gnorms) / len(gnorms),
-        "grad_norm/max": max(gnorms), "lr": updates.lr,
-    }
-    if with_reference:  # k3 KL to the reference per response token; the KL share of the loss
-        row["kl/ref"], row["loss/kl"] = union["kl/ref"], union["loss/kl"]
-    row.update({k: v for k, v in union.items() if k.startswith(DIAGNOSTIC_PREFIXES)})
-    return row
 
 
 # ------------------------------------------------------------------------------------------------- routes

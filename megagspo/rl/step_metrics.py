@@ -1,0 +1,32 @@
+"""The RL step's logged row: its schema, from the counts summed over the data-parallel ranks and the loss's
+metrics merged over them (megagspo.rl.step.RLStep.summarize gathers both)."""
+
+from __future__ import annotations
+
+from moe.volatility import VolatilityTally
+
+# loss metrics logged as they are (unions over the data-parallel ranks): megagspo.algorithm.rollout_correction
+DIAGNOSTIC_PREFIXES = ("mismatch/", "rollout_correction/", "rollout_is/")
+
+
+def metrics_row(total: dict, union: dict, grad_norms: list, lr: float, with_reference: bool) -> dict:
+    """The logged row from the counts summed over the data-parallel ranks (`total`) and the loss's metrics
+    merged over them (`union`)."""
+    rows, gnorms = total["rows"], grad_norms
+    row = {
+        "reward/mean": total["reward"] / rows, "reward/accuracy": total["correct"] / rows,
+        "reward/errors": total["reward_errors"], "reward/clamped": total["reward_clamped"],
+        "reward/timeouts": total["reward_timeouts"],  # cut off at reward.timeout_s (also in reward/errors)
+        "reward/nonzero_adv_frac": total["nonzero_adv"] / rows,
+        "response/length_mean": total["response_tokens"] / rows,
+        "moe/expert_volatility": VolatilityTally.fraction(total["vol_changed"], total["vol_total"]),
+        "clip/seq_frac": union["seq/clip_frac"], "clip/tok_frac": union["tok/clip_frac"],
+        "clip/seq_low_frac": union["seq/clip_low_frac"], "clip/seq_high_frac": union["seq/clip_high_frac"],
+        "kl/approx_old": union["kl/approx_old"], "entropy/mean": union.get("entropy/mean", 0.0),
+        "ratio/mean": union["ratio/mean"], "loss": union["loss"], "grad_norm": sum(gnorms) / len(gnorms),
+        "grad_norm/max": max(gnorms), "lr": lr,
+    }
+    if with_reference:  # k3 KL to the reference per response token; the KL share of the loss
+        row["kl/ref"], row["loss/kl"] = union["kl/ref"], union["loss/kl"]
+    row.update({k: v for k, v in union.items() if k.startswith(DIAGNOSTIC_PREFIXES)})
+    return row
