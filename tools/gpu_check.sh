@@ -156,7 +156,10 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3
     DRY=1
     record env SKIP 0 "dry mode: $("$PY" -c 'import torch; print("torch", torch.__version__, "sees no CUDA device")' 2>&1 | tail -1)"
 else
-    run_stage env 30 5 "" "$PY - <<'PY'
+    # the host's torch signatures of the CUDA-only APIs, recorded first (the contract stage holds them to the record)
+    run_stage env 30 5 "" "$PY tools/torch_signatures.py --installed --out '$OUT/torch_signatures.json' \\
+    --compare tests/assets/gpu_host_torch_signatures.json || echo 'torch_signatures: differs from the record (above)'
+$PY - <<'PY'
 import platform, subprocess, torch
 p = torch.cuda.get_device_properties(0)
 line = (f'GPU {p.name}, capability {p.major}.{p.minor}, {p.total_memory / 2**30:.0f} GiB; torch {torch.__version__} '
@@ -231,8 +234,8 @@ XDIST=""
 # ---- 3.. the stages, most valuable first ------------------------------------------------------------------
 # the trainer end to end first (bf16, packed): one stage says whether a CUDA run trains at all
 run_stage tiny-bf16 180 60 "cuda deps ext" "$PYTEST 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]'"
-# this host's torch against the record the CPU's contract test binds to (tests/assets/gpu_host_torch_signatures.json),
-# then the contract, branch and fake-CUDA tests on this torch itself
+# this host's torch against the record the CPU's contract test binds to (tests/assets/gpu_host_torch_signatures.json;
+# a difference under the same torch version fails here), then the contract, branch and fake-CUDA tests on this torch
 run_stage contract 90 20 "cuda deps" "set -e
 $PY tools/torch_signatures.py --installed --out '$OUT/torch_signatures.json' --compare tests/assets/gpu_host_torch_signatures.json
 $PYTEST tests/test_cuda_contract.py tests/test_cuda_branches.py tests/test_fake_cuda_trace.py"
