@@ -438,7 +438,7 @@ def test_a_fresh_start_that_fails_its_checks_leaves_the_run_resumable(run, capsy
     choosing its resume point (here: building the model) has not moved them aside, nor written anything:
     --resume still finds them."""
     from megagspo.config import ConfigError
-    from megagspo.trainer import policy
+    from megagspo.policy import megatron_policy as policy
 
     def fail(*args, **kwargs):
         raise ConfigError("injected: the model cannot be built")
