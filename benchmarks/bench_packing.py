@@ -72,7 +72,7 @@ def run_mode(args, mode: str) -> dict:
     import torch
 
     from megagspo.config import load_config
-    from megagspo.rl.step import Rollouts, Scores
+    from megagspo.rl.sources import Rollouts, Scores
     from megagspo.trainer.trainer import Trainer
 
     overrides = [
@@ -98,7 +98,7 @@ def run_mode(args, mode: str) -> dict:
         batch = step.prepare(rollouts, scores)
         sync()
         t0 = time.perf_counter()
-        step.old_policy(batch, rollouts)
+        step.old_policy(batch)
         sync()
         t1 = time.perf_counter()
         step.update(batch, rep, optimizer)

@@ -179,10 +179,9 @@ def binding_error(overloads: list, args: tuple, kwargs: dict):
 
 
 @functools.lru_cache(maxsize=None)
-def installed_signatures(api_name: str) -> tuple:
-    """`read_signatures` of `api_name` in the torch this process imported (hashable: tuples of sorted items)."""
-    records = read_signatures(os.path.dirname(torch.__file__), APIS[api_name].source)
-    return tuple(tuple(tuple(sorted(p.items())) for p in params) for params in records)
+def installed_signatures(api_name: str) -> list:
+    """`read_signatures` of `api_name` in the torch this process imported (read once; callers do not modify it)."""
+    return read_signatures(os.path.dirname(torch.__file__), APIS[api_name].source)
 
 
 _DETECT_AGAINST: list = []  # a recorded torch's {"apis": ...} while `detecting_against` runs (tests only)
@@ -192,7 +191,7 @@ def overloads_for_detection(api_name: str) -> list:
     """The signatures feature detection reads: the installed torch's, or the record `detecting_against` set."""
     if _DETECT_AGAINST:
         return _DETECT_AGAINST[-1]["apis"][api_name]["overloads"]
-    return [[dict(p) for p in params] for params in installed_signatures(api_name)]
+    return installed_signatures(api_name)
 
 
 @contextlib.contextmanager

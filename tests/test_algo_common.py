@@ -97,6 +97,20 @@ def ref_gspo_loss(logp, old, mask, cu, adv, N, clip_low=3e-4, clip_high=4e-4):
     return -total / N
 
 
+def every_input_batch(name, t, logp_T, num_global_sequences, num_global_tokens):
+    """(PackedBatch, Config) of loss `name` with every optional input on: the KL reference, pi_old recomputed with
+    the rollout correction, the entropy; `t` holds random_packed's tensors (on any device), logp_T the policy's."""
+    from megagspo.algorithm import KLConfig, PackedBatch, get_loss
+
+    cfg = get_loss(name).Config(validate=False, kl=KLConfig(coef=0.1),
+                                old_policy={"source": "recompute", "rollout_correction": True})
+    batch = PackedBatch(logp_T=logp_T, loss_mask_T=t["mask"], cu_seqlens_S1=t["cu"],
+                        num_global_sequences=num_global_sequences, old_logp_T=t["old"], advantages_S=t["adv"],
+                        ref_logp_T=t["old"], rollout_logp_T=t["old"], entropy_T=t["old"],
+                        num_global_tokens=num_global_tokens)
+    return batch, cfg
+
+
 def leaf(x):
     return x.detach().clone().requires_grad_(True)
 

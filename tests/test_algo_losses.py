@@ -18,7 +18,8 @@ from megagspo.algorithm import (
     gspo_token_loss,
     token_kl,
 )
-from test_algo_common import F64, assert_close64, gen, leaf, random_packed, ref_gspo_grad, ref_gspo_loss  # noqa: F401
+from test_algo_common import (F64, assert_close64, every_input_batch, gen, leaf, random_packed,  # noqa: F401
+                              ref_gspo_grad, ref_gspo_loss)
 
 
 def _gspo(b, logp, N, **kw):
@@ -203,11 +204,7 @@ def test_loss_path_needs_no_host_sync(gen, name):
     b = random_packed(gen, num_seqs=8, max_len=10)
     meta = {k: v.to("meta") for k, v in b.items()}
     logp = torch.empty_like(meta["logp"]).requires_grad_(True)
-    cfg = get_loss(name).Config(validate=False, kl=KLConfig(coef=0.1),
-                                old_policy={"source": "recompute", "rollout_correction": True})
-    batch = PackedBatch(logp_T=logp, loss_mask_T=meta["mask"], cu_seqlens_S1=meta["cu"], num_global_sequences=8,
-                        old_logp_T=meta["old"], advantages_S=meta["adv"], ref_logp_T=meta["old"],
-                        rollout_logp_T=meta["old"], entropy_T=meta["old"], num_global_tokens=50)
+    batch, cfg = every_input_batch(name, meta, logp, num_global_sequences=8, num_global_tokens=50)
     loss, metrics = get_loss(name)(batch, cfg)
     loss.backward()
     assert loss.device.type == "meta" and logp.grad.shape == logp.shape

@@ -52,7 +52,7 @@ class ContractChecker:
 
     def __call__(self, api_name, fn, args, kwargs):
         if self.record is None:
-            overloads = [[dict(p) for p in params] for params in cuda_calls.installed_signatures(api_name)]
+            overloads = cuda_calls.installed_signatures(api_name)
         else:
             overloads = self.record["apis"][api_name]["overloads"]
         self.calls.append({"api": api_name, "kwargs": sorted(kwargs), "torch": self.torch,
@@ -323,8 +323,7 @@ def test_signature_records_match_what_the_tool_reads_from_the_installed_torch():
     record = tool.record(os.path.dirname(torch.__file__), "test")
     assert record["torch"] == torch.__version__
     for name in cuda_calls.APIS:
-        installed = [[dict(p) for p in params] for params in cuda_calls.installed_signatures(name)]
-        assert record["apis"][name]["overloads"] == installed
+        assert record["apis"][name]["overloads"] == cuda_calls.installed_signatures(name)
 
 
 # ---- the one place: no call of these APIs outside moe/cuda_calls.py ----

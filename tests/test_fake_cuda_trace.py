@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.overrides import TorchFunctionMode
 
 from moe import cuda_calls
-from test_algo_common import random_packed
+from test_algo_common import every_input_batch, random_packed
 from test_cuda_contract import LENGTHS, RECORDED, _packed_attention_module
 
 VARLEN = "torch.nn.attention.varlen.varlen_attn"
@@ -124,17 +124,13 @@ def test_fp32_packed_attention_on_fake_cuda_takes_the_sdpa_branch():
 def test_rl_losses_trace_on_fake_cuda(name):
     """The RL losses on bf16 'cuda' log-probs: the loss and every metric stay on the device (no device mix, no
     host read), in float32."""
-    from megagspo.algorithm import KLConfig, PackedBatch, get_loss
+    from megagspo.algorithm import get_loss
 
     b = random_packed(torch.Generator().manual_seed(0), num_seqs=6, max_len=9)
     with FakeTensorMode(allow_non_fake_inputs=True), CudaIndexing(), torch.no_grad():
         on = {k: torch.empty(v.shape, dtype=v.dtype, device="cuda") for k, v in b.items()}
         logp = torch.empty(on["logp"].shape, dtype=torch.bfloat16, device="cuda")
-        cfg = get_loss(name).Config(validate=False, kl=KLConfig(coef=0.1),
-                                    old_policy={"source": "recompute", "rollout_correction": True})
-        batch = PackedBatch(logp_T=logp, loss_mask_T=on["mask"], cu_seqlens_S1=on["cu"], num_global_sequences=6,
-                            old_logp_T=on["old"], advantages_S=on["adv"], ref_logp_T=on["old"],
-                            rollout_logp_T=on["old"], entropy_T=on["old"], num_global_tokens=40)
+        batch, cfg = every_input_batch(name, on, logp, num_global_sequences=6, num_global_tokens=40)
         loss, metrics = get_loss(name)(batch, cfg)
     assert loss.device.type == "cuda" and loss.dtype == torch.float32
     assert all(v.device.type == "cuda" for v in metrics.values()), {k: v.device for k, v in metrics.items()}

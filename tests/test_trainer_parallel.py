@@ -343,7 +343,7 @@ def _tp_reward_body(rank, world_size, out_dir, seed):
     sourced = step.source.next(0)
     rollouts, scores = sourced.rollouts, sourced.scores
     batch = step.prepare(rollouts, scores)
-    step.old_policy(batch, rollouts)
+    step.old_policy(batch)
     row = step.summarize(rollouts, scores, batch, step.update(batch, 0, trainer.optimizer))
     seen = [(scores.rewards_R.clone(), scores.advantages_R.clone())]
     return {k: v for k, v in row.items() if not k.startswith(_TIMING)}, seen, len(calls)

@@ -16,6 +16,7 @@ the same real tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -25,7 +26,7 @@ from megagspo.policy.megatron_policy import ModelInput
 from megagspo.rollout import RolloutOutput
 from moe.model import PackedSequences
 from moe.parallel import ParallelDims
-from moe.routing_replay import pack_sample_routes
+from moe.routing_replay import RouteSpec, filler_routes, pack_sample_routes
 
 
 def sequence_lengths(prompt_ids: list, response_mask_RL: torch.Tensor) -> List[int]:
@@ -49,6 +50,7 @@ class SequenceBatch:
     pad_id: int
     row_len: int                           # S of the padded layout (rl.packing = false)
     routes_TLy: Optional[torch.Tensor] = None   # the engine's routes [T, Ly, K] of this stage (R3, rollout pi_old)
+    route_spec: Optional[RouteSpec] = None      # the policy's, with routes_TLy
     cu_seqlens_S1: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -90,7 +92,7 @@ class SequenceBatch:
             routes = pack_sample_routes(samples, lengths, route_spec)
         cat = {k: torch.cat(v) for k, v in pieces.items()}
         return cls(cat["tokens"], cat["targets"], cat["mask"], cat["logp"], advantages_R.float(), lengths, pad_id,
-                   row_len, routes)
+                   row_len, routes, route_spec if routes is not None else None)
 
     def select(self, indices: Sequence[int]) -> "SequenceBatch":
         """The sub-batch of these sequences, in this order."""
@@ -98,16 +100,18 @@ class SequenceBatch:
         spans = [torch.arange(self._offsets[i], self._offsets[i + 1]) for i in idx]
         take = torch.cat(spans).to(self.tokens_T.device) if spans else torch.zeros(0, dtype=torch.long)
         routes = None if self.routes_TLy is None else self.routes_TLy[take.to(self.routes_TLy.device)]
-        return SequenceBatch(self.tokens_T[take], self.targets_T[take], self.loss_mask_T[take],
-                             self.rollout_logp_T[take], self.advantages_S[torch.tensor(idx, dtype=torch.long,
-                                                                                       device=self.advantages_S.device)],
-                             [self.lengths[i] for i in idx], self.pad_id, self.row_len, routes)
+        seq_idx = torch.tensor(idx, dtype=torch.long, device=self.advantages_S.device)
+        return dataclasses.replace(self, tokens_T=self.tokens_T[take], targets_T=self.targets_T[take],
+                                   loss_mask_T=self.loss_mask_T[take], rollout_logp_T=self.rollout_logp_T[take],
+                                   advantages_S=self.advantages_S[seq_idx], lengths=[self.lengths[i] for i in idx],
+                                   routes_TLy=routes)
 
     def to(self, device) -> "SequenceBatch":
         """The per-token tensors on `device` (the routes stay where they are: they go per micro-batch)."""
-        return SequenceBatch(self.tokens_T.to(device), self.targets_T.to(device), self.loss_mask_T.to(device),
-                             self.rollout_logp_T.to(device), self.advantages_S.to(device), self.lengths, self.pad_id,
-                             self.row_len, self.routes_TLy)
+        return dataclasses.replace(self, tokens_T=self.tokens_T.to(device), targets_T=self.targets_T.to(device),
+                                   loss_mask_T=self.loss_mask_T.to(device),
+                                   rollout_logp_T=self.rollout_logp_T.to(device),
+                                   advantages_S=self.advantages_S.to(device))
 
     # ---- the views of one micro-batch -------------------------------------------------------------------
     def model_input(self, packed: bool, dims: ParallelDims) -> "ModelView":
@@ -146,13 +150,11 @@ class SequenceBatch:
         if self.routes_TLy is None:
             return None
         r_TLK = self.routes_TLy
-        computed = view.model.input_ids_BS.numel()
-        layers, k = r_TLK.shape[1], r_TLK.shape[2]
-        base_K = torch.arange(k, dtype=r_TLK.dtype)
+        computed = view.computed_tokens
         if view.flat_T is None:
-            out = torch.cat([r_TLK, base_K.expand(computed - r_TLK.shape[0], layers, k)])
+            out = torch.cat([r_TLK, filler_routes(computed - r_TLK.shape[0], self.route_spec)])
         else:
-            out = base_K.expand(computed, layers, k).clone()
+            out = filler_routes(computed, self.route_spec)
             out[view.flat_T.cpu()] = r_TLK
         return out.to(device)
 

@@ -18,6 +18,7 @@ Legend (docs/architecture.md): R sequences per rank, T tokens, Ly MoE layers, K 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List
 
 import torch
@@ -79,8 +80,8 @@ def balance_over_dp(dims: ParallelDims, seqs: SequenceBatch, mini_rows: List[tor
         routes = routes.to("cpu", seqs.routes_TLy.dtype)
     arrived = [g for ids in recv for g in ids]
     row_len = max(int(r[0]) for r in dims.dp_gather([float(seqs.row_len)]))  # padded rows hold any rank's longest
-    received = SequenceBatch(moved["tokens_T"], moved["targets_T"], moved["loss_mask_T"], moved["rollout_logp_T"],
-                             advantages, [lengths_all[g] for g in arrived], seqs.pad_id, row_len, routes)
+    received = dataclasses.replace(seqs, **moved, advantages_S=advantages, lengths=[lengths_all[g] for g in arrived],
+                                   row_len=row_len, routes_TLy=routes)
     # in the order of the assignment: mini-batch by mini-batch, each group's members in order
     position = {g: i for i, g in enumerate(arrived)}
     ordered = received.select([position[g] for chunk in mine for g in chunk])

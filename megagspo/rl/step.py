@@ -114,7 +114,7 @@ class RLStep:
         rollouts, scores, times = sourced.rollouts, sourced.scores, dict(sourced.times)
         batch = self.prepare(rollouts, scores)
         t2 = time.perf_counter()
-        self.old_policy(batch, rollouts)
+        self.old_policy(batch)
         times["time/old_logp_s"] = time.perf_counter() - t2
         t3 = time.perf_counter()
         updates = self.update(batch, step, optimizer)
@@ -157,11 +157,12 @@ class RLStep:
             for j, rows in enumerate(micro):
                 part = seqs.select(rows.tolist())
                 minis[-1].append(MicroBatch(k, j, part, part.model_input(cfg.packing, self.dims)))
-        response_tokens = [float(seqs.select(rows.tolist()).loss_mask_T.sum()) for rows in mini_rows]
+        # each mini-batch's response tokens: its micro-batches partition it
+        response_tokens = [float(sum(mb.seqs.loss_mask_T.sum() for mb in mini)) for mini in minis]
         return UpdateBatch(minis=minis, tokens_per_mini=self.dims.dp_sum(response_tokens),
                            sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
 
-    def old_policy(self, batch: UpdateBatch, rollouts: Rollouts) -> None:
+    def old_policy(self, batch: UpdateBatch) -> None:
         """Fill each micro-batch's pi_old log-probs and routes (and the reference's log-probs)."""
         cfg = self.rl
         policy = self.policy
