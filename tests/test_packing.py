@@ -158,7 +158,9 @@ def test_packed_step_equals_padded_step(tmp_path, extra):
     runs = run_distributed(_packed_vs_padded_body, world_size=1, args=(str(tmp_path), seed, extra),
                            timeout_s=300)[0]
     _runs_match([runs["true"]], runs["false"], f"seed {seed} packed vs padded")
-    assert runs["true_batch"]["batch/pad_fraction"] == 0.0 < runs["false_batch"]["batch/pad_fraction"]
+    # Padded rows carry padding unless every sequence of the step fills the row width (a seed where all the
+    # responses run to max_response_tokens on equal-length prompts), so the padded fraction may be 0 as well.
+    assert runs["true_batch"]["batch/pad_fraction"] == 0.0 <= runs["false_batch"]["batch/pad_fraction"] < 1.0
     assert runs["true_batch"]["batch/tokens_per_micro_batch_max"] <= runs["false_batch"]["batch/tokens_per_micro_batch_max"]
 
 
