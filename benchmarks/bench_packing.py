@@ -9,11 +9,11 @@ the update (forward + backward + optimizer steps of every mini-batch), and the p
 One synthetic rollout batch (fixed seed, the same for every mode): prompts of uniform 16-64 tokens, responses
 log-uniform 16-512 tokens (RL responses range from a few dozen to hundreds of tokens), random token ids,
 random advantages, engine log-probs. It goes through megagspo.rl.step's own stages — `prepare`,
-`old_policy` (a Megatron no-grad recompute of pi_old) and `update` (rl.mini_batches optimizer steps) — in each
+`old_policy` (a Megatron no-grad recompute of pi_old) and `update` (rl.batch.mini_batches optimizer steps) — in each
 mode, each mode in a fresh subprocess so its peak resident memory (VmHWM) is its own:
-  padded        rl.packing=false: rows right-padded to the longest sequence of the batch
-  packed        rl.packing=true: each micro-batch one stream of whole sequences
-  packed+budget rl.packing=true, rl.max_tokens_per_micro_batch=--budget
+  padded        rl.batch.packing=false: rows right-padded to the longest sequence of the batch
+  packed        rl.batch.packing=true: each micro-batch one stream of whole sequences
+  packed+budget rl.batch.packing=true, rl.batch.max_tokens_per_micro_batch=--budget
 Tokens per second count REAL tokens (prompt + response positions), the same numerator for every mode, so the
 ratio is the speed-up on the same work. --steps timed repetitions after one warm-up; medians reported. The device
 is the trainer's (CUDA where available, MEGAGSPO_DEVICE to choose); on CUDA each stage is timed between
@@ -33,8 +33,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = {"padded": ["rl.packing=false"], "packed": ["rl.packing=true"],
-         "packed+budget": ["rl.packing=true", "rl.max_tokens_per_micro_batch={budget}"]}
+MODES = {"padded": ["rl.batch.packing=false"], "packed": ["rl.batch.packing=true"],
+         "packed+budget": ["rl.batch.packing=true", "rl.batch.max_tokens_per_micro_batch={budget}"]}
 
 
 def _synthetic_batch(args, vocab_size, pad_id):
@@ -76,13 +76,13 @@ def run_mode(args, mode: str) -> dict:
     from megagspo.trainer.trainer import Trainer
 
     overrides = [
-        f"threads={args.threads}", "sft.steps=0", "rl.eval_samples=0", "log.progress=false", "log.plots=false",
+        f"threads={args.threads}", "sft.steps=0", "rl.eval.samples=0", "log.progress=false", "log.plots=false",
         "log.tensorboard=false", "log.save_checkpoint=false", "checkpoint.every_steps=0", "data.train_size=64",
         "data.eval_size=4", f"data.max_prompt_tokens={args.prompt_max}", f"data.max_response_tokens={args.resp_max}",
         f"model.hidden_size={args.hidden}", f"model.num_hidden_layers={args.layers}",
         f"model.moe_intermediate_size={args.hidden}", f"model.max_position_embeddings={args.prompt_max + args.resp_max + 8}",
-        f"rl.prompts_per_step={args.rows // 4}", "rl.group_size=4", f"rl.mini_batches={args.mini_batches}",
-        f"rl.micro_batch_size={args.micro_batch_size if mode != 'packed+budget' else 0}", "rl.lr=1e-5",
+        f"rl.batch.prompts_per_step={args.rows // 4}", "rl.batch.group_size=4", f"rl.batch.mini_batches={args.mini_batches}",
+        f"rl.batch.micro_batch_size={args.micro_batch_size if mode != 'packed+budget' else 0}", "rl.optim.lr=1e-5",
         f"log.out_dir={args.out_dir}", f"name=bench_{mode.replace('+', '_')}",
         *(o.format(budget=args.budget) for o in MODES[mode]), *args.extra]
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--mini-batches", type=int, default=4)
     p.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch (padded / packed)")
-    p.add_argument("--budget", type=int, default=1024, help="packed+budget: rl.max_tokens_per_micro_batch")
+    p.add_argument("--budget", type=int, default=1024, help="packed+budget: rl.batch.max_tokens_per_micro_batch")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

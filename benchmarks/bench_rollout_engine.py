@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                         help="the policy's precision; the engine takes it on CUDA, stays fp32 on the CPU")
-    parser.add_argument("--routes", action="store_true", help="record the routes too (R3, rl.old_logp=rollout)")
+    parser.add_argument("--routes", action="store_true", help="record the routes too (R3, rl.old_policy.source=rollout)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the tiny model's ops are too small to split)")
     parser.add_argument("--json", default="", help="also write the rows here")

@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
                                      epilog="megagspo COMMAND --help describes a command's options")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     described = {
-        "train": "Cold-start SFT (sft.steps), then RL (rl.steps) with rl.loss = gspo | gspo_token | grpo, into the run "
+        "train": "Cold-start SFT (sft.steps), then RL (rl.steps) with rl.loss.name = gspo | gspo_token | grpo, into the run "
                  "folder log.out_dir/name. Where that folder holds a run: --resume continues it, --overwrite moves it "
                  "aside first; a finished run of the same config is not started over (its summary is printed).",
         "sft": "Cold-start SFT only (= train with rl.steps=0): held-out accuracy before and after, then the full "

@@ -6,8 +6,12 @@ live here and only here; recipes in `configs/` override what they need.
 
     cfg = load_config("configs/tiny_cpu.yaml", ["rl.steps=10", "seed=3"])
 
-The loss section is built by megagspo.kernels.policy_losses.build_loss from the flat rl.* keys (one per field of
-the chosen loss's Config); the engine's replay flags are derived from rl.routing_replay (Config).
+The rl section nests one typed section per component (RLConfig); the algorithm's own frozen Configs are sections
+as they are (rl.kl is a KLConfig). Keys of earlier recipes, overrides and saved runs (the flat rl.lr, ...) are
+moved onto their sections with one warning (megagspo.config_moves). Registry names that need the component's
+code (the reward, the rollout engine and its sglang section, the fused loss kernel) are checked where those are
+built, by the preflight every run and dry run goes through, so this module imports no rollout, kernel or
+trainer code. The engine's replay flags are derived from rl.routing_replay (Config).
 
 Why plain dataclasses and not pydantic (installed) or OmegaConf: the coercion / merge / override code here is
 ~100 lines with messages that name the dotted key, and the algorithm Config classes must stay free of a
@@ -29,14 +33,14 @@ from typing import Any, Optional
 
 import yaml
 
-from megagspo.algorithm.registry import (LossOptionError, build_advantage_config, build_loss_config,
-                                         registered_losses)
+from megagspo.algorithm.advantages import GroupAdvantageConfig
+from megagspo.algorithm.kl import KLConfig
+from megagspo.algorithm.old_policy import OldPolicyConfig
+from megagspo.algorithm.registry import LossOptionError, build_loss_config, registered_losses
+from megagspo.config_moves import move_old_keys
 from megagspo.data.tokenizer import PROMPT_FORMATS, has_tokenizer_files
+from megagspo.errors import ConfigError
 from megagspo.errors import show_value as _show
-from megagspo.kernels.policy_losses import check_loss_impl
-from megagspo.rewards import available_rewards
-from megagspo.rollout import available_engines
-from megagspo.rollout.sglang_engine import SGLangEngineConfig
 from moe.architecture import Qwen3MoeArchitecture
 from moe.hf_checkpoint import is_hf_model_folder
 from moe.hf_config import architecture_from_hf_config
@@ -45,10 +49,6 @@ from moe.json_files import read_json
 from moe.parallel import ParallelLayout
 from moe.routing_replay import replay_available
 from moe.yaml_files import yaml_depth
-
-
-class ConfigError(ValueError):
-    """A configuration key is unknown, missing or out of range; the message names it."""
 
 
 # A dry run validates a cluster recipe on a box that lacks the cluster's files: there, a missing data,
@@ -293,56 +293,95 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "exact_match"       # see megagspo.rewards.available_rewards()
+    # see megagspo.rewards.available_rewards(); the name is checked where the reward is built (the preflight
+    # every run and dry run goes through), so this module imports no reward code
+    name: str = "exact_match"
     timeout_s: float = 10.0         # one verifier call past this scores 0, counted in reward/errors (0 = no limit)
 
     def __post_init__(self) -> None:
-        _choice("reward", "name", self.name, available_rewards())
         _num("reward", "timeout_s", self.timeout_s, 0.0)
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"              # hf (transformers Qwen3MoeForCausalLM, KV cache) | sglang (GPU hosts)
+    # hf (transformers Qwen3MoeForCausalLM, KV cache) | sglang (GPU hosts); checked, with rollout.sglang, where
+    # the engine is built (the preflight every run and dry run goes through)
+    engine: str = "hf"
     temperature: float = 1.0
     top_p: float = 1.0
     # Derived, not a setting: the engine returns each token's routed experts exactly when something reads them,
-    # rl.routing_replay = r3 (replayed in training) or rl.old_logp = rollout (pi_old's routes for the expert-
+    # rl.routing_replay = r3 (replayed in training) or rl.old_policy.source = rollout (pi_old's routes for the expert-
     # volatility metric). Config sets it; a recipe value that contradicts the derivation is refused.
     record_routes: Optional[bool] = None
     # Weight sync after each update: the full model streams to the engine in buckets of at most this many
     # bytes, gathered one bucket at a time over TP / EP / PP (no rank ever holds the whole model).
     sync_bucket_mib: int = 512
     # engine = sglang: the fields of megagspo.rollout.sglang_engine.SGLangEngineConfig (urls of running
-    # servers or launch settings, sync_dir, colocate, ...), validated here so a typo fails before any compute.
+    # servers or launch settings, sync_dir, colocate, ...), validated by the preflight before any compute.
     sglang: dict = field(default_factory=dict)
     # 1: one-step-off asynchronous rollouts (megagspo/rl/rollouts_ahead.py): batch n+1 is generated with
     # the weights after update n-1 while the trainer updates on batch n; 0: generate, then train (synchronous)
     staleness: int = 0
 
     def __post_init__(self) -> None:
-        _choice("rollout", "engine", self.engine, available_engines())
         _require("rollout", "staleness", self.staleness in (0, 1) and not isinstance(self.staleness, bool),
                  self.staleness, "0 (synchronous) or 1 (one step off)")
         if not isinstance(self.sglang, dict):
             raise ConfigError(f"rollout.sglang must be a mapping, got {_show(self.sglang)}")
-        if self.engine == "sglang":
-            try:
-                SGLangEngineConfig(**self.sglang)
-            except TypeError as exc:
-                import inspect
-
-                valid = ", ".join(inspect.signature(SGLangEngineConfig).parameters)
-                raise ConfigError(f"rollout.sglang: {exc}; valid keys: {valid}") from None
-            except ValueError as exc:
-                raise ConfigError(f"rollout.sglang: {exc}") from None
-        elif self.sglang:
+        if self.sglang and self.engine != "sglang":
             raise ConfigError("rollout.sglang is set but rollout.engine is not 'sglang'")
         _require("rollout", "record_routes", self.record_routes in (None, True, False), self.record_routes,
-                 "true or false (better: unset, it follows rl.routing_replay and rl.old_logp)")
+                 "true or false (better: unset, it follows rl.routing_replay and rl.old_policy.source)")
         _pos_int("rollout", "sync_bucket_mib", self.sync_bucket_mib)
         _num("rollout", "temperature", self.temperature, 0.0, 10.0, lo_open=True)
         _num("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
+
+
+ROUTING_REPLAY = ("none", "r2", "r3")
+LOSS_IMPLS = ("torch", "kernels")
+LOGPROB_IMPLS = ("auto", "kernels", "torch")
+SCHEDULES = ("constant", "cosine", "linear")
+# Spellings other projects (and megagspo's SGLang config) use for a value that has one name here: refused with
+# the right one. YAML reads a bare `off` as false, hence the boolean.
+_SPELLED = {("rl.routing_replay", "off"): "none", ("rl.routing_replay", False): "none",
+            ("rl.loss.impl", "fused"): "kernels", ("rl.logprob_impl", "fused"): "kernels"}
+_SPELLED_CHOICES = {"rl.routing_replay": ROUTING_REPLAY, "rl.loss.impl": LOSS_IMPLS, "rl.logprob_impl": LOGPROB_IMPLS}
+# keys that were booleans and became a choice: the boolean an earlier recipe or checkpoint holds -> its choice
+_FORMER_BOOLEANS = {"rl.old_policy.correction.method": {True: "seq_tis", False: "none"}}
+
+# Sections below name themselves by class in their errors ("OptimConfig.lr must be ..."): the loader rewrites
+# the class name into the dotted path the recipe used (rl.optim.lr, sft.optim.lr), as it does for the
+# algorithm's own Configs (rl.kl is a KLConfig).
+
+
+@dataclass
+class OptimConfig:
+    """Megatron's distributed AdamW and its learning-rate schedule (rl.optim and sft.optim)."""
+
+    lr: float = 1e-3
+    schedule: str = "constant"      # constant | cosine | linear (decay to min_lr_ratio * lr, after the warmup)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0          # the global gradient norm is clipped to this
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _num(owner, "lr", self.lr, 0.0, 1.0, lo_open=True)
+        _choice(owner, "schedule", self.schedule, SCHEDULES)
+        _nonneg_int(owner, "warmup_steps", self.warmup_steps)
+        _num(owner, "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _num(owner, "weight_decay", self.weight_decay, 0.0, 1.0)
+        _num(owner, "beta1", self.beta1, 0.0, 1.0)
+        _num(owner, "beta2", self.beta2, 0.0, 1.0)
+        _num(owner, "grad_clip", self.grad_clip, 0.0, lo_open=True)
+
+
+def _sft_optim() -> OptimConfig:
+    """SFT's defaults: a higher peak and a cosine decay after a short warmup (what cold start has always run)."""
+    return OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
 
 
 @dataclass
@@ -351,49 +390,23 @@ class SFTConfig:
 
     steps: int = 150
     batch_size: int = 64
-    lr: float = 3e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
     eval_every: int = 0             # held-out greedy accuracy every N SFT steps (0 = only at the end)
     # Sequences per forward/backward on each rank; gradients accumulate over the micro-batches of a step
     # (one reduction, clip and optimizer step). 0 = the whole per-rank batch (batch_size / data-parallel).
     micro_batch_size: int = 0
+    optim: OptimConfig = field(default_factory=_sft_optim)
 
     def __post_init__(self) -> None:
         _nonneg_int("sft", "steps", self.steps)
         _nonneg_int("sft", "eval_every", self.eval_every)
         _nonneg_int("sft", "micro_batch_size", self.micro_batch_size)
         _pos_int("sft", "batch_size", self.batch_size)
-        _num("sft", "lr", self.lr, 0.0, 1.0, lo_open=True)
-        _nonneg_int("sft", "warmup_steps", self.warmup_steps)
-        _num("sft", "weight_decay", self.weight_decay, 0.0, 1.0)
-        _num("sft", "grad_clip", self.grad_clip, 0.0, lo_open=True)
-
-
-OLD_LOGP = ("recompute", "rollout")
-ROUTING_REPLAY = ("none", "r2", "r3")
-LOSS_IMPLS = ("torch", "kernels")
-LOGPROB_IMPLS = ("auto", "kernels", "torch")
-SCHEDULES = ("constant", "cosine", "linear")
-# Spellings other projects (and megagspo's SGLang config) use for a value that has one name here: refused with
-# the right one. YAML reads a bare `off` as false, hence the boolean.
-_SPELLED = {("rl.routing_replay", "off"): "none", ("rl.routing_replay", False): "none",
-            ("rl.loss_impl", "fused"): "kernels", ("rl.logprob_impl", "fused"): "kernels"}
-_SPELLED_CHOICES = {"rl.routing_replay": ROUTING_REPLAY, "rl.loss_impl": LOSS_IMPLS, "rl.logprob_impl": LOGPROB_IMPLS}
-# keys that were booleans and became a choice: the boolean an earlier recipe or checkpoint holds -> its choice
-_FORMER_BOOLEANS = {"rl.rollout_correction": {True: "seq_tis", False: "none"}}
 
 
 @dataclass
-class RLConfig:
-    """Per step: prompts_per_step prompts x group_size responses, split into mini_batches updates.
+class RLBatchConfig:
+    """Per step: prompts_per_step prompts x group_size responses, split into mini_batches updates."""
 
-    The loss options (clip_low .. loss_input_checks) map one to one onto the fields of the chosen loss's Config
-    dataclass (megagspo.algorithm.registry.LOSS_OPTION_KEYS); build_loss(cfg.rl) builds and validates it here
-    and in the trainer, so an option the chosen loss lacks (rl.dual_clip with gspo) is refused naming the key."""
-
-    steps: int = 100
     prompts_per_step: int = 16      # B
     group_size: int = 8             # G
     mini_batches: int = 4           # optimizer updates per rollout batch (paper: 4)
@@ -404,116 +417,132 @@ class RLConfig:
     micro_batch_size: int = 0
     # Packed sequences (THD, cu_seqlens): every model pass of the step runs each micro-batch as one stream of
     # whole sequences, no pad token computed (only the total rounded up to TP under sequence parallelism);
-    # false = rows right-padded to the longest sequence of the batch (kept for comparison)
+    # false = the same sequences one per row, right-padded to the longest (kept for comparison)
     packing: bool = True
     # > 0 (needs packing, instead of micro_batch_size): micro-batches by token budget. Each mini-batch's
     # sequences on a rank are split into the same number of micro-batches on every data-parallel rank (enough
     # for the fullest rank at this budget), balanced by tokens (greedy longest-first)
     max_tokens_per_micro_batch: int = 0
-    # ---- the loss (megagspo.kernels.policy_losses.build_loss) ----
-    loss: str = "gspo"              # gspo (eq. 6) | gspo_token (eqs. 14-15) | grpo (eq. 2)
+
+    def __post_init__(self) -> None:
+        owner = "rl.batch"
+        for name in ("prompts_per_step", "group_size", "mini_batches"):
+            _pos_int(owner, name, getattr(self, name))
+        _nonneg_int(owner, "micro_batch_size", self.micro_batch_size)
+        _nonneg_int(owner, "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
+        if not isinstance(self.packing, bool):
+            raise ConfigError(f"rl.batch.packing must be true or false, got {self.packing!r}")
+        if self.max_tokens_per_micro_batch and self.micro_batch_size:
+            raise ConfigError(f"rl.batch.max_tokens_per_micro_batch = {self.max_tokens_per_micro_batch} and "
+                              f"rl.batch.micro_batch_size = {self.micro_batch_size} both size the micro-batches: "
+                              "set one")
+        if self.max_tokens_per_micro_batch and not self.packing:
+            raise ConfigError("rl.batch.max_tokens_per_micro_batch needs rl.batch.packing = true (token budgets pack "
+                              "whole sequences into one stream)")
+        if self.group_size < 2:
+            raise ConfigError(f"rl.batch.group_size must be >= 2 (group advantages need >= 2 responses), got "
+                              f"{self.group_size}")
+        samples = self.prompts_per_step * self.group_size
+        if samples % self.mini_batches:
+            raise ConfigError(
+                f"rl.batch.prompts_per_step * rl.batch.group_size = {samples} samples do not divide into "
+                f"rl.batch.mini_batches = {self.mini_batches} equal mini-batches")
+
+    @property
+    def samples(self) -> int:
+        """Responses per step: prompts_per_step x group_size."""
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass
+class RLLossConfig:
+    """The policy loss: its name and the fields of that loss's own Config (megagspo.algorithm.losses; the KL
+    and old-policy parts of it are rl.kl and rl.old_policy). An option the named loss lacks (dual_clip with
+    gspo) is refused naming the key."""
+
+    name: str = "gspo"              # gspo (eq. 6) | gspo_token (eqs. 14-15) | grpo (eq. 2)
     clip_low: float = 3e-4          # ratio clipped below at 1 - clip_low (the paper's GSPO values; GRPO: 0.2)
     clip_high: float = 4e-4         # ... and above at 1 + clip_high (GRPO: 0.27)
     dual_clip: Optional[float] = None  # grpo only: for A_t < 0 the objective is bounded below by dual_clip * A_t (> 1)
     aggregation: str = "seq_mean_token_mean"  # grpo only: seq_mean_token_mean (eq. 2) | token_mean (1 / tokens)
-    # > 0: loss += kl_coef * KL(pi_theta || pi_ref) to a frozen copy of the policy at the start of RL
-    # (a second model's weights in memory; <run>/reference.safetensors). 0 = off (the GSPO paper trains without).
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"        # k3 = exp(d) - d - 1 (>= 0, low variance) | k1 = -d, d = log pi_ref - log pi
-    old_logp: str = "recompute"     # recompute (Megatron no-grad forward) | rollout (engine log-probs, §5.4)
-    # old_logp = recompute: how the loss corrects for the rollout -> trainer mismatch
-    # (algorithm/rollout_correction.py): none | seq_tis (rho_i = min(exp(mean_t log pi_old / pi_rollout), cap);
-    # `true` in earlier recipes) | token_tis | seq_mask_geo | token_mask (IcePop) | opsm (DeepSeek-V3.2);
-    # constants on the gradient, never on pi_old.
-    rollout_correction: str = "none"
-    rollout_correction_cap: float = 2.0
-    seq_mask_low: float = 0.999     # seq_mask_geo keeps a sequence whose exp(mean_t log pi_old/pi_rollout) is in band
-    seq_mask_high: float = 1.001
-    token_mask_low: float = 0.5     # token_mask keeps tokens whose pi_old/pi_rollout is in the band
-    token_mask_high: float = 5.0
-    opsm_delta: float = 1e-4        # opsm masks A_i < 0 sequences whose mean log pi_rollout/pi_theta exceeds this
-    loss_input_checks: bool = True  # check each batch's shapes and finiteness in the loss (host syncs; false = skip)
-    # Dynamic sampling (DAPO; megagspo/rl/dynamic_sampling.py): drop the groups whose rewards are all equal
-    # (zero advantage) and draw more prompts until the batch is full, in at most filter_max_rounds rounds of
-    # generation (then zero-advantage groups fill what is left, reported as filter/filled_frac)
-    filter_groups: bool = False
-    filter_max_rounds: int = 3
-    # The policy loss: torch (megagspo.algorithm) | kernels (the fused segmented GSPO kernel for gspo and
-    # gspo_token, forced: an error where megagspo._C cannot serve the device; grpo has none and is refused)
-    loss_impl: str = "torch"
-    # ---- group advantages (eq. 7): A_i = (r_i - mean r) / (std r + adv_eps) ----
-    scale_adv_by_std: bool = True   # false: A_i = r_i - mean r
-    adv_eps: float = 1e-6
-    adv_unbiased_std: bool = True   # Bessel-corrected std (torch's default, as verl and TRL)
-    # ---- routing replay: the one switch (moe.routing_replay on Megatron-Core's RouterReplay) ----
-    # none | r2 (pi_old's routes, recorded in the recompute forward, replayed in training) | r3 (the rollout
-    # engine's routes replayed; the engine is asked for them: rollout.record_routes follows this key)
+    validate: bool = True           # check each batch's shapes and finiteness in the loss (host syncs; false = skip)
+    # torch (megagspo.algorithm) | kernels (the fused segmented GSPO kernel for gspo and gspo_token, forced: an
+    # error where megagspo._C cannot serve the device; grpo has none and is refused)
+    impl: str = "torch"
+
+    def __post_init__(self) -> None:
+        _choice("rl.loss", "name", self.name, registered_losses())
+        _choice("rl.loss", "impl", self.impl, LOSS_IMPLS)
+        _num("rl.loss", "clip_low", self.clip_low, 0.0, 1.0, lo_open=True)
+        _num("rl.loss", "clip_high", self.clip_high, 0.0, lo_open=True)
+        if self.dual_clip is not None:
+            _num("rl.loss", "dual_clip", self.dual_clip, 1.0, lo_open=True)
+            self.dual_clip = float(self.dual_clip)  # `3` on the command line is an int to YAML
+
+
+@dataclass
+class FilterConfig:
+    """Dynamic sampling (DAPO; megagspo/rl/dynamic_sampling.py): drop the groups whose rewards are all equal
+    (zero advantage) and draw more prompts until the batch is full, in at most max_rounds rounds of generation
+    (then zero-advantage groups fill what is left, reported as filter/filled_frac)."""
+
+    enabled: bool = False
+    max_rounds: int = 3
+
+    def __post_init__(self) -> None:
+        _pos_int("rl.filter", "max_rounds", self.max_rounds)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during RL."""
+
+    every: int = 25                 # held-out accuracy every N RL steps (and at the end)
+    samples: int = 4                # also score this many T=1 samples per held-out prompt (0 = greedy only)
+
+    def __post_init__(self) -> None:
+        _pos_int("rl.eval", "every", self.every)
+        _nonneg_int("rl.eval", "samples", self.samples)
+
+
+@dataclass
+class RLConfig:
+    """The RL phase, one section per component: rl.batch (sizes), rl.loss (the loss's own Config), rl.kl
+    (KLConfig), rl.old_policy (OldPolicyConfig, with its correction subsection), rl.advantage
+    (GroupAdvantageConfig, eq. 7), rl.filter (dynamic sampling), rl.optim, rl.eval. The algorithm's sections are
+    its own frozen Config classes; build_loss_config(cfg.rl) assembles the loss's Config from rl.loss, rl.kl and
+    rl.old_policy and validates the combination here and in the trainer."""
+
+    steps: int = 100
+    # routing replay, the one switch (moe.routing_replay on Megatron-Core's RouterReplay): none | r2 (pi_old's
+    # routes, recorded in the recompute forward, replayed in training) | r3 (the rollout engine's routes
+    # replayed; the engine is asked for them: rollout.record_routes follows this key)
     routing_replay: str = "none"
-    lr: float = 1e-3
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0
     # auto (megagspo.kernels, with one warning where megagspo._C cannot serve the device) | kernels (forced: an
     # error instead of the fallback) | torch (a naive log_softmax; needs model.logprob_path=logits)
     logprob_impl: str = "auto"
-    eval_every: int = 25
-    eval_samples: int = 4           # also score this many T=1 samples per held-out prompt (0 = greedy only)
+    batch: RLBatchConfig = field(default_factory=RLBatchConfig)
+    loss: RLLossConfig = field(default_factory=RLLossConfig)
+    # kl.coef > 0: loss += coef * KL(pi_theta || pi_ref) to a frozen copy of the policy at the start of RL (a
+    # second model's weights in memory; <run>/reference.safetensors). 0 = off (the GSPO paper trains without)
+    kl: KLConfig = field(default_factory=KLConfig)
+    # where pi_old comes from and, when recomputed, how the loss corrects for the rollout -> trainer gap
+    old_policy: OldPolicyConfig = field(default_factory=OldPolicyConfig)
+    advantage: GroupAdvantageConfig = field(default_factory=GroupAdvantageConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "group_size", "mini_batches", "eval_every", "filter_max_rounds"):
-            _pos_int("rl", name, getattr(self, name))
         _nonneg_int("rl", "steps", self.steps)
-        _nonneg_int("rl", "warmup_steps", self.warmup_steps)
-        _nonneg_int("rl", "eval_samples", self.eval_samples)
-        _nonneg_int("rl", "micro_batch_size", self.micro_batch_size)
-        _nonneg_int("rl", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
-        if not isinstance(self.packing, bool):
-            raise ConfigError(f"rl.packing must be true or false, got {self.packing!r}")
-        if self.max_tokens_per_micro_batch and self.micro_batch_size:
-            raise ConfigError(f"rl.max_tokens_per_micro_batch = {self.max_tokens_per_micro_batch} and "
-                              f"rl.micro_batch_size = {self.micro_batch_size} both size the micro-batches: set one")
-        if self.max_tokens_per_micro_batch and not self.packing:
-            raise ConfigError("rl.max_tokens_per_micro_batch needs rl.packing = true (token budgets pack whole "
-                              "sequences into one stream)")
-        if self.group_size < 2:
-            raise ConfigError(f"rl.group_size must be >= 2 (group advantages need >= 2 responses), got {self.group_size}")
-        _choice("rl", "loss", self.loss, registered_losses())
-        _choice("rl", "old_logp", self.old_logp, OLD_LOGP)
         _choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)
-        _choice("rl", "lr_schedule", self.lr_schedule, SCHEDULES)
         _choice("rl", "logprob_impl", self.logprob_impl, LOGPROB_IMPLS)
-        _choice("rl", "loss_impl", self.loss_impl, LOSS_IMPLS)
-        _num("rl", "clip_low", self.clip_low, 0.0, 1.0, lo_open=True)
-        _num("rl", "clip_high", self.clip_high, 0.0, lo_open=True)
-        _num("rl", "kl_coef", self.kl_coef, 0.0)
-        if self.dual_clip is not None:
-            _num("rl", "dual_clip", self.dual_clip, 1.0, lo_open=True)
-            self.dual_clip = float(self.dual_clip)  # `3` on the command line is an int to YAML
-        _num("rl", "rollout_correction_cap", self.rollout_correction_cap, 1.0)
-        _num("rl", "adv_eps", self.adv_eps, 0.0, lo_open=True)
-        # The loss's own Config validates the rest (choices, options the chosen loss lacks, kernel support):
-        # the same builder the trainer calls, so a recipe that loads here builds there.
+        # The loss's own Config validates the combination (an option the chosen loss lacks): the same builder the
+        # trainer calls, so a recipe that loads here builds there.
         try:
             build_loss_config(self)
-            build_advantage_config(self)
-            check_loss_impl(self)
         except LossOptionError as exc:
             raise ConfigError(str(exc)) from None
-        _num("rl", "lr", self.lr, 0.0, 1.0, lo_open=True)
-        _num("rl", "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _num("rl", "weight_decay", self.weight_decay, 0.0, 1.0)
-        _num("rl", "beta1", self.beta1, 0.0, 1.0)
-        _num("rl", "beta2", self.beta2, 0.0, 1.0)
-        _num("rl", "grad_clip", self.grad_clip, 0.0, lo_open=True)
-        samples = self.prompts_per_step * self.group_size
-        if samples % self.mini_batches:
-            raise ConfigError(
-                f"rl.prompts_per_step * rl.group_size = {samples} samples do not divide into "
-                f"rl.mini_batches = {self.mini_batches} equal mini-batches")
 
 
 @dataclass
@@ -620,9 +649,10 @@ class Config:
             raise ConfigError("model.logprob_path = 'hidden' computes log-probs chunk by chunk with megagspo.kernels, "
                               "but rl.logprob_impl = 'torch' needs the whole logits: set rl.logprob_impl to auto or "
                               "kernels, or model.logprob_path=logits")
-        if self.rl.packing and self.model.attention == "local":
-            raise ConfigError("rl.packing = true needs model.attention = sdpa (Megatron's local DotProductAttention "
-                              "takes no packed sequences): set model.attention=sdpa or rl.packing=false")
+        if self.rl.batch.packing and self.model.attention == "local":
+            raise ConfigError("rl.batch.packing = true needs model.attention = sdpa (Megatron's local "
+                              "DotProductAttention takes no packed sequences): set model.attention=sdpa or "
+                              "rl.batch.packing=false")
         if self.data.tokenizer == "auto":
             self.data.tokenizer = self._auto_tokenizer()
         if self.rl.routing_replay != "none":
@@ -633,16 +663,16 @@ class Config:
 
     def _derive_replay_flags(self) -> None:
         """rl.routing_replay is the one switch for routing replay; the engine-side flags follow from it (and
-        from rl.old_logp). A recipe may still spell them out (a run's saved config.yaml does), but a value that
+        from rl.old_policy.source). A recipe may still spell them out (a run's saved config.yaml does), but a value that
         contradicts the derivation is refused naming both keys."""
         rl = self.rl
-        # The engine's routes are read by R3 (replayed in training) and, with rl.old_logp = rollout, by the
+        # The engine's routes are read by R3 (replayed in training) and, with old_policy.source = rollout, by the
         # expert-volatility metric (pi_old is the engine, so its routes are pi_old's); otherwise nobody reads them.
-        routes = rl.routing_replay == "r3" or rl.old_logp == "rollout"
+        routes = rl.routing_replay == "r3" or rl.old_policy.source == "rollout"
         given = self.rollout.record_routes
         if given is not None and given != routes:
             raise ConfigError(f"rollout.record_routes = {given} contradicts rl.routing_replay = "
-                              f"{rl.routing_replay!r} with rl.old_logp = {rl.old_logp!r} (the engine's routes are "
+                              f"{rl.routing_replay!r} with rl.old_policy.source = {rl.old_policy.source!r} (the engine's routes are "
                               f"{'read' if routes else 'never read'}): remove rollout.record_routes, it follows "
                               "rl.routing_replay")
         self.rollout.record_routes = routes
@@ -691,15 +721,6 @@ def _recorded_tokenizer(folder: str) -> str:
     return value if isinstance(value, str) and value else ""
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-
-
-def _section_classes() -> dict:
-    return {"model": ModelConfig, "data": DataConfig, "reward": RewardConfig, "rollout": RolloutConfig,
-            "sft": SFTConfig, "rl": RLConfig, "parallel": ParallelConfig, "log": LogConfig,
-            "checkpoint": CheckpointConfig}
-
-
 def _coerce_value(path: str, value: Any, default: Any) -> Any:
     """YAML gives ints for floats like `1` and strings for `1e-3`; accept those, reject real mismatches."""
     if isinstance(value, (str, bool)) and (path, value) in _SPELLED:
@@ -729,27 +750,38 @@ def _coerce_value(path: str, value: Any, default: Any) -> Any:
     return value
 
 
-def _build(cls, raw: dict, prefix: str):
+def _declared_default(f: dataclasses.Field) -> Any:
+    """The default a dataclass field declares: a fresh instance for a section (SFT's optim differs from RL's)."""
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def _build(cls, raw: dict, prefix: str, base: Any = None):
+    """An instance of `cls` from the mapping `raw` at dotted `prefix`; a field that is itself a dataclass is a
+    section, built from its own mapping on top of the field's declared default (`base` there). Every error is a
+    ConfigError naming the dotted key: a section's message naming its class (KLConfig.coef, OptimConfig.lr) is
+    rewritten into the path the recipe used (rl.kl.coef, sft.optim.lr)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {_show(raw)}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    defaults = cls()
+        raise ConfigError(f"{prefix[:-1] or 'the config'} must be a mapping, got {_show(raw)}")
+    declared = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
         path = f"{prefix}{key}"
-        if key not in names:
+        if key not in declared:
             raise ConfigError(f"unknown config key {_show(path)}; valid keys{' in ' + prefix[:-1] if prefix else ''}: "
-                              f"{', '.join(names)}")
-        if prefix == "" and key in _section_classes():
-            kwargs[key] = _build(_section_classes()[key], value or {}, f"{key}.")
+                              f"{', '.join(declared)}")
+        default = _declared_default(declared[key])
+        if dataclasses.is_dataclass(default):
+            kwargs[key] = _build(type(default), {} if value is None else value, f"{path}.", default)
         else:
-            kwargs[key] = _coerce_value(path, value, getattr(defaults, key))
+            kwargs[key] = _coerce_value(path, value, default)
     try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{prefix[:-1] or 'config'}: {exc}") from None
+        message = str(exc)
+        named = message.replace(f"{cls.__name__}.", prefix) if prefix else message
+        if isinstance(exc, ConfigError) or named != message:
+            raise ConfigError(named) from None
+        raise ConfigError(f"{prefix[:-1] or 'config'}: {message}") from None
 
 
 def flatten_keys(tree: dict, prefix: str = "") -> dict:
@@ -796,8 +828,12 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def config_from_dict(raw: dict, overrides=None) -> Config:
-    return _build(Config, _merge(raw or {}, parse_overrides(overrides)), "")
+def config_from_dict(raw: dict, overrides=None, where: str = "the config") -> Config:
+    """The Config of a recipe mapping plus command-line overrides. Keys from before the rl sections (rl.lr,
+    sft.lr, ...) are moved onto their sections in each source apart, so a new-style override of an old-style
+    recipe (or the reverse) lands where it is meant to; each source that used them warns once."""
+    recipe = move_old_keys(raw or {}, where)
+    return _build(Config, _merge(recipe, move_old_keys(parse_overrides(overrides), "the overrides")), "")
 
 
 MAX_YAML_BYTES = 1 << 20  # a recipe is a few KB; a larger file is refused before it is parsed
@@ -879,4 +915,4 @@ def read_yaml_mapping(path: str, what: str = "config file") -> dict:
 
 
 def load_config(path: Optional[str] = None, overrides=None) -> Config:
-    return config_from_dict(read_yaml_mapping(path) if path else {}, overrides)
+    return config_from_dict(read_yaml_mapping(path) if path else {}, overrides, path or "the config")

@@ -5,11 +5,12 @@ the memory plan. Used by `megagspo plan` and `megagspo train --dry-run`.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
-from megagspo.algorithm.registry import LossOptionError, loss_option_keys
+from megagspo.algorithm.registry import LossOptionError
 from megagspo.algorithm.rollout_correction import describe_correction
-from megagspo.config import Config, ConfigError
+from megagspo.config import Config, ConfigError, flatten_keys
 from megagspo.data import load_tokenizer
 from megagspo.kernels.policy_losses import build_loss
 from megagspo.planner import MemoryPlan, PlanInputs, parameter_counts, plan_memory, require_fit
@@ -42,12 +43,12 @@ class DryRunReport:
             f"loss: {self.loss}",
             *[f"not on this machine (checked when the run starts): {key} = {path}"
               for key, path in self.missing_paths],
-            f"micro-batch (rl.micro_batch_size = {cfg.rl.micro_batch_size or 'whole mini-batch'}): "
+            f"micro-batch (rl.batch.micro_batch_size = {cfg.rl.batch.micro_batch_size or 'whole mini-batch'}): "
             f"{self.micro_batch_tokens} tokens x {self.num_micro_batches} per rollout batch per rank "
-            f"(loss {cfg.rl.loss}, routing replay {cfg.rl.routing_replay}, KL coef {cfg.rl.kl_coef:g}, log-prob "
+            f"(loss {cfg.rl.loss.name}, routing replay {cfg.rl.routing_replay}, KL coef {cfg.rl.kl.coef:g}, log-prob "
             f"{'fused kernel' if cfg.rl.logprob_impl != 'torch' else 'naive torch'} from the "
             f"{'hidden states' if cfg.model.logprob_path == 'hidden' else 'logits'})",
-            *([_pipeline_line(p.pipeline_parallel, self.num_micro_batches // cfg.rl.mini_batches)]
+            *([_pipeline_line(p.pipeline_parallel, self.num_micro_batches // cfg.rl.batch.mini_batches)]
               if p.pipeline_parallel > 1 else []),
             f"per-GPU memory ({cfg.parallel.gpu_memory_gib:.0f} GiB GPUs):",
             self.plan.table(),
@@ -59,7 +60,7 @@ def _pipeline_line(stages: int, micro_batches: int) -> str:
     """1F1B keeps every stage busy except for a fill/drain bubble of (PP - 1) / (M + PP - 1) of the step."""
     bubble = (stages - 1) / (micro_batches + stages - 1)
     advice = "" if micro_batches >= 2 * stages else \
-        f"; lower rl.micro_batch_size for at least {2 * stages} micro-batches per mini-batch"
+        f"; lower rl.batch.micro_batch_size for at least {2 * stages} micro-batches per mini-batch"
     return (f"pipeline: {stages} stages, {micro_batches} micro-batch(es) per mini-batch through the 1F1B schedule, "
             f"idle bubble {bubble:.0%} of each update{advice}")
 
@@ -70,10 +71,11 @@ def _describe_loss(rl) -> str:
         _, loss_config = build_loss(rl)
     except LossOptionError as exc:
         raise ConfigError(str(exc)) from None
-    impl = "fused segmented GSPO kernel" if rl.loss_impl == "kernels" else "torch"
-    options = ", ".join(f"{k}={getattr(rl, k)!r}" for k in loss_option_keys(rl.loss))
-    return (f"{rl.loss} ({impl}): {options}; rollout correction "
-            f"{describe_correction(loss_config.old_policy)}")
+    impl = "fused segmented GSPO kernel" if rl.loss.impl == "kernels" else "torch"
+    fields = flatten_keys(dataclasses.asdict(loss_config))  # kl.coef, old_policy.source, ...: what the loss reads
+    options = ", ".join(f"{k}={v!r}" for k, v in fields.items() if not k.startswith("old_policy.correction."))
+    return (f"{rl.loss.name} ({impl}): {options}; rollout correction "
+            f"{describe_correction(loss_config.old_policy.correction)}")
 
 
 def _hf_weights_check(folder: str, check_weights: bool) -> str:
@@ -136,25 +138,25 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True,
     rl = cfg.rl
     loss = _describe_loss(rl)
     seq_tokens = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
-    samples_per_rank = rl.prompts_per_step // shape.dp_size * rl.group_size
-    # One forward/backward holds rl.micro_batch_size sequences of this rank's share of a mini-batch (0 = the
+    samples_per_rank = rl.batch.prompts_per_step // shape.dp_size * rl.batch.group_size
+    # One forward/backward holds rl.batch.micro_batch_size sequences of this rank's share of a mini-batch (0 = the
     # whole share) at the maximum length; the trainer accumulates gradients over the micro-batches of a
     # mini-batch, so a rollout batch is mini_batches x (share / micro-batch) micro-batches per rank.
-    mini_rows = samples_per_rank // rl.mini_batches
-    micro_rows = rl.micro_batch_size or mini_rows
+    mini_rows = samples_per_rank // rl.batch.mini_batches
+    micro_rows = rl.batch.micro_batch_size or mini_rows
     micro = micro_rows * seq_tokens
     per_update = mini_rows // micro_rows
-    if rl.max_tokens_per_micro_batch:
+    if rl.batch.max_tokens_per_micro_batch:
         # packed micro-batches of whole sequences up to the budget (a longer sequence alone), planned for the
         # worst case of real tokens, every sequence at its maximum length: as many as fit the budget together
-        fit = max(rl.max_tokens_per_micro_batch // seq_tokens, 1)
+        fit = max(rl.batch.max_tokens_per_micro_batch // seq_tokens, 1)
         micro = shape.seq_length(fit * seq_tokens)
         per_update = -(-mini_rows // fit)
-    num_micro_batches = rl.mini_batches * per_update
+    num_micro_batches = rl.batch.mini_batches * per_update
     inputs = PlanInputs(world_size=shape.world_size, layout=shape.layout, micro_batch_tokens=micro,
                         num_micro_batches=num_micro_batches, micro_batches_per_update=per_update, fused_logprob=rl.logprob_impl != "torch",
                         logprob_path=cfg.model.logprob_path, logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-                        routing_replay=rl.routing_replay != "none", reference_model=rl.kl_coef > 0,
+                        routing_replay=rl.routing_replay != "none", reference_model=rl.kl.coef > 0,
                         precision=cfg.model.precision, recompute=cfg.model.recompute,
                         gpu_memory_gib=cfg.parallel.gpu_memory_gib)
     plan = plan_memory(arch, inputs)

@@ -1,7 +1,8 @@
 """What a filesystem failure means, in one line: `os_error_message` names the path and the cause (disk full,
 read-only, permission denied, not a directory, ...), and `write_failure_message` finds that cause behind
 the wrappers a library puts around it (Megatron's checkpoint writer reports a full disk as
-"unexpected pos 704 vs 598" with no errno: the free space left on the target tells it apart)."""
+"unexpected pos 704 vs 598" with no errno: the free space left on the target tells it apart). And ConfigError,
+the one error type of a bad configuration, here so that the config loader and the modules below it share it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import os
 import reprlib
 import shutil
 from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, missing or out of range; the message names it."""
 
 _CAUSES = {
     errno.ENOSPC: "disk full (no space left on device)",

@@ -78,7 +78,7 @@ class MetricsLogger:
 # ------------------------------------------------------------------------- what the run prints at the end
 def eval_record(prefix: str, row: dict, eval_samples: int) -> dict:
     """summary.json entries of one held-out evaluation: sampled accuracy only where it was measured
-    (rl.eval_samples > 0), so that an absent value is never recorded as 0."""
+    (rl.eval.samples > 0), so that an absent value is never recorded as 0."""
     out = {f"{prefix}/accuracy": row["eval/accuracy"]}
     if eval_samples:
         out[f"{prefix}/sampled_accuracy"] = row["eval/sampled_accuracy"]
@@ -117,7 +117,7 @@ def final_line(final: dict, cold: dict, rl_steps: int, loss: str, sft_steps: int
     line = (f"held-out accuracy after {rl_steps} {loss} steps: greedy {final['eval/accuracy']:.3f} "
             f"({start} {cold['eval/accuracy']:.3f}), ")
     if not eval_samples:
-        return line + "sampled: not measured (rl.eval_samples=0)" + timeouts_note(("after RL", final))
+        return line + "sampled: not measured (rl.eval.samples=0)" + timeouts_note(("after RL", final))
     return line + (f"sampled T={temperature:g} {final['eval/sampled_accuracy']:.3f} "
                    f"({start} {cold['eval/sampled_accuracy']:.3f})") + timeouts_note(("after RL", final))
 
@@ -164,7 +164,7 @@ def _raw_and_smoothed(ax, steps: list, values: list, label: str, color: str) -> 
 def write_plots(rows: list, run_dir: str, cold_start_acc: Optional[float] = None, *, loss: str = "gspo",
                 sampled_measured: bool = True, cold_start_label: str = "cold start") -> list:
     """reward / accuracy, clip fractions, expert volatility -> PNGs in run_dir. Noisy per-step curves are drawn
-    raw (faint) and smoothed; sampled held-out accuracy only where it was measured (rl.eval_samples > 0)."""
+    raw (faint) and smoothed; sampled held-out accuracy only where it was measured (rl.eval.samples > 0)."""
     import matplotlib
 
     matplotlib.use("Agg")

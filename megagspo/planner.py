@@ -42,7 +42,7 @@ Log-prob path (last stage; `logprob_path`, config model.logprob_path):
           gradient of the weight (2 B * V/TP * h, zeros) stands where the logits path's output layer makes
           its weight gradient, so neither path counts it.
 Routing replay: tokens * (MoE layers on the stage) * top-k * (1 B if experts <= 256 else 2 B).
-KL reference policy (rl.kl_coef > 0): a frozen second copy of the weights in the run's precision, sharded over
+KL reference policy (rl.kl.coef > 0): a frozen second copy of the weights in the run's precision, sharded over
 TP / EP / PP exactly like the policy's (no gradients, no optimizer state; its no-grad forward's activations
 are freed before the training forward, so they add nothing to the peak).
 """
@@ -73,7 +73,7 @@ class PlanError(ValueError):
 class PlanInputs:
     world_size: int
     layout: ParallelLayout
-    micro_batch_tokens: int  # tokens in one forward/backward on one DP rank (rl.micro_batch_size x length)
+    micro_batch_tokens: int  # tokens in one forward/backward on one DP rank (rl.batch.micro_batch_size x length)
     # micro-batches per rollout batch per DP rank (mini-batches x micro-batches each): the routing-replay
     # buffer holds all of them
     num_micro_batches: int = 1
@@ -86,7 +86,7 @@ class PlanInputs:
     logprob_path: str = "logits"
     logprob_chunk_tokens: int = 1024  # model.logprob_chunk_tokens (hidden path)
     routing_replay: bool = False
-    reference_model: bool = False  # rl.kl_coef > 0: the frozen KL reference policy's weights
+    reference_model: bool = False  # rl.kl.coef > 0: the frozen KL reference policy's weights
     precision: str = "bf16"  # model.precision: "bf16" or "fp32" parameters (moe.optimizer.PRECISIONS)
     recompute: str = "none"  # model.recompute: none | selective | full (moe.implementation.RECOMPUTE_MODES)
     gpu_memory_gib: float = 80.0

@@ -646,7 +646,7 @@ def load_optimizer(model, optimizer, directory: str) -> list:
     """Collective: this rank's shards of the master weights and moments (whatever layout wrote them) and the
     steps, into `optimizer`, whose master weights are copied into the model's parameters. Hyper-parameters stay
     the live optimizer's (the run's config, which a resumed run may change on purpose, e.g. `--resume
-    rl.weight_decay=0.1`). -> ["key: saved -> now", ...] for each one that differs from the checkpoint's."""
+    rl.optim.weight_decay=0.1`). -> ["key: saved -> now", ...] for each one that differs from the checkpoint's."""
     live = _hyper_parameters(optimizer)
     saved_groups = _saved_param_groups(directory)
     template = _sharded_optimizer_state(model, optimizer, is_loading=True)

@@ -210,7 +210,7 @@ def check_packed_support(model) -> None:
         core = layer.self_attention.core_attention
         if not isinstance(core, SDPACoreAttention) and not type(core).__module__.startswith("megatron.core.extensions"):
             raise ValueError(f"packed sequences need model.attention=sdpa (or Transformer Engine); this model's "
-                             f"core attention is {type(core).__name__}: set rl.packing=false or model.attention=sdpa")
+                             f"core attention is {type(core).__name__}: set rl.batch.packing=false or model.attention=sdpa")
 
 
 def forward_logits(model, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None,

@@ -103,7 +103,7 @@ def every_input_batch(name, t, logp_T, num_global_sequences, num_global_tokens):
     from megagspo.algorithm import KLConfig, PackedBatch, get_loss
 
     cfg = get_loss(name).Config(validate=False, kl=KLConfig(coef=0.1),
-                                old_policy={"source": "recompute", "rollout_correction": True})
+                                old_policy={"source": "recompute", "correction": {"method": True}})
     batch = PackedBatch(logp_T=logp_T, loss_mask_T=t["mask"], cu_seqlens_S1=t["cu"],
                         num_global_sequences=num_global_sequences, old_logp_T=t["old"], advantages_S=t["adv"],
                         ref_logp_T=t["old"], rollout_logp_T=t["old"], entropy_T=t["old"],

@@ -22,7 +22,7 @@ S = 8
 # correction switched on somewhere so they are covered by the split invariance too.
 CASES = [
     ("gspo", {}),
-    ("gspo", {"kl": {"coef": 0.1, "estimator": "k3"}, "old_policy": {"rollout_correction": True, "correction_cap": 1.5}}),
+    ("gspo", {"kl": {"coef": 0.1, "estimator": "k3"}, "old_policy": {"correction": {"method": True, "cap": 1.5}}}),
     ("gspo_token", {"kl": {"coef": 0.05, "estimator": "k1"}}),
     ("grpo", {"dual_clip": 2.0}),
     ("grpo", {"aggregation": "token_mean", "kl": {"coef": 0.1}}),

@@ -13,6 +13,7 @@ from megagspo.algorithm import (
     PackedBatch,
     get_loss,
     gspo_sequence_loss,
+    RolloutCorrectionConfig,
     rollout_correction_weights,
 )
 from test_algo_common import F64, assert_close64, cu_from_lengths, gen, leaf, random_packed  # noqa: F401
@@ -75,7 +76,7 @@ def test_correction_weights_scale_each_sequence_and_carry_no_gradient(gen):
     old = b["old"].clone().requires_grad_(True)  # must not receive a gradient through the weight
     rollout = b["old"] + 0.05 * torch.randn(len(b["old"]), generator=gen, dtype=F64)
     lp_c, lp_0 = leaf(b["logp"]), leaf(b["logp"])
-    cfg = GSPOConfig(old_policy=OldPolicyConfig(rollout_correction=True, correction_cap=1.02))
+    cfg = GSPOConfig(old_policy=OldPolicyConfig(correction=RolloutCorrectionConfig(True, cap=1.02)))
     loss_c, m = get_loss("gspo")(_batch(b, lp_c, old_logp_T=old, rollout_logp_T=rollout), cfg)
     loss_c.backward()
     assert old.grad is None or bool((old.grad == 0).all())
@@ -95,6 +96,6 @@ def test_correction_weights_scale_each_sequence_and_carry_no_gradient(gen):
 
 def test_correction_config_rules():
     with pytest.raises(ValueError, match="needs source='recompute'"):
-        OldPolicyConfig(source="rollout", rollout_correction=True)
-    assert OldPolicyConfig().source == "recompute" and OldPolicyConfig().rollout_correction == "none"
-    assert OldPolicyConfig(rollout_correction=True).rollout_correction == "seq_tis"  # earlier recipes' true
+        OldPolicyConfig(source="rollout", correction=RolloutCorrectionConfig(True))
+    assert OldPolicyConfig().source == "recompute" and OldPolicyConfig().correction.method == "none"
+    assert RolloutCorrectionConfig(True).method == "seq_tis"  # earlier recipes' true

@@ -179,8 +179,8 @@ def test_registry_and_config_errors_name_the_valid_choices_and_fields():
         GSPOConfig(kl={"estimator": "k2"})
     with pytest.raises(ValueError, match=r"OldPolicyConfig.source must be one of"):
         OldPolicyConfig(source="engine")
-    with pytest.raises(ValueError, match=r"OldPolicyConfig.correction_cap must be a finite number >= 1, got 0.5"):
-        OldPolicyConfig(rollout_correction=True, correction_cap=0.5)
+    with pytest.raises(ValueError, match=r"RolloutCorrectionConfig.cap must be a finite number >= 1, got 0.5"):
+        OldPolicyConfig(correction={"method": True, "cap": 0.5})
     cfg = make_loss_config("grpo", clip_low=0.1, kl={"coef": 0.01})
     assert cfg.clip_low == 0.1 and cfg.kl.coef == 0.01 and cfg.clip_high == 0.27
     assert GSPOConfig().clip_low == 3e-4 and GSPOConfig().clip_high == 4e-4

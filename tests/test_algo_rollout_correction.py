@@ -14,7 +14,8 @@ from megagspo.algorithm import PackedBatch
 from megagspo.algorithm.losses import GRPOConfig, GSPOConfig, GSPOTokenConfig, grpo, gspo, gspo_token
 from megagspo.algorithm.metrics import merge_metrics
 from megagspo.algorithm.old_policy import OldPolicyConfig
-from megagspo.algorithm.rollout_correction import (ROLLOUT_CORRECTIONS, apply_token_weights, correction_weights,
+from megagspo.algorithm.rollout_correction import (ROLLOUT_CORRECTIONS, RolloutCorrectionConfig, apply_token_weights,
+                                                    correction_weights,
                                                    mismatch_metrics)
 
 LENGTHS = [5, 1, 9, 0, 4, 7]  # an empty sequence; a one-token one
@@ -77,9 +78,9 @@ def _expected(mode, b):
 @pytest.mark.parametrize("mode", [m for m in ROLLOUT_CORRECTIONS if m != "none"])
 def test_weights_equal_the_formulas(mode, seed):
     b = _batch(seed)
-    w_S, w_T, metrics = correction_weights(mode, logp_T=b["logp"], old_logp_T=b["old"], rollout_logp_T=b["rollout"],
-                                           loss_mask_T=b["mask"], cu_seqlens_S1=b["cu"], advantages_S=b["adv"],
-                                           **THRESHOLDS)
+    w_S, w_T, metrics = correction_weights(RolloutCorrectionConfig(mode, **THRESHOLDS), logp_T=b["logp"],
+                                           old_logp_T=b["old"], rollout_logp_T=b["rollout"], loss_mask_T=b["mask"],
+                                           cu_seqlens_S1=b["cu"], advantages_S=b["adv"])
     want_S, want_T = _expected(mode, b)
     for got, want in ((w_S, want_S), (w_T, want_T)):
         assert (got is None) == (want is None)
@@ -103,9 +104,9 @@ def test_the_menu_acts_on_both_sides_of_its_thresholds():
     sit inside the spread of the random gaps), so no test above passed on all-ones weights."""
     b = _batch(0)
     for mode in ROLLOUT_CORRECTIONS[1:]:
-        w_S, w_T, _ = correction_weights(mode, logp_T=b["logp"], old_logp_T=b["old"], rollout_logp_T=b["rollout"],
-                                         loss_mask_T=b["mask"], cu_seqlens_S1=b["cu"], advantages_S=b["adv"],
-                                         **THRESHOLDS)
+        w_S, w_T, _ = correction_weights(RolloutCorrectionConfig(mode, **THRESHOLDS), logp_T=b["logp"],
+                                         old_logp_T=b["old"], rollout_logp_T=b["rollout"], loss_mask_T=b["mask"],
+                                         cu_seqlens_S1=b["cu"], advantages_S=b["adv"])
         touched = _touched(mode, w_S[torch.tensor(LENGTHS) > 0] if w_S is not None else w_T[b["mask"]])
         assert bool(touched.any()) and not bool(touched.all()), mode
 
@@ -124,12 +125,7 @@ def test_each_loss_gets_the_weights_on_its_gradient(name, loss_fn, config_cls, m
         PackedBatch(logp_T=logp, loss_mask_T=b["mask"], cu_seqlens_S1=b["cu"], num_global_sequences=len(LENGTHS),
                     num_global_tokens=float(b["mask"].sum()), old_logp_T=b["old"], rollout_logp_T=b["rollout"],
                     advantages_S=b["adv"]),
-        config_cls(old_policy=OldPolicyConfig(rollout_correction=correction, correction_cap=THRESHOLDS["cap"],
-                                              seq_mask_low=THRESHOLDS["seq_mask_low"],
-                                              seq_mask_high=THRESHOLDS["seq_mask_high"],
-                                              token_mask_low=THRESHOLDS["token_mask_low"],
-                                              token_mask_high=THRESHOLDS["token_mask_high"],
-                                              opsm_delta=THRESHOLDS["opsm_delta"])))
+        config_cls(old_policy=OldPolicyConfig(correction=RolloutCorrectionConfig(correction, **THRESHOLDS))))
     plain = b["logp"].detach().clone().requires_grad_(True)
     corrected = b["logp"].detach().clone().requires_grad_(True)
     loss_plain, _ = loss_fn(*batch_of(plain, "none"))
@@ -172,8 +168,8 @@ def test_mismatch_metrics_equal_their_definitions(seed):
 
 def test_metrics_of_two_micro_batches_merge_as_one_batch():
     b = _batch(11)
-    cfg = GSPOConfig(old_policy=OldPolicyConfig(rollout_correction="token_mask", token_mask_low=0.8,
-                                                token_mask_high=1.25))
+    cfg = GSPOConfig(old_policy=OldPolicyConfig(correction=RolloutCorrectionConfig("token_mask", token_mask_low=0.8,
+                                                                                    token_mask_high=1.25)))
     cut = int(b["cu"][3])  # sequences 0-2 | 3-5
     parts = []
     for lo, hi, s0, s1 in ((0, cut, 0, 3), (cut, int(b["cu"][-1]), 3, 6)):
@@ -191,11 +187,14 @@ def test_metrics_of_two_micro_batches_merge_as_one_batch():
 
 
 def test_config_spellings():
-    assert OldPolicyConfig(rollout_correction=True).rollout_correction == "seq_tis"
-    assert OldPolicyConfig(rollout_correction=False).rollout_correction == "none"
-    with pytest.raises(ValueError, match="rollout_correction must be one of none, seq_tis"):
-        OldPolicyConfig(rollout_correction="icepop")
+    assert RolloutCorrectionConfig(True).method == "seq_tis"
+    assert RolloutCorrectionConfig(False).method == "none"
+    assert OldPolicyConfig(correction={"method": "token_mask"}).correction == RolloutCorrectionConfig("token_mask")
+    with pytest.raises(ValueError, match="RolloutCorrectionConfig.method must be one of none, seq_tis"):
+        RolloutCorrectionConfig("icepop")
     with pytest.raises(ValueError, match="needs source='recompute'"):
-        OldPolicyConfig(source="rollout", rollout_correction="token_mask")
-    with pytest.raises(ValueError, match="opsm_delta"):
-        OldPolicyConfig(opsm_delta=-1.0)
+        OldPolicyConfig(source="rollout", correction=RolloutCorrectionConfig("token_mask"))
+    with pytest.raises(ValueError, match="RolloutCorrectionConfig.opsm_delta must be a finite number >= 0"):
+        RolloutCorrectionConfig(opsm_delta=-1.0)
+    with pytest.raises(ValueError, match="RolloutCorrectionConfig.token_mask_low must be a finite number > 0"):
+        RolloutCorrectionConfig(token_mask_low=0.0)

@@ -10,25 +10,30 @@ from megagspo.trainer.layout import check_layout
 
 
 def test_recipe_loads_with_overrides():
-    cfg = load_config("configs/tiny_cpu.yaml", ["rl.steps=7", "seed=3", "rl.clip_high=1e-3", "model.init_from="])
-    assert cfg.rl.steps == 7 and cfg.seed == 3 and cfg.rl.clip_high == 1e-3
-    assert cfg.rl.mini_batches == 4 and cfg.rl.loss == "gspo"
+    cfg = load_config("configs/tiny_cpu.yaml", ["rl.steps=7", "seed=3", "rl.loss.clip_high=1e-3", "model.init_from="])
+    assert cfg.rl.steps == 7 and cfg.seed == 3 and cfg.rl.loss.clip_high == 1e-3
+    assert cfg.rl.batch.mini_batches == 4 and cfg.rl.loss.name == "gspo"
 
 
 def test_unknown_key_names_it_and_lists_valid_keys():
     with pytest.raises(ConfigError) as err:
         load_config("configs/tiny_cpu.yaml", ["rl.stepz=3"])
     msg = str(err.value)
-    assert "rl.stepz" in msg and "steps" in msg and "mini_batches" in msg
+    assert "rl.stepz" in msg and "steps" in msg and "batch" in msg
+    with pytest.raises(ConfigError, match="unknown config key 'rl.batch.mini_batchez'; valid keys in rl.batch: "
+                                          "prompts_per_step, group_size, mini_batches"):
+        load_config("configs/tiny_cpu.yaml", ["rl.batch.mini_batchez=3"])
     with pytest.raises(ConfigError, match="unknown config key 'modle'.*valid keys.*model"):
         config_from_dict({"modle": {}})
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("rl.loss=ppo", "rl.loss = 'ppo' is not valid; valid values: gspo, gspo_token, grpo"),
-    ("rl.group_size=1", "rl.group_size"),
+    ("rl.loss.name=ppo", "rl.loss.name = 'ppo' is not valid; valid values: gspo, gspo_token, grpo"),
+    ("rl.loss=ppo", "rl.loss.name = 'ppo' is not valid"),  # the flat key of earlier recipes, under its new name
+    ("rl.batch.group_size=1", "rl.batch.group_size"),
     ("rl.steps=-1", "rl.steps"),
-    ("rl.clip_low=0", "rl.clip_low"),
+    ("rl.loss.clip_low=0", "rl.loss.clip_low"),
+    ("rl.batch=3", "rl.batch must be a mapping"),
     ("rl.routing_replay=r5", "rl.routing_replay"),
     ("data.task=file", "data.train_path is required"),
     ("data.tokenizer=/nonexistent/tok", "data.tokenizer"),
@@ -41,17 +46,17 @@ def test_bad_values_name_the_key(override, needle):
 
 
 def test_mini_batches_must_divide_samples():
-    with pytest.raises(ConfigError, match=r"do not divide into rl.mini_batches = 3"):
+    with pytest.raises(ConfigError, match=r"do not divide into rl.batch.mini_batches = 3"):
         load_config("configs/tiny_cpu.yaml", ["rl.prompts_per_step=4", "rl.group_size=4", "rl.mini_batches=3"])
 
 
 def test_batch_must_divide_over_ranks():
     cfg = load_config("configs/tiny_cpu.yaml", ["rl.prompts_per_step=5", "rl.group_size=4", "rl.mini_batches=4"])
     assert check_layout(cfg, 1).dp_size == 1
-    with pytest.raises(ConfigError, match="rl.prompts_per_step = 5 does not divide over 2 data-parallel ranks"):
+    with pytest.raises(ConfigError, match="rl.batch.prompts_per_step = 5 does not divide over 2 data-parallel ranks"):
         check_layout(cfg, 2)
     cfg = load_config("configs/tiny_cpu.yaml", ["rl.prompts_per_step=2", "rl.group_size=4", "rl.mini_batches=8"])
-    with pytest.raises(ConfigError, match="do not divide into rl.mini_batches = 8"):
+    with pytest.raises(ConfigError, match="do not divide into rl.batch.mini_batches = 8"):
         check_layout(cfg, 2)
     cfg = load_config("configs/tiny_cpu.yaml", ["parallel.expert_parallel=3"])
     with pytest.raises(ConfigError, match="expert_parallel"):

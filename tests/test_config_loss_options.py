@@ -1,6 +1,7 @@
 """One config surface: every loss option reaches the algorithm from YAML and the command line through
-megagspo.kernels.policy_losses.build_loss, one spelling per concept, replay flags derived from rl.routing_replay,
-and rl.loss_impl / rl.logprob_impl = kernels that really force the fused kernels.
+megagspo.kernels.policy_losses.build_loss (the rl sections are the loss Config's parts, and the flat keys of
+earlier recipes still reach the same fields), one spelling per concept, replay flags derived from
+rl.routing_replay, and rl.loss.impl / rl.logprob_impl = kernels that really force the fused kernels.
 
 Legend: B rows (sequences), L positions per row.
 """
@@ -16,9 +17,11 @@ import torch
 from megagspo.algorithm import PackedBatch, get_loss, group_advantages, segment_ids
 from megagspo.algorithm.advantages import GroupAdvantageConfig
 from megagspo.algorithm.losses import GRPOConfig, GSPOConfig, grpo_loss
-from megagspo.algorithm.registry import (ADVANTAGE_OPTION_KEYS, LOSS_OPTION_KEYS, LossOptionError,
-                                         available_losses, build_advantage_config, config_paths, loss_option_keys)
-from megagspo.config import ConfigError, RLConfig, config_from_dict, deferred_path_checks, load_config
+from megagspo.algorithm.kl import KLConfig
+from megagspo.algorithm.old_policy import OldPolicyConfig
+from megagspo.algorithm.registry import LossOptionError, available_losses, config_paths, loss_option_keys
+from megagspo.config import (ConfigError, RLConfig, RLLossConfig, config_from_dict, deferred_path_checks,
+                             load_config)
 from megagspo.kernels.policy_losses import build_loss
 
 TINY = "configs/tiny_cpu.yaml"
@@ -31,23 +34,28 @@ def _tiny(*overrides):
 def _hand_translation(rl):
     """What Trainer.__init__ built before build_loss existed (trainer.py at ff9db87): the reference the
     builder must reproduce for every existing recipe, so their runs are unchanged."""
-    fields = dict(clip_low=rl.clip_low, clip_high=rl.clip_high, old_policy={"source": rl.old_logp})
-    if rl.kl_coef > 0:
-        fields["kl"] = {"coef": rl.kl_coef, "estimator": "k3"}
-    return get_loss(rl.loss), get_loss(rl.loss).Config(**fields)
+    fields = dict(clip_low=rl.loss.clip_low, clip_high=rl.loss.clip_high, old_policy={"source": rl.old_policy.source})
+    if rl.kl.coef > 0:
+        fields["kl"] = {"coef": rl.kl.coef, "estimator": "k3"}
+    return get_loss(rl.loss.name), get_loss(rl.loss.name).Config(**fields)
 
 
 # ------------------------------------------------------------------------------------ coverage, unchanged runs
 
 
 def test_every_field_of_every_loss_config_has_an_rl_key():
-    rl_fields = {f.name for f in dataclasses.fields(RLConfig)}
-    assert set(LOSS_OPTION_KEYS) <= rl_fields and set(ADVANTAGE_OPTION_KEYS) <= rl_fields
-    mapped = set(LOSS_OPTION_KEYS.values())
+    """The loss Configs' parts are sections as they are (rl.kl is a KLConfig, rl.old_policy an OldPolicyConfig,
+    rl.advantage eq. 7's GroupAdvantageConfig); the loss's own fields are rl.loss's under the same names."""
+    sections = {f.name: f for f in dataclasses.fields(RLConfig)}
+    defaults = RLConfig()
+    assert type(defaults.kl) is KLConfig and type(defaults.old_policy) is OldPolicyConfig
+    assert type(defaults.advantage) is GroupAdvantageConfig
+    reachable = {f.name for f in dataclasses.fields(RLLossConfig)}
+    reachable |= {f"kl.{k}" for k in config_paths(KLConfig)} | {f"old_policy.{k}" for k in config_paths(OldPolicyConfig)}
     for name in available_losses():
-        missing = set(config_paths(get_loss(name).Config)) - mapped
+        missing = set(config_paths(get_loss(name).Config)) - reachable
         assert not missing, f"loss {name!r}: Config fields {missing} cannot be set from YAML"
-    assert {f.name for f in dataclasses.fields(GroupAdvantageConfig)} == set(ADVANTAGE_OPTION_KEYS.values())
+    assert {"batch", "loss", "kl", "old_policy", "advantage", "filter", "optim", "eval"} <= set(sections)
 
 
 @pytest.mark.parametrize("recipe", sorted(glob.glob("configs/*.yaml")))
@@ -57,7 +65,7 @@ def test_every_recipe_builds_the_loss_the_hand_translation_built(recipe):
     loss_fn, loss_cfg = build_loss(cfg.rl)
     ref_fn, ref_cfg = _hand_translation(cfg.rl)
     assert loss_fn is ref_fn and loss_cfg == ref_cfg
-    assert build_advantage_config(cfg.rl) == GroupAdvantageConfig(scale_by_std=cfg.rl.scale_adv_by_std)
+    assert cfg.rl.advantage == GroupAdvantageConfig(scale_by_std=cfg.rl.advantage.scale_by_std)
 
 
 def test_tiny_recipe_loss_is_gspo_at_its_clip_range():
@@ -69,25 +77,36 @@ def test_tiny_recipe_loss_is_gspo_at_its_clip_range():
 # ------------------------------------------------------------------------------------ options reach the loss
 
 
-def test_every_grpo_option_reaches_its_config_from_the_command_line():
-    cfg = _tiny("rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.27", "rl.dual_clip=3", "rl.aggregation=token_mean",
-                "rl.kl_coef=0.01", "rl.kl_estimator=k1", "rl.rollout_correction=true", "rl.rollout_correction_cap=1.5",
-                "rl.loss_input_checks=false")
+GRPO_OPTIONS = {  # the sections' paths, and the flat keys of earlier recipes for the same values
+    "new": ["rl.loss.name=grpo", "rl.loss.clip_low=0.2", "rl.loss.clip_high=0.27", "rl.loss.dual_clip=3",
+            "rl.loss.aggregation=token_mean", "rl.kl.coef=0.01", "rl.kl.estimator=k1",
+            "rl.old_policy.correction.method=true", "rl.old_policy.correction.cap=1.5", "rl.loss.validate=false"],
+    "flat": ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.27", "rl.dual_clip=3", "rl.aggregation=token_mean",
+             "rl.kl_coef=0.01", "rl.kl_estimator=k1", "rl.rollout_correction=true", "rl.rollout_correction_cap=1.5",
+             "rl.loss_input_checks=false"],
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(GRPO_OPTIONS))
+def test_every_grpo_option_reaches_its_config_from_the_command_line(spelling):
+    cfg = _tiny(*GRPO_OPTIONS[spelling])
     loss_fn, c = build_loss(cfg.rl)
     assert loss_fn is get_loss("grpo") and isinstance(c, GRPOConfig)
     assert (c.clip_low, c.clip_high, c.dual_clip, c.aggregation) == (0.2, 0.27, 3.0, "token_mean")
     assert (c.kl.coef, c.kl.estimator) == (0.01, "k1")
     # `true` of earlier recipes is seq_tis, the one correction there was
-    assert (c.old_policy.source, c.old_policy.rollout_correction, c.old_policy.correction_cap) == ("recompute", "seq_tis", 1.5)
+    assert (c.old_policy.source, c.old_policy.correction.method, c.old_policy.correction.cap) == \
+        ("recompute", "seq_tis", 1.5)
     assert c.validate is False
 
 
 def test_options_reach_the_config_from_yaml():
-    cfg = config_from_dict({"rl": {"loss": "gspo_token", "kl_coef": 0.05, "kl_estimator": "k1", "old_logp": "rollout",
-                                   "adv_eps": 1e-4, "adv_unbiased_std": False, "scale_adv_by_std": False}})
+    cfg = config_from_dict({"rl": {"loss": {"name": "gspo_token"}, "kl": {"coef": 0.05, "estimator": "k1"},
+                                   "old_policy": {"source": "rollout"},
+                                   "advantage": {"eps": 1e-4, "unbiased_std": False, "scale_by_std": False}}})
     _, c = build_loss(cfg.rl)
     assert (c.kl.coef, c.kl.estimator, c.old_policy.source) == (0.05, "k1", "rollout")
-    assert build_advantage_config(cfg.rl) == GroupAdvantageConfig(scale_by_std=False, eps=1e-4, unbiased_std=False)
+    assert cfg.rl.advantage == GroupAdvantageConfig(scale_by_std=False, eps=1e-4, unbiased_std=False)
 
 
 def test_built_grpo_loss_computes_what_its_options_say():
@@ -115,7 +134,7 @@ def test_built_grpo_loss_computes_what_its_options_say():
 
 def test_advantage_options_reach_group_advantages():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
-    adv_cfg = build_advantage_config(_tiny("rl.adv_eps=0.5", "rl.adv_unbiased_std=false").rl)
+    adv_cfg = _tiny("rl.advantage.eps=0.5", "rl.advantage.unbiased_std=false").rl.advantage
     got = group_advantages(rewards, **dataclasses.asdict(adv_cfg))
     centered = rewards - rewards.mean(1, keepdim=True)
     torch.testing.assert_close(got, centered / (rewards.std(1, keepdim=True, unbiased=False) + 0.5))
@@ -125,39 +144,48 @@ def test_advantage_options_reach_group_advantages():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["rl.dual_clip=3"], ["rl.dual_clip = 3", "rl.loss = grpo only", "'gspo' takes: rl.clip_low", "rl.kl_estimator"]),
-    (["rl.aggregation=token_mean"], ["rl.aggregation", "grpo only"]),
-    (["rl.loss=grpo", "rl.aggregation=seq_mean"], ["rl.aggregation", "seq_mean_token_mean", "token_mean"]),
-    (["rl.loss=grpo", "rl.dual_clip=0.5"], ["rl.dual_clip", "0.5"]),
-    (["rl.kl_estimator=k2"], ["rl.kl_estimator", "k1", "k3"]),
-    (["rl.old_logp=rollout", "rl.rollout_correction=true"], ["rl.rollout_correction", "needs rl.old_logp='recompute'"]),
-    (["rl.rollout_correction_cap=0.5"], ["rl.rollout_correction_cap"]),
-    (["rl.adv_eps=0"], ["rl.adv_eps"]),
-    (["rl.rollout_correction=1"], ["rl.rollout_correction must be a string"]),
-    (["rl.rollout_correction=icepop"], ["rl.rollout_correction must be one of", "token_mask", "opsm"]),
-    (["rl.token_mask_low=2"], ["rl.token_mask_low must be <= 1"]),
-    (["rl.token_mask_high=0.5"], ["rl.token_mask_high must be a finite number >= 1"]),
-    (["rl.loss_impl=kernels", "rl.rollout_correction=opsm"], ["rl.loss_impl = 'kernels'", "per-sequence weights"]),
-    (["rl.loss=grpo", "rl.loss_impl=kernels"], ["rl.loss_impl = 'kernels'", "rl.loss = 'grpo'", "gspo, gspo_token"]),
-    (["rl.loss_impl=kernels", "rl.rollout_correction=true"], ["rl.loss_impl = 'kernels'", "rl.rollout_correction"]),
-    (["rl.dual_clipp=3"], ["unknown config key 'rl.dual_clipp'", "dual_clip", "aggregation", "kl_estimator"]),
+    (["rl.loss.dual_clip=3"], ["rl.loss.dual_clip = 3", "rl.loss.name = grpo only",
+                               "'gspo' takes: rl.loss.clip_low, rl.loss.clip_high, rl.loss.validate"]),
+    (["rl.dual_clip=3"], ["rl.loss.dual_clip = 3", "grpo only"]),  # a flat key of earlier recipes: its new name
+    (["rl.loss.aggregation=token_mean"], ["rl.loss.aggregation", "grpo only"]),
+    (["rl.loss.name=grpo", "rl.loss.aggregation=seq_mean"], ["rl.loss.aggregation", "seq_mean_token_mean", "token_mean"]),
+    (["rl.loss.name=grpo", "rl.loss.dual_clip=0.5"], ["rl.loss.dual_clip", "0.5"]),
+    (["rl.kl.estimator=k2"], ["rl.kl.estimator", "k1", "k3"]),
+    (["rl.kl_estimator=k2"], ["rl.kl.estimator", "k1", "k3"]),
+    (["rl.old_policy.source=rollout", "rl.old_policy.correction.method=true"],
+     ["rl.old_policy.correction.method", "needs source='recompute'"]),
+    (["rl.old_policy.correction.cap=0.5"], ["rl.old_policy.correction.cap must be a finite number >= 1"]),
+    (["rl.advantage.eps=0"], ["rl.advantage.eps"]),
+    (["rl.old_policy.correction.method=1"], ["rl.old_policy.correction.method must be a string"]),
+    (["rl.old_policy.correction.method=icepop"], ["rl.old_policy.correction.method must be one of", "token_mask", "opsm"]),
+    (["rl.old_policy.correction.token_mask_low=2"], ["rl.old_policy.correction.token_mask_low must be <= 1"]),
+    (["rl.old_policy.correction.token_mask_high=0.5"],
+     ["rl.old_policy.correction.token_mask_high must be a finite number >= 1"]),
+    (["rl.loss.impl=kernels", "rl.old_policy.correction.method=opsm"], ["rl.loss.impl = 'kernels'", "per-sequence weights"]),
+    (["rl.loss.name=grpo", "rl.loss.impl=kernels"], ["rl.loss.impl = 'kernels'", "rl.loss.name = 'grpo'", "gspo, gspo_token"]),
+    (["rl.loss.impl=kernels", "rl.old_policy.correction.method=true"],
+     ["rl.loss.impl = 'kernels'", "rl.old_policy.correction.method"]),
+    (["rl.loss.dual_clipp=3"], ["unknown config key 'rl.loss.dual_clipp'", "dual_clip", "aggregation", "validate"]),
+    (["rl.optim.lr=2"], ["rl.optim.lr must be a finite number in (0.0, 1.0]"]),
+    (["sft.optim.schedule=step"], ["sft.optim.schedule = 'step' is not valid", "cosine"]),
+    (["rl.lr=0.01", "rl.optim.lr=0.02"], ["sets both rl.lr", "rl.optim.lr"]),
 ])
 def test_a_bad_loss_option_is_refused_naming_the_key(overrides, words):
-    with pytest.raises(ConfigError) as err:
-        _tiny(*overrides)
+    from megagspo.trainer.preflight import check_components
+
+    with pytest.raises(ConfigError) as err:  # on load, or (the fused kernel's reach) in every run's preflight
+        check_components(_tiny(*overrides))
     for w in words:
         assert w in str(err.value), f"{w!r} not in {err.value}"
 
 
 def test_build_loss_refuses_on_its_own_without_the_config_loader():
-    rl = dataclasses.replace(RLConfig(), loss="grpo", clip_low=0.2, clip_high=0.27)
-    object.__setattr__(rl, "aggregation", "sum")  # past RLConfig's checks, as a hand-built config could be
-    with pytest.raises(LossOptionError, match=r"rl\.aggregation must be one of"):
+    rl = dataclasses.replace(RLConfig(), loss=RLLossConfig(name="grpo", clip_low=0.2, clip_high=0.27))
+    object.__setattr__(rl.loss, "aggregation", "sum")  # past RLLossConfig's checks, as a hand-built config could be
+    with pytest.raises(LossOptionError, match=r"rl\.loss\.aggregation must be one of"):
         build_loss(rl)
-    assert loss_option_keys("gspo") == ["clip_low", "clip_high", "kl_coef", "kl_estimator", "old_logp",
-                                        "rollout_correction", "rollout_correction_cap", "seq_mask_low",
-                                        "seq_mask_high", "token_mask_low", "token_mask_high", "opsm_delta",
-                                        "loss_input_checks"]
+    assert loss_option_keys("gspo") == ["clip_low", "clip_high", "validate"]
+    assert loss_option_keys("grpo") == ["clip_low", "clip_high", "dual_clip", "aggregation", "validate"]
 
 
 # ------------------------------------------------------------------------------------ one spelling per concept
@@ -262,7 +290,8 @@ def test_an_ablation_arm_may_vary_any_loss_option_and_a_wrong_one_names_the_arm(
     _, c = build_loss(spec.validate_runs([])["grpo_dual"].rl)
     assert (c.dual_clip, c.aggregation, c.kl.estimator) == (3.0, "token_mean", "k1")
     spec = load_ablation(str(recipe), out_dir=str(tmp_path / "out"))
-    with pytest.raises(ConfigError, match=r"ablation arm 'gspo_dual': rl.dual_clip = 3.0 applies to rl.loss = grpo only"):
+    with pytest.raises(ConfigError, match=r"ablation arm 'gspo_dual': rl.loss.dual_clip = 3.0 applies to rl.loss.name = "
+                                          r"grpo only"):
         spec.validate_runs([])
 
 
@@ -283,15 +312,16 @@ def test_an_ablation_folder_written_before_the_derivation_is_the_same_run(tmp_pa
     saved = expected_config(spec, cell, [])
     assert saved["rollout"]["record_routes"] is False
     saved["rollout"]["record_routes"] = True
-    saved["rl"] = {k: v for k, v in saved["rl"].items() if k not in ("dual_clip", "kl_estimator", "adv_eps")}
+    # keys a folder written before they existed lacks: they ran at their defaults
+    del saved["rl"]["loss"]["dual_clip"], saved["rl"]["kl"]["estimator"], saved["rl"]["advantage"]["eps"]
     os.makedirs(cell.run_dir)
     with open(os.path.join(cell.run_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(saved, f)
     assert run_state(spec, cell, []) == "partial"
-    saved["rl"]["dual_clip"] = 2.0  # a real difference is still refused
+    saved["rl"]["loss"]["dual_clip"] = 2.0  # a real difference is still refused
     with open(os.path.join(cell.run_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(saved, f)
-    with pytest.raises(ConfigError, match="rl.dual_clip: 2.0 there, None asked"):
+    with pytest.raises(ConfigError, match="rl.loss.dual_clip: 2.0 there, None asked"):
         run_state(spec, cell, [])
 
 

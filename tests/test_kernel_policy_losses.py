@@ -97,7 +97,7 @@ def test_refused_configurations():
                                         advantages_BL=adv[:, None].expand(5, 4).contiguous())
     with pytest.raises(ValueError, match="needs per-sequence advantages_S"):
         fused_loss("gspo_token")(per_token, cfg)
-    corrected = get_loss("gspo").Config(old_policy={"source": "recompute", "rollout_correction": True})
+    corrected = get_loss("gspo").Config(old_policy={"source": "recompute", "correction": {"method": True}})
     batch = PackedBatch.from_padded(logp_BL=logp, loss_mask_BL=mask, num_global_sequences=5, old_logp_BL=old,
                                     advantages_B=adv, rollout_logp_BL=old - 0.1)
     with pytest.raises(ValueError, match="the rollout correction weights sequences"):
@@ -113,19 +113,20 @@ def test_refused_configurations():
 
 @pytest.mark.parametrize("overrides, match", [
     (["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.loss_impl=kernels"],
-     "rl.loss_impl = 'kernels' has no fused kernel for rl.loss = 'grpo'"),
+     "rl.loss.impl = 'kernels' has no fused kernel for rl.loss.name = 'grpo'"),
     (["rl.logprob_impl=torch"], "model.logprob_path = 'hidden' .* rl.logprob_impl = 'torch'"),
     (["model.logprob_path=chunks"], "model.logprob_path = 'chunks' is not valid; valid values: hidden, logits"),
     (["model.logprob_chunk_tokens=0"], "model.logprob_chunk_tokens must be a positive integer"),
-    (["rl.loss_impl=triton"], "rl.loss_impl = 'triton' is not valid; valid values: torch, kernels"),
+    (["rl.loss_impl=triton"], "rl.loss.impl = 'triton' is not valid; valid values: torch, kernels"),
 ])
 def test_config_errors_name_the_keys(overrides, match):
     import os
 
     from megagspo.config import ConfigError, load_config
+    from megagspo.trainer.preflight import check_components
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with pytest.raises(ConfigError, match=match):
-        load_config(os.path.join(repo, "configs/tiny_cpu.yaml"), overrides)
+    with pytest.raises(ConfigError, match=match):  # on load, or (the kernel's reach) in every run's preflight
+        check_components(load_config(os.path.join(repo, "configs/tiny_cpu.yaml"), overrides))
     # the logits path with the torch log-probs stays valid
     load_config(os.path.join(repo, "configs/tiny_cpu.yaml"), ["model.logprob_path=logits", "rl.logprob_impl=torch"])

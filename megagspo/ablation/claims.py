@@ -20,7 +20,7 @@ needs no replay) is HELD when no replay arm is above the no-replay arm beyond no
 None of these rules looks at what the paper reported. One exception is structural, not statistical: with 1 update
 per batch every importance ratio is exactly 1, so Figure 2's clipping claim is reported NOT TESTABLE there.
 
-Arms are recognised by their config (loss family, rl.routing_replay), settings by rl.mini_batches, so a recipe
+Arms are recognised by their config (loss family, rl.routing_replay), settings by rl.batch.mini_batches, so a recipe
 may name them as it likes.
 """
 

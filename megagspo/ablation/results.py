@@ -12,6 +12,7 @@ from moe.json_files import loads_bounded, read_json
 
 from megagspo.ablation.spec import AblationSpec
 from megagspo.config import read_yaml_mapping
+from megagspo.config_moves import move_old_keys
 
 
 def mean_std(values: List[float]) -> Tuple[float, float]:
@@ -44,18 +45,19 @@ class ArmResult:
     def role(self) -> str:
         """What the claims compare: the loss family (gspo | grpo | other) and the replay, e.g. "grpo_r3"."""
         rl = self.config["rl"]
-        family = {"gspo": "gspo", "gspo_token": "gspo", "grpo": "grpo"}.get(rl["loss"], "other")
+        family = {"gspo": "gspo", "gspo_token": "gspo", "grpo": "grpo"}.get(rl["loss"]["name"], "other")
         return family if rl["routing_replay"] == "none" else f"{family}_{rl['routing_replay']}"
 
     @property
     def updates_per_batch(self) -> int:
         """The off-policy degree the Qwen team's claim is about: optimizer updates per rollout batch."""
-        return int(self.config["rl"]["mini_batches"])
+        return int(self.config["rl"]["batch"]["mini_batches"])
 
     def label(self) -> str:
         rl = self.config["rl"]
         replay = "" if rl["routing_replay"] == "none" else f" + {rl['routing_replay'].upper()} replay"
-        return f"{self.name} ({rl['loss']}{replay}, clip {rl['clip_low']:g}/{rl['clip_high']:g})"
+        loss = rl["loss"]
+        return f"{self.name} ({loss['name']}{replay}, clip {loss['clip_low']:g}/{loss['clip_high']:g})"
 
 
 def _read_rows(path: str) -> List[dict]:
@@ -82,7 +84,8 @@ def load_results(spec: AblationSpec) -> Tuple[Dict[str, ArmResult], List[str]]:
                 continue
             summary = read_json(paths[0])
             rows = _read_rows(paths[1])
-            config = read_yaml_mapping(paths[2], "run config")  # the recipe reader: size, depth, duplicate keys
+            # the recipe reader (size, depth, duplicate keys); a run written before the rl sections under the new names
+            config = move_old_keys(read_yaml_mapping(paths[2], "run config"), paths[2])
             rl = [r for r in rows if r.get("phase") == "rl"]
             if not rl or "final/accuracy" not in summary:
                 missing.append(run_dir)

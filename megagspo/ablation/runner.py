@@ -24,6 +24,7 @@ from typing import List, Optional
 
 from megagspo.ablation.spec import AblationSpec
 from megagspo.config import Config, ConfigError, read_yaml_mapping
+from megagspo.config_moves import move_old_keys
 from moe.json_files import read_json
 
 
@@ -67,12 +68,13 @@ def run_state(spec: AblationSpec, run: Run, extra: List[str]) -> str:
     cfg_path = os.path.join(run.run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         return "new"
-    saved = read_yaml_mapping(cfg_path, "run config")  # duplicate keys, size, depth: as for a recipe
+    # duplicate keys, size, depth: as for a recipe; a run written before the rl sections compares under the new names
+    saved = move_old_keys(read_yaml_mapping(cfg_path, "run config"), cfg_path)
     want = expected_config(spec, run, extra)
     for d in (saved, want):  # a progress bar, or how the run was started (--overwrite), does not make a different run
         d.get("log", {}).pop("progress", None)
         d.get("checkpoint", {}).pop("resume", None)
-        # Derived from rl.routing_replay / rl.old_logp (compared there), not settings: a folder written before
+        # Derived from rl.routing_replay / rl.old_policy.source (compared there), not settings: a folder written before
         # they were derived holds the old default and is the same run.
         d.get("rollout", {}).pop("record_routes", None)
         (d.get("rollout", {}).get("sglang") or {}).pop("routing_replay", None)

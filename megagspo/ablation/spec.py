@@ -7,11 +7,11 @@
                                       # base recipe's model.init_from is the cold start (no SFT is run)
     common: {rl.steps: 400}           # overrides applied to every run (cold starts included)
     arms:
-      gspo:    {rl.loss: gspo, rl.clip_low: 0.003, rl.clip_high: 0.004}
-      grpo_r2: {rl.loss: grpo, rl.clip_low: 0.2, rl.clip_high: 0.27, rl.routing_replay: r2}
+      gspo:    {rl.loss.name: gspo, rl.loss.clip_low: 0.003, rl.loss.clip_high: 0.004}
+      grpo_r2: {rl.loss.name: grpo, rl.loss.clip_low: 0.2, rl.loss.clip_high: 0.27, rl.routing_replay: r2}
     settings:                         # optional second dimension: every arm runs under every setting
-      on_policy: {rl.mini_batches: 1}
-      off_policy_4x: {rl.mini_batches: 4}
+      on_policy: {rl.batch.mini_batches: 1}
+      off_policy_4x: {rl.batch.mini_batches: 4}
 
 Without `settings` the cells are the arms (folders <out>/<arm>/seed<s>). With them the cells are the product
 arms x settings, one cell per (arm, setting), named "<setting>/<arm>" (folders <out>/<setting>/<arm>/seed<s>):
@@ -36,6 +36,7 @@ import yaml
 
 from megagspo.config import (Config, ConfigError, deferred_path_checks, flatten_keys, load_config,
                              read_yaml_mapping)
+from megagspo.config_moves import move_old_keys
 
 COLD_START_MODES = ("sft", "recipe")
 # Keys the harness sets itself, per run.
@@ -54,7 +55,7 @@ def last_wins(overrides: List[str]) -> List[str]:
 
 
 def _override_list(flat: Dict[str, object]) -> List[str]:
-    """{'rl.clip_low': 0.2} -> ['rl.clip_low=0.2'] (values as YAML scalars, so they parse back unchanged)."""
+    """{'rl.loss.clip_low': 0.2} -> ['rl.loss.clip_low=0.2'] (values as YAML scalars, so they parse back unchanged)."""
     out = []
     for key, value in flat.items():
         text = yaml.safe_dump(value, default_flow_style=True).strip()
@@ -206,7 +207,7 @@ def _flat_mapping(raw, what: str, example: str) -> Dict[str, Dict[str, object]]:
     for name, overrides in raw.items():
         if overrides is not None and not isinstance(overrides, dict):
             raise ConfigError(f"ablation {what} {name!r} must map keys to values (e.g. {example}), got {overrides!r}")
-        out[str(name)] = flatten_keys(overrides or {})
+        out[str(name)] = flatten_keys(move_old_keys(overrides or {}, f"ablation {what} {name!r}"))
     return out
 
 
@@ -220,14 +221,15 @@ def load_ablation(path: str, out_dir: Optional[str] = None, seeds: Optional[List
     for key in ("name", "base", "arms"):
         if key not in raw:
             raise ConfigError(f"ablation recipe {path!r} lacks {key!r}")
-    arms_flat = _flat_mapping(raw["arms"], "arm", "rl.loss: grpo")
-    settings_flat = _flat_mapping(raw.get("settings") or {}, "setting", "rl.mini_batches: 4")
+    arms_flat = _flat_mapping(raw["arms"], "arm", "rl.loss.name: grpo")
+    settings_flat = _flat_mapping(raw.get("settings") or {}, "setting", "rl.batch.mini_batches: 4")
     common = raw.get("common") or {}
     if not isinstance(common, dict):
         raise ConfigError(f"ablation common must be a mapping of overrides, got {common!r}")
     base = os.path.normpath(os.path.join(os.path.dirname(path), str(raw["base"])))
     spec = AblationSpec(name=str(raw["name"]), base=base, arms=arms_flat, seeds=list(raw.get("seeds", [0])),
-                        cold_start=str(raw.get("cold_start", "sft")), common=flatten_keys(common),
+                        cold_start=str(raw.get("cold_start", "sft")),
+                        common=flatten_keys(move_old_keys(common, "ablation common")),
                         out_dir=out_dir or str(raw.get("out_dir") or ""), settings=settings_flat)
     if seeds is not None:
         bad = [s for s in seeds if s not in spec.seeds]

@@ -19,7 +19,7 @@ from .losses import (
 )
 from .metrics import merge_metrics
 from .old_policy import OLD_LOGP_SOURCES, OldPolicyConfig, resolve_old_logp
-from .rollout_correction import rollout_correction_weights
+from .rollout_correction import RolloutCorrectionConfig, rollout_correction_weights
 from .packing import (
     PackedBatch,
     broadcast_to_tokens,
@@ -57,6 +57,7 @@ __all__ = [
     "register_loss",
     "resolve_old_logp",
     "response_lengths",
+    "RolloutCorrectionConfig",
     "rollout_correction_weights",
     "segment_ids",
     "segment_sum",

@@ -27,7 +27,7 @@ class GroupAdvantageConfig:
     unbiased_std: bool = True
 
     def __post_init__(self) -> None:
-        require_positive_finite("GroupAdvantageConfig", "eps", self.eps)
+        require_positive_finite("GroupAdvantageConfig", "eps", self.eps, allow_zero=False)  # a tied group is 0 / eps
 
 
 def group_advantages(

@@ -17,8 +17,8 @@ sequence the length-normalised log ratio m_i = mean_t d_t (as s_i of GSPO eq. 8 
                 off-policy sequence masking (DeepSeek-V3.2, 2025): negative-advantage sequences the current
                 policy has drifted from by more than delta (a KL estimate) are left out
 
-C = rl.rollout_correction_cap; [lo_s, hi_s] = rl.seq_mask_low / high; [lo_t, hi_t] = rl.token_mask_low / high;
-delta = rl.opsm_delta. Every weight is a constant (no gradient) and acts on the gradient of the policy loss,
+C = cap; [lo_s, hi_s] = seq_mask_low / high; [lo_t, hi_t] = token_mask_low / high; delta = opsm_delta, the
+fields of RolloutCorrectionConfig (a run config's rl.old_policy.correction section). Every weight is a constant (no gradient) and acts on the gradient of the policy loss,
 the same way under GSPO, GSPO-token and GRPO:
   - a sequence weight multiplies the sequence's objective (and its gradient);
   - a token weight scales the token's share of the gradient: the loss sees
@@ -40,6 +40,7 @@ masked or truncated.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -55,16 +56,48 @@ LN2 = math.log(2.0)
 
 
 def normalize_correction(value) -> str:
-    """rl.rollout_correction as a mode name: the booleans of earlier recipes and checkpoints map to
-    seq_tis (true, the one correction there was) and none (false)."""
+    """A correction method's name: the booleans of earlier recipes and checkpoints map to seq_tis (true, the one
+    correction there was) and none (false)."""
     if value is True:
         return "seq_tis"
     if value is False or value is None:
         return "none"
     if not isinstance(value, str) or value not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"rollout_correction must be one of {', '.join(ROLLOUT_CORRECTIONS)} (true = seq_tis, "
+        raise ValueError(f"method must be one of {', '.join(ROLLOUT_CORRECTIONS)} (true = seq_tis, "
                          f"false = none); got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """One correction method and every threshold the menu reads (module docstring); each threshold lives here
+    only, so a recipe, the loss and the dry run's description read the same value."""
+
+    method: str = "none"           # none | seq_tis | token_tis | seq_mask_geo | token_mask | opsm (`true` = seq_tis)
+    cap: float = 2.0               # C of seq_tis / token_tis
+    seq_mask_low: float = 0.999    # seq_mask_geo keeps a sequence whose exp(mean_t log pi_old/pi_rollout) is in band
+    seq_mask_high: float = 1.001
+    token_mask_low: float = 0.5    # token_mask keeps tokens whose pi_old/pi_rollout is in the band (IcePop's)
+    token_mask_high: float = 5.0
+    opsm_delta: float = 1e-4       # opsm masks A_i < 0 sequences whose mean log pi_rollout/pi_theta exceeds this
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "method", normalize_correction(self.method))
+        except ValueError as exc:
+            raise ValueError(f"RolloutCorrectionConfig.{exc}") from None
+        for name, lo in (("cap", 1.0), ("seq_mask_low", 0.0), ("seq_mask_high", 1.0),
+                         ("token_mask_low", 0.0), ("token_mask_high", 1.0), ("opsm_delta", 0.0)):
+            value = getattr(self, name)
+            positive = lo == 0.0 and name != "opsm_delta"  # a band's lower edge of 0 would be log(0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < lo or (positive and value == 0):
+                raise ValueError(f"RolloutCorrectionConfig.{name} must be a finite number "
+                                 f"{'> 0' if positive else f'>= {lo:g}'}, got {value!r}")
+        for low in ("seq_mask_low", "token_mask_low"):
+            if getattr(self, low) > 1.0:
+                raise ValueError(f"RolloutCorrectionConfig.{low} must be <= 1 (a band around ratio 1), got "
+                                 f"{getattr(self, low)!r}")
 
 
 def token_log_gap(old_logp_T: Tensor, rollout_logp_T: Tensor, loss_mask_T: Tensor) -> Tensor:
@@ -111,7 +144,7 @@ def rollout_correction_weights(
 
 
 def correction_weights(
-    mode: str,
+    config: RolloutCorrectionConfig,
     *,
     logp_T: Tensor,
     old_logp_T: Tensor,
@@ -119,16 +152,11 @@ def correction_weights(
     loss_mask_T: Tensor,
     cu_seqlens_S1: Tensor,
     advantages_S: Tensor | None = None,
-    cap: float = 2.0,
-    seq_mask_low: float = 0.999,
-    seq_mask_high: float = 1.001,
-    token_mask_low: float = 0.5,
-    token_mask_high: float = 5.0,
-    opsm_delta: float = 1e-4,
 ) -> tuple[Tensor | None, Tensor | None, dict]:
-    """-> (sequence weights w_S or None, token weights w_T or None, metrics) of `mode` (module docstring).
+    """-> (sequence weights w_S or None, token weights w_T or None, metrics) of config.method (module docstring).
     logp_T is pi_theta's (read detached, by opsm only); advantages_S is needed by opsm."""
-    mode = normalize_correction(mode)
+    c = config
+    mode = c.method
     if mode == "none":
         return None, None, {}
     mask_T = as_bool_mask(loss_mask_T)
@@ -136,11 +164,11 @@ def correction_weights(
     if mode in TOKEN_CORRECTIONS:
         d_T = token_log_gap(old_logp_T, rollout_logp_T, mask_T)
         if mode == "token_tis":
-            log_cap = math.log(cap)
+            log_cap = math.log(c.cap)
             affected_T = mask_T & (d_T > log_cap)
             weights_T = torch.exp(d_T.clamp(max=log_cap))
         else:
-            affected_T = mask_T & ((d_T < math.log(token_mask_low)) | (d_T > math.log(token_mask_high)))
+            affected_T = mask_T & ((d_T < math.log(c.token_mask_low)) | (d_T > math.log(c.token_mask_high)))
             weights_T = (~affected_T).to(d_T.dtype)
         weights_T = torch.where(mask_T, weights_T, torch.ones_like(weights_T))
         seq_id_T = segment_ids(cu_seqlens_S1, mask_T.shape[0])
@@ -151,37 +179,37 @@ def correction_weights(
                    f"rollout_correction/{mode}/weight_mean": masked_mean(weights_T, mask_T)}
         return None, weights_T.detach(), metrics
     if mode == "seq_tis":  # with its earlier metric names (rollout_is/*), which the plots and reports read
-        weights_S, metrics = rollout_correction_weights(old_logp_T, rollout_logp_T, mask_T, cu_seqlens_S1, cap=cap)
+        weights_S, metrics = rollout_correction_weights(old_logp_T, rollout_logp_T, mask_T, cu_seqlens_S1, cap=c.cap)
         return weights_S, None, metrics
     log_rho_S, lengths_S = sequence_log_ratio(old_logp_T.detach(), rollout_logp_T.detach(), mask_T, cu_seqlens_S1)
     nonempty_S = lengths_S > 0
     if mode == "seq_mask_geo":
-        affected_S = nonempty_S & ((log_rho_S < math.log(seq_mask_low)) | (log_rho_S > math.log(seq_mask_high)))
+        affected_S = nonempty_S & ((log_rho_S < math.log(c.seq_mask_low)) | (log_rho_S > math.log(c.seq_mask_high)))
         weights_S = (~affected_S).to(log_rho_S.dtype)
     else:  # opsm
         if advantages_S is None:
             raise ValueError("rollout_correction='opsm' needs per-sequence advantages_S")
         drift_S, _ = sequence_log_ratio(rollout_logp_T.detach(), logp_T.detach(), mask_T, cu_seqlens_S1)
-        affected_S = nonempty_S & (advantages_S.detach().to(drift_S.dtype) < 0) & (drift_S > opsm_delta)
+        affected_S = nonempty_S & (advantages_S.detach().to(drift_S.dtype) < 0) & (drift_S > c.opsm_delta)
         weights_S = (~affected_S).to(drift_S.dtype)
     metrics = {f"rollout_correction/{mode}/seq_frac": masked_mean(affected_S.to(weights_S.dtype), nonempty_S),
                f"rollout_correction/{mode}/weight_mean": masked_mean(weights_S, nonempty_S)}
     return weights_S.detach(), None, metrics
 
 
-def describe_correction(old_policy) -> str:
-    """One line: the correction an OldPolicyConfig builds, as its formula with this config's thresholds."""
-    c = old_policy
+def describe_correction(config: RolloutCorrectionConfig) -> str:
+    """One line: the correction a RolloutCorrectionConfig builds, as its formula with its thresholds."""
+    c = config
     formulas = {
         "none": "none",
-        "seq_tis": f"seq_tis: w_i = min(exp(mean_t log pi_old/pi_rollout), {c.correction_cap:g})",
-        "token_tis": f"token_tis: w_t = min(pi_old/pi_rollout, {c.correction_cap:g})",
+        "seq_tis": f"seq_tis: w_i = min(exp(mean_t log pi_old/pi_rollout), {c.cap:g})",
+        "token_tis": f"token_tis: w_t = min(pi_old/pi_rollout, {c.cap:g})",
         "seq_mask_geo": f"seq_mask_geo: w_i = 1[{c.seq_mask_low:g} <= exp(mean_t log pi_old/pi_rollout) <= "
                         f"{c.seq_mask_high:g}]",
         "token_mask": f"token_mask: w_t = 1[{c.token_mask_low:g} <= pi_old/pi_rollout <= {c.token_mask_high:g}]",
         "opsm": f"opsm: w_i = 0 if A_i < 0 and mean_t log pi_rollout/pi_theta > {c.opsm_delta:g}, else 1",
     }
-    return formulas[c.rollout_correction]
+    return formulas[c.method]
 
 
 def apply_token_weights(logp_T: Tensor, weights_T: Tensor | None, loss_mask_T: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""The frozen KL reference policy's weights on disk (rl.kl_coef > 0): `<run>/reference.safetensors`.
+"""The frozen KL reference policy's weights on disk (rl.kl.coef > 0): `<run>/reference.safetensors`.
 
 The reference is the policy at the start of RL (after cold-start SFT / model.init_from) and never changes,
 so it is written once, before the step_000000 checkpoint, and read back on every resume (the step_X
@@ -73,9 +73,9 @@ def verify_reference(run_dir: str, run_id: str) -> str:
     path = os.path.join(run_dir, REFERENCE)
     meta_path = os.path.join(run_dir, REFERENCE_META)
     if not os.path.isfile(path) or not os.path.isfile(meta_path):
-        raise CheckpointError(f"rl.kl_coef > 0 but the KL reference weights {path} (and {REFERENCE_META}) are "
+        raise CheckpointError(f"rl.kl.coef > 0 but the KL reference weights {path} (and {REFERENCE_META}) are "
                               "missing: they are written at the start of RL; this run cannot be resumed with a KL "
-                              "penalty (start a fresh run, or resume with rl.kl_coef=0)")
+                              "penalty (start a fresh run, or resume with rl.kl.coef=0)")
     try:
         meta = read_json(meta_path)
         want_bytes, want_sha, want_id = int(meta["bytes"]), str(meta["sha256"]), meta.get("run_id")
@@ -95,7 +95,7 @@ def verify_reference(run_dir: str, run_id: str) -> str:
     if bad:
         raise CheckpointError(f"{path}: tensor {bad} holds NaN or infinite values: a KL penalty against it would "
                               "be NaN; this run cannot be resumed with a KL penalty (start a fresh run, or resume "
-                              "with rl.kl_coef=0)")
+                              "with rl.kl.coef=0)")
     return path
 
 

@@ -22,6 +22,7 @@ import time
 from typing import List, Optional
 
 from megagspo.config import Config, ConfigError, flatten_keys, read_yaml_mapping
+from megagspo.config_moves import move_old_keys
 from moe.json_files import JsonFileError, read_json
 
 from .run_lock import LOCK_FILE
@@ -136,7 +137,8 @@ def config_differences(run_dir: str, asked: dict) -> List[str]:
     NOT_RUN_DEFINING); ['config.yaml is missing or unreadable'] when it cannot be compared. A key the saved
     config lacks (written before that field existed) ran at its default."""
     try:
-        saved = flatten_keys(read_yaml_mapping(os.path.join(run_dir, CONFIG), "run config"))
+        path = os.path.join(run_dir, CONFIG)
+        saved = flatten_keys(move_old_keys(read_yaml_mapping(path, "run config"), path))  # a run before the rl sections
     except ConfigError:
         return [f"{CONFIG} is missing or unreadable"]
     now, defaults = flatten_keys(asked), flatten_keys(Config().to_dict())

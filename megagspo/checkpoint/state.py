@@ -42,6 +42,7 @@ import torch
 from safetensors import SafetensorError
 
 from megagspo.config import Config, flatten_keys
+from megagspo.config_moves import move_old_keys
 from megagspo.errors import write_failure_message
 from moe import cuda_calls
 from moe import dist_checkpoint
@@ -199,20 +200,18 @@ def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
 
 # What defines a run: a resume that changes any of these continues another experiment than the one its
 # checkpoint, metrics and config.yaml describe. Section names cover every key of the section.
-DEFINING_KEYS = ("seed", "model", "data", "reward", "rl.loss", "rl.clip_low", "rl.clip_high", "rl.kl_coef",
-                 "rl.old_logp", "rl.routing_replay", "rl.group_size", "rl.dual_clip", "rl.aggregation",
-                 "rl.kl_estimator", "rl.rollout_correction", "rl.rollout_correction_cap", "rl.seq_mask_low",
-                 "rl.seq_mask_high", "rl.token_mask_low", "rl.token_mask_high", "rl.opsm_delta",
-                 "rl.scale_adv_by_std", "rl.adv_eps", "rl.adv_unbiased_std", "rl.filter_groups",
-                 "rl.filter_max_rounds")
-# How the same model is computed (kernels, attention and expert implementations, recompute) may change.
+DEFINING_KEYS = ("seed", "model", "data", "reward", "rl.loss", "rl.kl", "rl.old_policy", "rl.advantage", "rl.filter",
+                 "rl.routing_replay", "rl.batch.group_size")
+# How the same model is computed (kernels, attention and expert implementations, recompute, the loss's input
+# checks) may change.
 IMPLEMENTATION_KEYS = ("model.experts", "model.attention", "model.recompute", "model.logprob_path",
-                       "model.logprob_chunk_tokens", "reward.timeout_s")
+                       "model.logprob_chunk_tokens", "reward.timeout_s", "rl.loss.impl", "rl.loss.validate")
 
 
 def defining_differences(saved: dict, now: dict) -> list:
-    """['rl.loss: gspo in the checkpoint, grpo now', ...] over DEFINING_KEYS (dotted, flattened)."""
-    before, after = flatten_keys(saved), flatten_keys(now)
+    """['rl.loss.name: gspo in the checkpoint, grpo now', ...] over DEFINING_KEYS (dotted, flattened)."""
+    # a checkpoint saved before the rl sections holds the flat keys: compared under their new paths
+    before, after = flatten_keys(move_old_keys(saved, "the checkpoint's config")), flatten_keys(now)
     # A key the checkpoint predates ran at its default then: a value other than the default now is a change.
     defaults = flatten_keys(_jsonable(Config().to_dict()))
     keys = sorted(k for k in set(before) | set(after)

@@ -1,6 +1,6 @@
 """The registered policy losses through the fused segmented GSPO kernel: drop-in `(batch, config)` entry points
-for `megagspo.algorithm.get_loss(name)` with the same loss, gradient and metrics (config rl.loss_impl=kernels);
-and `build_loss(cfg.rl)`, the run's one route from the rl.* keys to a loss (torch or fused) and its Config.
+for `megagspo.algorithm.get_loss(name)` with the same loss, gradient and metrics (config rl.loss.impl=kernels);
+and `build_loss(cfg.rl)`, the run's one route from the rl sections to a loss (torch or fused) and its Config.
 
 Legend (docs/architecture.md): T packed tokens; packed sequences spelled `_S` in names here, `_S1` their
 count + 1 offsets (`cu_seqlens_S1`).
@@ -31,7 +31,7 @@ from torch import Tensor
 from megagspo.algorithm.losses import finish_loss
 from megagspo.algorithm.metrics import clip_metrics
 from megagspo.algorithm.old_policy import resolve_old_logp
-from megagspo.algorithm.rollout_correction import SEQUENCE_CORRECTIONS, apply_token_weights, normalize_correction
+from megagspo.algorithm.rollout_correction import SEQUENCE_CORRECTIONS, apply_token_weights
 from megagspo.algorithm.packing import as_bool_mask, segment_ids
 from megagspo.algorithm.ratios import masked_segment_mean, token_log_ratio
 from megagspo.algorithm.registry import LossOptionError, build_loss_config, get_loss
@@ -44,11 +44,11 @@ FUSED_LOSSES = ("gspo", "gspo_token")
 def fused_loss(name: str, impl: str = "fused") -> Callable:
     """The fused-kernel entry point of registered loss `name`; ValueError for a loss the kernel cannot serve.
 
-    impl is gspo_segment_loss's: "fused" (rl.loss_impl=kernels) runs the megagspo._C kernel or raises where it
+    impl is gspo_segment_loss's: "fused" (rl.loss.impl=kernels) runs the megagspo._C kernel or raises where it
     cannot serve the tensors' device, never a silent fallback; "auto" / "reference" are for tests."""
     if name not in FUSED_LOSSES:
         raise ValueError(f"megagspo.kernels: no fused kernel for loss {name!r}; fused losses: "
-                         f"{', '.join(FUSED_LOSSES)} (use the torch loss, rl.loss_impl=torch)")
+                         f"{', '.join(FUSED_LOSSES)} (use the torch loss, rl.loss.impl=torch)")
     if impl not in IMPLS:
         raise ValueError(f"megagspo.kernels.fused_loss: impl must be one of {IMPLS}; got {impl!r}")
     return functools.partial(_fused_gspo, impl=impl)
@@ -58,11 +58,11 @@ def _fused_gspo(batch, config, *, impl: str = "fused") -> tuple[Tensor, dict]:
     """GSPO / GSPO-token with per-sequence advantages through megagspo.kernels.gspo_segment_loss."""
     if batch.advantages_S is None:
         raise ValueError("megagspo.kernels fused GSPO loss: needs per-sequence advantages_S (the kernel takes A_i); "
-                         "per-token advantages_T need the torch loss (rl.loss_impl=torch)")
+                         "per-token advantages_T need the torch loss (rl.loss.impl=torch)")
     old_logp_T, weights_S, weights_T, extra = resolve_old_logp(batch, config.old_policy)
     if weights_S is not None:
         raise ValueError("megagspo.kernels fused GSPO loss: the rollout correction weights sequences, which the "
-                         "kernel does not; use the torch loss (rl.loss_impl=torch)")
+                         "kernel does not; use the torch loss (rl.loss.impl=torch)")
     # a token correction scales the gradient of logp_T per token, ahead of the kernel (its value is unchanged)
     logp_T = apply_token_weights(batch.logp_T, weights_T, batch.loss_mask_T)
     mask_T = as_bool_mask(batch.loss_mask_T)
@@ -94,36 +94,36 @@ def _fused_gspo(batch, config, *, impl: str = "fused") -> tuple[Tensor, dict]:
     return finish_loss(batch, config, loss, metrics, extra)  # the torch losses' KL term and totals
 
 
-# ---- the choice between the torch losses and the fused kernel (rl.loss_impl) -------------------------------
+# ---- the choice between the torch losses and the fused kernel (rl.loss.impl) ------------------------------
 def build_loss(rl_cfg) -> Tuple[Callable, Any]:
-    """-> (loss_fn, loss_cfg): the registered loss `rl_cfg.loss` and its Config built from the rl.* keys.
+    """-> (loss_fn, loss_cfg): the registered loss `rl_cfg.loss.name` and its Config built from the rl sections.
 
-    rl_cfg.loss_impl == "kernels" returns the fused segmented-GSPO entry point (megagspo.kernels.policy_losses)
+    rl_cfg.loss.impl == "kernels" returns the fused segmented-GSPO entry point (megagspo.kernels.policy_losses)
     forced onto the megagspo._C kernels: where they cannot serve the tensors' device the first call raises,
     it never falls back to the pure-torch reference. Losses and options the kernel cannot compute (grpo,
     the rollout correction's per-sequence weights) are refused here, before any compute.
     """
     loss_cfg = build_loss_config(rl_cfg)
     if check_loss_impl(rl_cfg) == "torch":
-        return get_loss(rl_cfg.loss), loss_cfg
-    return fused_loss(rl_cfg.loss, impl="fused"), loss_cfg
+        return get_loss(rl_cfg.loss.name), loss_cfg
+    return fused_loss(rl_cfg.loss.name, impl="fused"), loss_cfg
 
 
 def check_loss_impl(rl_cfg) -> str:
-    """rl.loss_impl, refused (LossOptionError) where the fused kernel cannot compute the configured loss."""
-    impl = getattr(rl_cfg, "loss_impl", "torch")
+    """rl.loss.impl, refused (LossOptionError) where the fused kernel cannot compute the configured loss."""
+    loss, impl = rl_cfg.loss.name, rl_cfg.loss.impl
     if impl == "torch":
         return impl
     if impl != "kernels":
-        raise LossOptionError(f"rl.loss_impl = {impl!r} is not valid; valid values: torch, kernels")
-    if rl_cfg.loss not in FUSED_LOSSES:
-        raise LossOptionError(f"rl.loss_impl = 'kernels' has no fused kernel for rl.loss = {rl_cfg.loss!r} (fused: "
-                              f"{', '.join(FUSED_LOSSES)}); set rl.loss_impl=torch")
-    correction = normalize_correction(getattr(rl_cfg, "rollout_correction", "none"))
+        raise LossOptionError(f"rl.loss.impl = {impl!r} is not valid; valid values: torch, kernels")
+    if loss not in FUSED_LOSSES:
+        raise LossOptionError(f"rl.loss.impl = 'kernels' has no fused kernel for rl.loss.name = {loss!r} (fused: "
+                              f"{', '.join(FUSED_LOSSES)}); set rl.loss.impl=torch")
+    correction = rl_cfg.old_policy.correction.method
     if correction in SEQUENCE_CORRECTIONS:
-        raise LossOptionError(f"rl.loss_impl = 'kernels': the fused GSPO kernel has no per-sequence weights, so "
-                              f"rl.rollout_correction={correction} needs rl.loss_impl=torch (token_tis and "
-                              "token_mask work with the kernel)")
+        raise LossOptionError(f"rl.loss.impl = 'kernels': the fused GSPO kernel has no per-sequence weights, so "
+                              f"rl.old_policy.correction.method={correction} needs rl.loss.impl=torch (token_tis "
+                              "and token_mask work with the kernel)")
     return impl
 
 

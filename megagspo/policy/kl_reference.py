@@ -1,4 +1,4 @@
-"""The frozen KL reference policy (rl.kl_coef > 0): its weights are the policy's at the start of RL, written
+"""The frozen KL reference policy (rl.kl.coef > 0): its weights are the policy's at the start of RL, written
 once to <run>/reference.safetensors (atomic, checksummed) so that a resume uses the same reference.
 
 `KLReference` owns its model (a frozen MegatronPolicy of the run's layout) and whether its weights are set

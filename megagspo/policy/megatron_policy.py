@@ -120,7 +120,7 @@ class MegatronPolicy:
     def __init__(self, arch, dims: ParallelDims, parallel_cfg, logprob_impl: str = "auto", *, frozen: bool = False,
                  precision: str = "fp32", logprob_path: str = "hidden", logprob_chunk_tokens: int = 1024,
                  implementation=None, adamw_class: Optional[type] = None) -> None:
-        """frozen=True: the KL reference policy (rl.kl_coef > 0): the same layout and log-prob path, no
+        """frozen=True: the KL reference policy (rl.kl.coef > 0): the same layout and log-prob path, no
         gradients, eval mode, and no routing replay (it always routes with its own router; see megagspo.rl.step).
 
         precision: "fp32" or "bf16" parameters (moe.optimizer.PRECISIONS). A trainable policy is wrapped in

@@ -1,5 +1,5 @@
 """The run's Megatron models, built from the config, the architecture and the process layout: the policy
-(weights from the resumed checkpoint, else model.init_from), the frozen KL reference at rl.kl_coef > 0, and
+(weights from the resumed checkpoint, else model.init_from), the frozen KL reference at rl.kl.coef > 0, and
 the settings of the RL optimizer."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from megagspo.checkpoint import CheckpointManager
-from megagspo.config import Config
+from megagspo.config import Config, OptimConfig
 from megagspo.policy.init_weights import load_init_weights
 from megagspo.policy.kl_reference import KLReference
 from megagspo.policy.megatron_policy import MegatronPolicy
@@ -39,7 +39,7 @@ def build_models(cfg: Config, arch, dims: ParallelDims, ckpt: CheckpointManager,
     else:
         load_init_weights(policy, init_source, arch)
     reference = None
-    if cfg.rl.kl_coef > 0:
+    if cfg.rl.kl.coef > 0:
         reference = KLReference(dims, build_policy(cfg, arch, dims, frozen=True, adamw_class=adamw_class),
                                 cfg.run_dir(), ckpt.run_id)
         if resume and resume["state"]["step"] > 0:
@@ -47,8 +47,8 @@ def build_models(cfg: Config, arch, dims: ParallelDims, ckpt: CheckpointManager,
     return policy, reference
 
 
-def rl_optimizer_settings(cfg: Config) -> OptimizerSettings:
-    """Megatron's distributed optimizer (AdamW) for the RL updates: rl.lr, betas, weight decay, clip."""
-    rl = cfg.rl
-    return OptimizerSettings(lr=rl.lr, weight_decay=rl.weight_decay, beta1=rl.beta1, beta2=rl.beta2,
-                             clip_grad=rl.grad_clip)
+def optimizer_settings(optim: OptimConfig) -> OptimizerSettings:
+    """Megatron's distributed optimizer (AdamW) from an optim section (rl.optim, sft.optim): its peak lr, betas,
+    weight decay and gradient clip (the schedule is applied per step by megagspo.rl.schedule.lr_at)."""
+    return OptimizerSettings(lr=optim.lr, weight_decay=optim.weight_decay, beta1=optim.beta1, beta2=optim.beta2,
+                             clip_grad=optim.grad_clip)

@@ -1,6 +1,6 @@
 """One batch of sequences from the rollout engine to the loss: `SequenceBatch`, flat per-token tensors built once
 from the engine's `RolloutOutput`, and its two views of a micro-batch — the model's input (`ModelInput`: one packed
-stream of whole sequences, `rl.packing: true`, or one right-padded row per sequence) and the loss's (the same
+stream of whole sequences, `rl.batch.packing: true`, or one right-padded row per sequence) and the loss's (the same
 flat tensors, segmented by the sequences' offsets).
 
 Legend (docs/architecture.md): R sequences of this rank's rollout batch (one per response), S the padded row
@@ -48,7 +48,7 @@ class SequenceBatch:
     advantages_S: torch.Tensor             # float32, per sequence (eq. 7)
     lengths: List[int]                     # per sequence, on the host
     pad_id: int
-    row_len: int                           # S of the padded layout (rl.packing = false)
+    row_len: int                           # S of the padded layout (rl.batch.packing = false)
     routes_TLy: Optional[torch.Tensor] = None   # the engine's routes [T, Ly, K] of this stage (R3, rollout pi_old)
     route_spec: Optional[RouteSpec] = None      # the policy's, with routes_TLy
     cu_seqlens_S1: torch.Tensor = field(init=False)

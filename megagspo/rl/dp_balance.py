@@ -1,4 +1,4 @@
-"""Token-balanced data parallelism (with rl.max_tokens_per_micro_batch): each mini-batch's sequences are
+"""Token-balanced data parallelism (with rl.batch.max_tokens_per_micro_batch): each mini-batch's sequences are
 re-partitioned over the data-parallel ranks so that every rank holds the same number of them and nearly the same
 number of tokens, since the slowest rank sets the step's pace.
 

@@ -1,6 +1,6 @@
 """Dynamic sampling (DAPO, Yu et al. 2025, §3.2): a rollout group whose G rewards are all equal has zero
-advantage under eq. 7, so it adds nothing to the policy gradient but its compute; with `rl.filter_groups` such
-groups are dropped and more prompts are drawn until the batch holds `rl.prompts_per_step` informative groups.
+advantage under eq. 7, so it adds nothing to the policy gradient but its compute; with `rl.filter.enabled` such
+groups are dropped and more prompts are drawn until the batch holds `rl.batch.prompts_per_step` informative groups.
 
 Legend: B prompts of this data-parallel rank's share, G samples per prompt, R = B G responses, L response length,
 P positions the engine fed (R3 routes).
@@ -9,7 +9,7 @@ The rounds (`RLStep.collect_scored`): each draws the next prompts_per_step promp
 rank the same draw, each its own share), generates and scores them, and keeps the informative groups in the
 order drawn until this rank's share is full. A new round runs while ANY data-parallel rank is short, so every
 rank runs the same rounds (the stream and the engine's collectives stay in step), at most
-`rl.filter_max_rounds` rounds in all. A rank still short after the last round fills its share with the
+`rl.filter.max_rounds` rounds in all. A rank still short after the last round fills its share with the
 uninformative groups it dropped, in the order drawn (zero advantage: they change no gradient, they keep the
 batch's shape and global counts), and says so in `filter/filled_frac`. Everything is a function of the seed:
 the stream, the engine's sampling generator and the verifier are deterministic, so a resumed run draws the same

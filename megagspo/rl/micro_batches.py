@@ -41,7 +41,7 @@ def longest_first(rows: torch.Tensor, lengths: torch.Tensor, parts: int) -> List
 
 def token_budget_split(mini_rows: List[torch.Tensor], lengths_R: torch.Tensor, budget: int,
                        dims: ParallelDims) -> List[List[torch.Tensor]]:
-    """rl.max_tokens_per_micro_batch: each mini-batch's rows split into micro-batches of at most `budget`
+    """rl.batch.max_tokens_per_micro_batch: each mini-batch's rows split into micro-batches of at most `budget`
     tokens (a sequence longer than the budget gets one of its own), balanced by tokens. Every data-parallel rank
     runs the same number of micro-batches, the count the fullest rank needs, as expert-parallel all-to-alls
     and the pipeline schedule require."""

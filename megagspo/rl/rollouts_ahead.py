@@ -9,7 +9,7 @@ background thread with the engine's CURRENT weights, those after update n-1; sco
 update on batch n; wait for batch n+1; only then stream the weights after update n to the engine. So batch n+1
 comes from the policy one update older than the one it trains, pi_old is the policy before the update
 (recomputed), and the engine's per-token log-probs are the behaviour policy: the gap between the two is what
-`rl.rollout_correction` acts on and the mismatch/* metrics show. Staleness 0 is the synchronous step, bit for
+`rl.old_policy.correction.method` acts on and the mismatch/* metrics show. Staleness 0 is the synchronous step, bit for
 bit (the draws of the prompt stream come in the same order either way).
 
 Why a thread, not a process: the embedded engine is a transformers model in this process, holding its own

@@ -8,7 +8,7 @@
     OneStepAhead    take the batch generated during the previous step, launch the next one (rollout.staleness 1;
                     megagspo.rl.rollouts_ahead)
     GroupFiltered   rounds of collect + rewards until every DP rank holds its share of informative groups
-                    (rl.filter_groups: DAPO's dynamic sampling; megagspo.rl.dynamic_sampling)
+                    (rl.filter.enabled: DAPO's dynamic sampling; megagspo.rl.dynamic_sampling)
 
 `source_class` is the one rule for which source a recipe gets and what combines with what; the preflight that
 the trainer and the dry run share applies it, and `build_rollout_source` builds from it. The step never branches
@@ -27,7 +27,6 @@ from typing import List, Optional, Protocol
 import torch
 
 from megagspo.algorithm import group_advantages
-from megagspo.algorithm.registry import build_advantage_config
 from megagspo.config import ConfigError, RLConfig
 from megagspo.data.datasets import Example, PromptDataset
 from megagspo.policy.engine_link import EngineLink
@@ -68,11 +67,11 @@ class RolloutCollector:
         self.tokenizer, self.prompts, self.reward_fn = tokenizer, prompts, reward_fn
 
     def draw_prompts(self) -> List[Example]:
-        """The next rl.prompts_per_step prompts of the stream (every rank the same draw): this rank's share."""
-        return self.dims.local_slice(self.prompts.sample(self.rl.prompts_per_step))
+        """The next rl.batch.prompts_per_step prompts of the stream (every rank the same draw): this rank's share."""
+        return self.dims.local_slice(self.prompts.sample(self.rl.batch.prompts_per_step))
 
     def generate(self, prompts: List[Example]) -> RolloutOutput:
-        return self.engine.generate([ex.prompt_ids for ex in prompts], self.rl.group_size, self.sampling)
+        return self.engine.generate([ex.prompt_ids for ex in prompts], self.rl.batch.group_size, self.sampling)
 
     def collect(self) -> Rollouts:
         prompts = self.draw_prompts()
@@ -82,7 +81,7 @@ class RolloutCollector:
         """(rewards_R, RewardStats) of the verifier on the rollouts' responses."""
         out = rollouts.out
         texts = [self.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
-        answers = [ex.answer for ex in rollouts.prompts for _ in range(self.rl.group_size)]
+        answers = [ex.answer for ex in rollouts.prompts for _ in range(self.rl.batch.group_size)]
         stats = RewardStats()
         if self.dims.mp_size == 1:
             scores = score_batch(self.reward_fn, texts, answers, stats)
@@ -92,8 +91,8 @@ class RolloutCollector:
         return torch.tensor(scores, dtype=torch.float32), stats
 
     def scores_of(self, rewards_R: torch.Tensor, stats: RewardStats) -> Scores:
-        advantages_R = group_advantages(rewards_R, group_size=self.rl.group_size,
-                                        **dataclasses.asdict(build_advantage_config(self.rl)))  # eq. 7, rl.adv_*
+        advantages_R = group_advantages(rewards_R, group_size=self.rl.batch.group_size,
+                                        **dataclasses.asdict(self.rl.advantage))  # eq. 7, rl.advantage
         return Scores(rewards_R, advantages_R, stats)
 
     def scored(self, rollouts: Rollouts, rollout_s: float) -> SourcedBatch:
@@ -156,7 +155,7 @@ class OneStepAhead:
 
 
 class GroupFiltered:
-    """rl.filter_groups (DAPO's dynamic sampling): rounds of collect + rewards until every data-parallel rank holds
+    """rl.filter.enabled (DAPO's dynamic sampling): rounds of collect + rewards until every data-parallel rank holds
     its share of informative groups (reward variance > 0), at most rl.filter_max_rounds."""
 
     holder = None
@@ -166,8 +165,8 @@ class GroupFiltered:
 
     def next(self, step: int) -> SourcedBatch:
         c, cfg, dims = self.collector, self.collector.rl, self.collector.dims
-        need = len(dims.local_slice(list(range(cfg.prompts_per_step))))
-        kept = GroupFilter(need, cfg.group_size)
+        need = len(dims.local_slice(list(range(cfg.batch.prompts_per_step))))
+        kept = GroupFilter(need, cfg.batch.group_size)
         stats, rollout_s, reward_s = [], 0.0, 0.0
         while True:
             t0 = time.perf_counter()
@@ -179,7 +178,7 @@ class GroupFiltered:
             stats.append(round_stats)
             kept.add_round(rollouts.prompts, rollouts.out, rewards_R)
             ranks_short = dims.dp_sum([float(kept.short > 0)])[0]
-            if ranks_short == 0 or kept.rounds >= cfg.filter_max_rounds:
+            if ranks_short == 0 or kept.rounds >= cfg.filter.max_rounds:
                 break
         prompts, out, rewards_R, filled = kept.result(c.tokenizer.pad_id)
         generated, informative, filled_total = dims.dp_sum([float(kept.generated), float(kept.informative),
@@ -197,7 +196,7 @@ class GroupFiltered:
 def source_class(staleness: int, filter_groups: bool, model_parallel: int) -> type:
     """The source a recipe asks for, or a ConfigError naming the keys that cannot combine (the one place)."""
     if staleness and filter_groups:
-        raise ConfigError("rollout.staleness = 1 with rl.filter_groups = true is not supported: dynamic "
+        raise ConfigError("rollout.staleness = 1 with rl.filter.enabled = true is not supported: dynamic "
                           "sampling draws more rounds after seeing the rewards, which a batch generated ahead "
                           "cannot; set one of them")
     if staleness and model_parallel > 1:
@@ -210,7 +209,7 @@ def source_class(staleness: int, filter_groups: bool, model_parallel: int) -> ty
 
 
 def build_rollout_source(collector: RolloutCollector, staleness: int, ahead_seed: int) -> RolloutSource:
-    cls = source_class(staleness, collector.rl.filter_groups, collector.dims.mp_size)
+    cls = source_class(staleness, collector.rl.filter.enabled, collector.dims.mp_size)
     if cls is OneStepAhead:
         return OneStepAhead(collector, collector.rl.steps, ahead_seed)
     return cls(collector)

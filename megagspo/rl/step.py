@@ -7,10 +7,10 @@
                              model's device, shuffled into mini-batches (with a token budget: re-partitioned over
                              DP, megagspo.rl.dp_balance), split into MicroBatches by count or token budget
                              (megagspo.rl.micro_batches); each micro-batch's model view is one packed stream of
-                             whole sequences (rl.packing) or padded rows, its loss view the flat tensors
+                             whole sequences (rl.batch.packing) or padded rows, its loss view the flat tensors
     old_policy               pi_old per micro-batch: a Megatron no-grad recompute (routes recorded for R2 and
                              volatility; R3 replays the engine's) or the engine's log-probs (GSPO §5.4); and
-                             the frozen KL reference's log-probs when rl.kl_coef > 0
+                             the frozen KL reference's log-probs when rl.kl.coef > 0
     update   -> Updates      per mini-batch: forward (routes replayed under R2/R3), the registered loss (GSPO
                              eq. 6 / GSPO-token eq. 14 / GRPO eq. 2) normalised by GLOBAL counts, backward over
                              its micro-batches, one optimizer step; expert volatility against pi_old's routes
@@ -101,7 +101,7 @@ class RLStep:
     engine: EngineLink
     loss_fn: Callable                # (PackedBatch, loss_cfg) -> (loss, metrics): megagspo.kernels.policy_losses.build_loss
     loss_cfg: object
-    reference: Optional[KLReference]  # the frozen KL reference (rl.kl_coef > 0), else None
+    reference: Optional[KLReference]  # the frozen KL reference (rl.kl.coef > 0), else None
     rl: object                       # megagspo.config.RLConfig
     source: RolloutSource            # scored rollouts: synchronous, one step ahead or group-filtered
     tokenizer: object
@@ -131,36 +131,37 @@ class RLStep:
 
     # -------------------------------------------------------------------------------------------- stages
     def prepare(self, rollouts: Rollouts, scores: Scores) -> UpdateBatch:
-        """The rollouts as one SequenceBatch on the model's device, its sequences shuffled into rl.mini_batches
+        """The rollouts as one SequenceBatch on the model's device, its sequences shuffled into rl.batch.mini_batches
         mini-batches (re-partitioned over DP by tokens with a token budget), each split into micro-batches."""
         cfg, out = self.rl, rollouts.out
         natural = max(map(len, out.prompt_ids)) + out.response_ids_RL.shape[1] - 1
-        uses_engine_routes = out.routes_RPLyK is not None and (cfg.routing_replay == "r3" or cfg.old_logp == "rollout")
+        uses_engine_routes = out.routes_RPLyK is not None and (cfg.routing_replay == "r3" or cfg.old_policy.source == "rollout")
         seqs = SequenceBatch.from_rollouts(out, scores.advantages_R, self.tokenizer.pad_id,
                                            row_len=self.dims.seq_length(natural),
                                            route_spec=self.policy.replay_spec if uses_engine_routes else None)
         seqs = seqs.to(self.policy.device)
         perm = torch.randperm(seqs.num_sequences, generator=self.sample_gen)
-        mini_rows = list(perm.chunk(cfg.mini_batches))
-        if cfg.max_tokens_per_micro_batch and self.dims.dp_size > 1:
+        sizes = cfg.batch
+        mini_rows = list(perm.chunk(sizes.mini_batches))
+        if sizes.max_tokens_per_micro_batch and self.dims.dp_size > 1:
             # each mini-batch's sequences re-partitioned over the DP ranks: equal counts, nearly equal tokens
             seqs, mini_rows = balance_over_dp(self.dims, seqs, mini_rows)
         lengths = torch.tensor(seqs.lengths)
         # the gradients of a mini-batch's micro-batches accumulate before its one reduction / clip / optimizer step
-        if cfg.max_tokens_per_micro_batch:
-            split = token_budget_split(mini_rows, lengths, cfg.max_tokens_per_micro_batch, self.dims)
+        if sizes.max_tokens_per_micro_batch:
+            split = token_budget_split(mini_rows, lengths, sizes.max_tokens_per_micro_batch, self.dims)
         else:
-            split = [[rows[sl] for sl in micro_slices(len(rows), cfg.micro_batch_size)] for rows in mini_rows]
+            split = [[rows[sl] for sl in micro_slices(len(rows), sizes.micro_batch_size)] for rows in mini_rows]
         minis = []
         for k, micro in enumerate(split):
             minis.append([])
             for j, rows in enumerate(micro):
                 part = seqs.select(rows.tolist())
-                minis[-1].append(MicroBatch(k, j, part, part.model_input(cfg.packing, self.dims)))
+                minis[-1].append(MicroBatch(k, j, part, part.model_input(sizes.packing, self.dims)))
         # each mini-batch's response tokens: its micro-batches partition it
         response_tokens = [float(sum(mb.seqs.loss_mask_T.sum() for mb in mini)) for mini in minis]
         return UpdateBatch(minis=minis, tokens_per_mini=self.dims.dp_sum(response_tokens),
-                           sequences_per_mini=cfg.prompts_per_step * cfg.group_size // cfg.mini_batches)
+                           sequences_per_mini=sizes.samples // sizes.mini_batches)
 
     def old_policy(self, batch: UpdateBatch) -> None:
         """Fill each micro-batch's pi_old log-probs and routes (and the reference's log-probs)."""
@@ -195,7 +196,8 @@ class RLStep:
         cfg = self.rl
         policy = self.policy
         replayed = cfg.routing_replay in ("r2", "r3")
-        result = Updates(lr=lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+        opt = cfg.optim
+        result = Updates(lr=lr_at(step, cfg.steps, opt.lr, opt.warmup_steps, opt.schedule, opt.min_lr_ratio))
         set_lr(optimizer, result.lr)
         tally = VolatilityTally()
         for k, micro in enumerate(batch.minis):
@@ -227,7 +229,7 @@ class RLStep:
         """(j, logp, entropy) -> the registered loss of micro-batch j of mini-batch k, normalised by GLOBAL
         counts (the whole mini-batch over all DP ranks): micro-batch losses add up to the mini-batch loss, and
         their accumulated gradients to its gradient."""
-        recompute = self.rl.old_logp == "recompute"
+        recompute = self.rl.old_policy.source == "recompute"
 
         def policy_loss(j, logp_BS, entropy_BS):
             mb = micro[j]

@@ -22,14 +22,14 @@ class Evaluator:
     reward_fn: Callable              # (response, answer) -> [0, 1]
     held_out: list                   # megagspo.data Examples
     max_response_tokens: int
-    samples: int                     # rl.eval_samples: sampled answers per problem (0: greedy only)
+    samples: int                     # rl.eval.samples: sampled answers per problem (0: greedy only)
     temperature: float
     top_p: float
 
     @torch.no_grad()
     def __call__(self) -> dict:
         """Greedy decoding on the held-out set (split over DP ranks); exact reward as accuracy; sampled accuracy
-        only where rl.eval_samples > 0 (the key is absent otherwise). Under TP only
+        only where rl.eval.samples > 0 (the key is absent otherwise). Under TP only
         model-parallel rank 0 decodes and scores (its TP x PP peers hold the same engine weights); its counts
         are shared."""
         local = self.dims.on_mp_rank0("held-out evaluation", self._evaluate_local)
@@ -38,7 +38,7 @@ class Evaluator:
         # must not read as the model's own
         out = {"eval/accuracy": correct / max(total, 1), "eval/response_length": lengths / max(total, 1),
                "eval/count": total, "eval/timeouts": timeouts}
-        if self.samples:  # unmeasured (rl.eval_samples = 0): absent from the rows, never recorded as 0
+        if self.samples:  # unmeasured (rl.eval.samples = 0): absent from the rows, never recorded as 0
             out["eval/sampled_accuracy"] = sampled_correct / max(total, 1)
         return out
 

@@ -45,19 +45,19 @@ def check_batch_sizes(cfg: Config, dp: int) -> None:
     """RL and SFT batches over `dp` data-parallel ranks (the TP x PP ranks of one data-parallel rank share its
     prompts, rollouts and batches), mini-batches and micro-batches."""
     rl = cfg.rl
-    if rl.prompts_per_step % dp:
-        raise ConfigError(f"rl.prompts_per_step = {rl.prompts_per_step} does not divide over {dp} data-parallel ranks")
-    local = rl.prompts_per_step // dp * rl.group_size
-    if local % rl.mini_batches:
+    if rl.batch.prompts_per_step % dp:
+        raise ConfigError(f"rl.batch.prompts_per_step = {rl.batch.prompts_per_step} does not divide over {dp} data-parallel ranks")
+    local = rl.batch.prompts_per_step // dp * rl.batch.group_size
+    if local % rl.batch.mini_batches:
         raise ConfigError(
-            f"each of the {dp} data-parallel ranks gets {rl.prompts_per_step // dp} prompts x {rl.group_size} = "
-            f"{local} samples, which do not divide into rl.mini_batches = {rl.mini_batches}")
-    mini = local // rl.mini_batches
-    if rl.micro_batch_size and mini % rl.micro_batch_size:
+            f"each of the {dp} data-parallel ranks gets {rl.batch.prompts_per_step // dp} prompts x {rl.batch.group_size} = "
+            f"{local} samples, which do not divide into rl.batch.mini_batches = {rl.batch.mini_batches}")
+    mini = local // rl.batch.mini_batches
+    if rl.batch.micro_batch_size and mini % rl.batch.micro_batch_size:
         raise ConfigError(
-            f"rl.micro_batch_size = {rl.micro_batch_size} does not divide the {mini} sequences of each mini-batch "
-            f"on each data-parallel rank (rl.prompts_per_step {rl.prompts_per_step} / {dp} ranks x rl.group_size "
-            f"{rl.group_size} / rl.mini_batches {rl.mini_batches}); valid values: 0 (whole mini-batch) or "
+            f"rl.batch.micro_batch_size = {rl.batch.micro_batch_size} does not divide the {mini} sequences of each mini-batch "
+            f"on each data-parallel rank (rl.batch.prompts_per_step {rl.batch.prompts_per_step} / {dp} ranks x rl.batch.group_size "
+            f"{rl.batch.group_size} / rl.batch.mini_batches {rl.batch.mini_batches}); valid values: 0 (whole mini-batch) or "
             f"{', '.join(str(d) for d in _divisors(mini))}")
     if cfg.sft.steps and cfg.sft.batch_size % dp:
         raise ConfigError(f"sft.batch_size = {cfg.sft.batch_size} does not divide over {dp} data-parallel ranks")

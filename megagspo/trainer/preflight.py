@@ -10,8 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megagspo.algorithm.registry import LossOptionError
 from megagspo.config import Config, ConfigError
+from megagspo.kernels.policy_losses import check_loss_impl
 from megagspo.policy.init_weights import InitSource, preflight_init_from
+from megagspo.rewards import available_rewards
+from megagspo.rollout import available_engines
+from megagspo.rollout.sglang_engine import SGLangEngineConfig
 from megagspo.rl.sources import source_class
 from megagspo.trainer.layout import check_layout
 from moe.parallel import ParallelShape
@@ -24,11 +29,38 @@ class Preflight:
     init_source: Optional[InitSource]  # None when model.init_from is not on this machine (dry run only)
 
 
+def check_components(cfg: Config) -> None:
+    """The registry names and sections that need a component's own code to check, each raised as a ConfigError
+    naming its key: the reward, the rollout engine and its sglang section, the fused loss kernel, the rollout
+    source. megagspo.config validates everything else on load without importing these components."""
+    def choice(key: str, value, valid) -> None:
+        if value not in valid:
+            raise ConfigError(f"{key} = {value!r} is not valid; valid values: {', '.join(valid)}")
+
+    choice("reward.name", cfg.reward.name, available_rewards())
+    choice("rollout.engine", cfg.rollout.engine, available_engines())
+    if cfg.rollout.engine == "sglang":
+        try:
+            SGLangEngineConfig(**cfg.rollout.sglang)
+        except TypeError as exc:
+            import inspect
+
+            valid = ", ".join(inspect.signature(SGLangEngineConfig).parameters)
+            raise ConfigError(f"rollout.sglang: {exc}; valid keys: {valid}") from None
+        except ValueError as exc:
+            raise ConfigError(f"rollout.sglang: {exc}") from None
+    try:
+        check_loss_impl(cfg.rl)
+    except LossOptionError as exc:
+        raise ConfigError(str(exc)) from None
+    source_class(cfg.rollout.staleness, cfg.rl.filter.enabled,  # which rollout source; what combines with what
+                 cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
+
+
 def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bool = True) -> Preflight:
     """Raise ConfigError (naming the key) for the first thing that cannot work; `vocab_size` is the
     tokenizer's (0 when it is not on this machine)."""
-    source_class(cfg.rollout.staleness, cfg.rl.filter_groups,  # which rollout source; what combines with what
-                 cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
+    check_components(cfg)
     arch = cfg.model.architecture(vocab_size)
     # batch sizes over the ranks, and the sizes the model is built from (arch_file / init_from's config.json /
     # the recipe) over TP / EP / PP

@@ -37,8 +37,8 @@ def open_run_files(cfg: Config, dims: ParallelDims, ckpt: CheckpointManager, res
 def write_summary(cfg: Config, summary: dict, rows: list) -> None:
     """Rank 0, at the end: the plots (log.plots) and summary.json."""
     if cfg.log.plots:
-        summary["plots"] = write_plots(rows, cfg.run_dir(), summary["cold_start/accuracy"], loss=cfg.rl.loss,
-                                       sampled_measured=bool(cfg.rl.eval_samples),
+        summary["plots"] = write_plots(rows, cfg.run_dir(), summary["cold_start/accuracy"], loss=cfg.rl.loss.name,
+                                       sampled_measured=bool(cfg.rl.eval.samples),
                                        cold_start_label="cold start" if cfg.sft.steps else "before RL")
     with open(os.path.join(cfg.run_dir(), "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -17,10 +17,11 @@ import torch
 from megagspo.metrics_log import timeouts_note
 from megagspo.policy.engine_link import EngineLink
 from megagspo.policy.megatron_policy import MegatronPolicy, build_sequences
+from megagspo.policy.models import optimizer_settings
 from megagspo.rl.micro_batches import micro_slices
 from megagspo.rl.schedule import lr_at
 from megagspo.trainer.hooks import RunHooks
-from moe.optimizer import OptimizerSettings, set_lr
+from moe.optimizer import set_lr
 from moe.parallel import ParallelDims
 
 
@@ -40,15 +41,14 @@ class ColdStartSFT:
         cfg = self.sft
         if cfg.steps == 0:
             return {}
-        opt = self.policy.make_optimizer(OptimizerSettings(lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                           beta1=0.9, beta2=0.99, clip_grad=cfg.grad_clip))
+        opt = self.policy.make_optimizer(optimizer_settings(cfg.optim))
         bar = self.hooks.progress(cfg.steps, "cold-start SFT")
         per_rank = cfg.batch_size // self.dims.dp_size
         micro_rows = micro_slices(per_rank, cfg.micro_batch_size)
         self.policy.set_micro_batches(len(micro_rows))
         t_start = time.perf_counter()
         for step in range(cfg.steps):
-            lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_steps, "cosine", 0.1)
+            lr = lr_at(step, cfg.steps, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
             set_lr(opt, lr)
             loss_sum, gnorm = self._step(opt, micro_rows)
             do_eval = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0

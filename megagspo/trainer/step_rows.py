@@ -1,4 +1,4 @@
-"""The metrics row of each RL step: the step's own metrics, then held-out evaluation every rl.eval_every steps
+"""The metrics row of each RL step: the step's own metrics, then held-out evaluation every rl.eval.every steps
 and after the last step, whose latest result every row carries (`eval/fresh` says whether it was measured at
 this step)."""
 

@@ -7,7 +7,7 @@ checkpoints and preemption. The parts never see it: each is built from explicit 
                    -> Evaluator, ColdStartSFT, RLStep (megagspo.trainer.evaluation / sft, megagspo.rl.step)
     train()        held-out accuracy -> cold-start SFT -> step_000000
                    -> RL steps (collect -> score -> prepare -> old_policy -> update -> summarize), evaluation
-                      every rl.eval_every steps (step_rows), a checkpoint when due or on SIGTERM / SIGINT
+                      every rl.eval.every steps (step_rows), a checkpoint when due or on SIGTERM / SIGINT
                    -> summary.json, plots, checkpoint.pt
 
 Tensor and pipeline parallelism: the TP x PP ranks of one data-parallel rank (its model-parallel group) get
@@ -37,7 +37,7 @@ from megagspo.data import PromptDataset
 from megagspo.metrics_log import cold_start_line, eval_record, final_line, timeouts_note
 from megagspo.policy.engine_link import EngineLink, build_engine
 from megagspo.policy.megatron_policy import setup_parallel
-from megagspo.policy.models import build_models, rl_optimizer_settings
+from megagspo.policy.models import build_models, optimizer_settings
 from megagspo.rl.sources import RolloutCollector, build_rollout_source
 from megagspo.rl.step import RLStep
 from megagspo.rollout import SamplingParams
@@ -84,7 +84,7 @@ class Trainer:
         if self.resume:  # the same answer on every rank: every rank refuses together
             check_resume_reaches(self.resume, cfg.rl.steps)
         self.checkpointed = bool(self.resume)  # this run has a checkpoint to continue from (a stop names the way on)
-        # the policy, and the frozen KL reference (rl.kl_coef > 0) before the RNG is reseeded (models.py)
+        # the policy, and the frozen KL reference (rl.kl.coef > 0) before the RNG is reseeded (models.py)
         self.policy, self.reference = build_models(cfg, arch, self.dims, self.ckpt, self.resume,
                                                    inputs.checked.init_source, self.adamw_class)
         self.optimizer = None  # the RL optimizer, made by run_rl (SFT has its own, freed after the cold start)
@@ -115,7 +115,7 @@ class Trainer:
         hooks = RunHooks(log=self.logger.log, say=self.console.say, progress=self.console.progress,
                          stop_requested=self.stop.requested, preempted=self._preempted)
         self.evaluator = Evaluator(self.dims, self.engine, self.tokenizer, self.reward_fn, inputs.held_out,
-                                   cfg.data.max_response_tokens, cfg.rl.eval_samples, cfg.rollout.temperature,
+                                   cfg.data.max_response_tokens, cfg.rl.eval.samples, cfg.rollout.temperature,
                                    cfg.rollout.top_p)
         self.sft = ColdStartSFT(self.dims, self.policy, self.tokenizer, self.train_ds, cfg.sft, self.link,
                                 self.evaluator, hooks)
@@ -145,9 +145,9 @@ class Trainer:
         return self.step(step, self.optimizer)
 
     def make_rl_optimizer(self):
-        """Megatron's distributed optimizer (AdamW) for the RL updates (rl.lr, betas, weight decay, clip);
+        """Megatron's distributed optimizer (AdamW) for the RL updates (rl.optim.lr, betas, weight decay, clip);
         its fp32 master weights start from the policy's weights now (after cold-start SFT / init / resume)."""
-        return self.policy.make_optimizer(rl_optimizer_settings(self.cfg))
+        return self.policy.make_optimizer(optimizer_settings(self.cfg.rl.optim))
 
     # ------------------------------------------------------------------------------------------- the loop
     def run_rl(self, cold_start: dict, start_step: int = 0) -> dict:
@@ -157,8 +157,8 @@ class Trainer:
             self.ckpt.load_optimizer(self.policy, self.optimizer, self.resume)
         if self.reference is not None and not self.reference.ready:
             self.reference.start_from(self.policy)
-        bar = self.console.progress(cfg.steps, f"{cfg.loss.upper()} RL")
-        rows = StepRows(self.evaluator, cfg.eval_every, cfg.steps, cold_start)  # held-out every rl.eval_every
+        bar = self.console.progress(cfg.steps, f"{cfg.loss.name.upper()} RL")
+        rows = StepRows(self.evaluator, cfg.eval.every, cfg.steps, cold_start)  # held-out every rl.eval.every
         if bar is not None and start_step:
             bar.update(start_step)
         for step in range(start_step, cfg.steps):
@@ -197,7 +197,7 @@ class Trainer:
         if self.cfg.sft.steps and self.cfg.log.save_checkpoint and rl and self.cfg.rl.steps:
             self.save_checkpoint("cold_start.pt")  # megagspo train model.init_from=<run>/cold_start.pt sft.steps=0
         cold = self.evaluator()
-        self.summary.update(eval_record("cold_start", cold, self.cfg.rl.eval_samples))  # only what was measured
+        self.summary.update(eval_record("cold_start", cold, self.cfg.rl.eval.samples))  # only what was measured
         self.logger.log({"phase": "cold_start", "step": 0, "eval/accuracy": cold["eval/accuracy"],
                          "eval/timeouts": cold["eval/timeouts"], "init/accuracy": base["eval/accuracy"]})
         if rl and self.cfg.rl.steps:
@@ -212,8 +212,8 @@ class Trainer:
         self.console.say(cold_start_line(base, cold, self.cfg.sft.steps))
         if rl and self.cfg.rl.steps:
             final = self._timed_rl(cold)
-            self.console.say(final_line(final, cold, self.cfg.rl.steps, self.cfg.rl.loss, self.cfg.sft.steps,
-                                        self.cfg.rl.eval_samples, self.cfg.rollout.temperature))
+            self.console.say(final_line(final, cold, self.cfg.rl.steps, self.cfg.rl.loss.name, self.cfg.sft.steps,
+                                        self.cfg.rl.eval.samples, self.cfg.rollout.temperature))
         return self._finish(t0)
 
     def _train_resumed(self, t0: float) -> dict:
@@ -222,7 +222,7 @@ class Trainer:
         self.summary.update(state.get("summary", {}))
         cold = dict(state["last_eval"])
         final = self._timed_rl(cold, state["step"]) if state["step"] < self.cfg.rl.steps else self._record_final(cold)
-        self.console.say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss} steps (resumed at step "
+        self.console.say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss.name} steps (resumed at step "
                          f"{state['step']}): greedy {final['eval/accuracy']:.3f}" + timeouts_note(("after RL", final)))
         return self._finish(t0)
 
@@ -234,7 +234,7 @@ class Trainer:
         return self._record_final(final)
 
     def _record_final(self, final: dict) -> dict:
-        self.summary.update(eval_record("final", final, self.cfg.rl.eval_samples))  # only what was measured
+        self.summary.update(eval_record("final", final, self.cfg.rl.eval.samples))  # only what was measured
         return final
 
     def _finish(self, t0: float) -> dict:
