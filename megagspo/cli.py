@@ -31,6 +31,7 @@ def _quiet_third_party() -> None:
     (shown once per place it is raised from)."""
     import logging
 
+    warnings.showwarning = _show_warning
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|cuda_graph_scope).*")
     # Megatron's distributed optimizer calls these torch.distributed names; torch 2.13 deprecates them
@@ -49,6 +50,18 @@ def _quiet_third_party() -> None:
         handler.addFilter(_LibraryLog())
         megatron.addHandler(handler)
         megatron.propagate = False
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A recipe or override using keys from before the rl sections (megagspo.config_moves.MovedKeyWarning) is told
+    in one line that a person acts on (which keys, their names now), not with Python's file:line and source."""
+    if category.__name__ == "MovedKeyWarning":  # by name: this module imports only the standard library early
+        print(f"megagspo: warning: {message}", file=file or sys.stderr)
+        return
+    _PYTHON_SHOW_WARNING(message, category, filename, lineno, file, line)
+
+
+_PYTHON_SHOW_WARNING = warnings.showwarning
 
 
 class _LibraryLog:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -358,13 +359,13 @@ _FORMER_BOOLEANS = {"rl.old_policy.correction.method": {True: "seq_tis", False: 
 class OptimConfig:
     """Megatron's distributed AdamW and its learning-rate schedule (rl.optim and sft.optim)."""
 
-    lr: float = 1e-3
+    lr: float = 1e-3                # the peak learning rate
     schedule: str = "constant"      # constant | cosine | linear (decay to min_lr_ratio * lr, after the warmup)
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.99
+    warmup_steps: int = 0           # linear warmup from 0 over this many optimizer steps
+    min_lr_ratio: float = 0.1       # cosine / linear end at this fraction of lr
+    weight_decay: float = 0.0       # AdamW's decoupled weight decay
+    beta1: float = 0.9              # AdamW's first-moment decay
+    beta2: float = 0.99             # AdamW's second-moment decay
     grad_clip: float = 1.0          # the global gradient norm is clipped to this
 
     def __post_init__(self) -> None:
@@ -486,8 +487,8 @@ class FilterConfig:
     (zero advantage) and draw more prompts until the batch is full, in at most max_rounds rounds of generation
     (then zero-advantage groups fill what is left, reported as filter/filled_frac)."""
 
-    enabled: bool = False
-    max_rounds: int = 3
+    enabled: bool = False           # true: drop zero-advantage groups and draw again (DAPO's dynamic sampling)
+    max_rounds: int = 3             # rounds of generation per step at most
 
     def __post_init__(self) -> None:
         _pos_int("rl.filter", "max_rounds", self.max_rounds)
@@ -513,7 +514,7 @@ class RLConfig:
     its own frozen Config classes; build_loss_config(cfg.rl) assembles the loss's Config from rl.loss, rl.kl and
     rl.old_policy and validates the combination here and in the trainer."""
 
-    steps: int = 100
+    steps: int = 100                # RL steps (each: one rollout batch, rl.batch.mini_batches updates)
     # routing replay, the one switch (moe.routing_replay on Megatron-Core's RouterReplay): none | r2 (pi_old's
     # routes, recorded in the recompute forward, replayed in training) | r3 (the rollout engine's routes
     # replayed; the engine is asked for them: rollout.record_routes follows this key)
@@ -755,6 +756,27 @@ def _declared_default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
+def _leaf_paths(cls, prefix: str) -> dict:
+    """{leaf name: [dotted paths]} of every key under the dataclass `cls` at `prefix`, sections included."""
+    out: dict = {}
+    for f in dataclasses.fields(cls):
+        default = _declared_default(f)
+        if dataclasses.is_dataclass(default):
+            for leaf, paths in _leaf_paths(type(default), f"{prefix}{f.name}.").items():
+                out.setdefault(leaf, []).extend(paths)
+        else:
+            out.setdefault(f.name, []).append(f"{prefix}{f.name}")
+    return out
+
+
+def _did_you_mean(cls, key: str, prefix: str) -> str:
+    """' (did you mean rl.loss.clip_low?)' for a key close to one a section nests (a typo of a flat key of an
+    earlier recipe, `rl.clip_lo`, lands in the section that holds clip_low now); '' when nothing is close."""
+    leaves = _leaf_paths(cls, prefix)
+    close = difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.75)
+    return f" (did you mean {' or '.join(leaves[close[0]])}?)" if close else ""
+
+
 def _build(cls, raw: dict, prefix: str, base: Any = None):
     """An instance of `cls` from the mapping `raw` at dotted `prefix`; a field that is itself a dataclass is a
     section, built from its own mapping on top of the field's declared default (`base` there). Every error is a
@@ -767,8 +789,8 @@ def _build(cls, raw: dict, prefix: str, base: Any = None):
     for key, value in raw.items():
         path = f"{prefix}{key}"
         if key not in declared:
-            raise ConfigError(f"unknown config key {_show(path)}; valid keys{' in ' + prefix[:-1] if prefix else ''}: "
-                              f"{', '.join(declared)}")
+            raise ConfigError(f"unknown config key {_show(path)}{_did_you_mean(cls, key, prefix)}; valid keys"
+                              f"{' in ' + prefix[:-1] if prefix else ''}: {', '.join(declared)}")
         default = _declared_default(declared[key])
         if dataclasses.is_dataclass(default):
             kwargs[key] = _build(type(default), {} if value is None else value, f"{path}.", default)

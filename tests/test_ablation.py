@@ -21,9 +21,9 @@ from multiprocess import cpu_pinned_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "configs", "ablations", "tiny_cpu.yaml")
-ARMS = {"gspo": {"rl.loss": "gspo", "rl.clip_low": 0.003, "rl.clip_high": 0.004},
-        "grpo_r2": {"rl.loss": "grpo", "rl.clip_low": 0.2, "rl.clip_high": 0.27, "rl.routing_replay": "r2"},
-        "grpo": {"rl.loss": "grpo", "rl.clip_low": 0.2, "rl.clip_high": 0.27, "rl.routing_replay": "none"}}
+ARMS = {"gspo": {"rl.loss.name": "gspo", "rl.loss.clip_low": 0.003, "rl.loss.clip_high": 0.004},
+        "grpo_r2": {"rl.loss.name": "grpo", "rl.loss.clip_low": 0.2, "rl.loss.clip_high": 0.27, "rl.routing_replay": "r2"},
+        "grpo": {"rl.loss.name": "grpo", "rl.loss.clip_low": 0.2, "rl.loss.clip_high": 0.27, "rl.routing_replay": "none"}}
 
 
 def _write_recipe(tmp_path, **changes):
@@ -211,7 +211,7 @@ def test_reversed_claim_and_missing_cells_are_reported(tmp_path):
     assert verdicts["Figure 2: GSPO clips far more tokens than GRPO yet learns better"].startswith("DID NOT HOLD")
     text = open(write_report(spec)).read()
     assert "Missing or unfinished runs" in text and os.path.join("grpo", "seed1") in text
-    assert "| grpo | `rl.loss=grpo`" in text and "1 of 2" in text
+    assert "| grpo | `rl.loss.name=grpo`" in text and "1 of 2" in text
 
 
 def test_smooth_and_mean_std_against_hand_values():
@@ -222,8 +222,8 @@ def test_smooth_and_mean_std_against_hand_values():
 
 
 # ------------------------------------------------------------------------------------------- end to end
-SHORT = ["sft.steps=4", "sft.batch_size=16", "rl.steps=3", "rl.prompts_per_step=4", "rl.group_size=4",
-         "rl.mini_batches=2", "rl.eval_every=2", "data.train_size=200", "data.eval_size=20"]
+SHORT = ["sft.steps=4", "sft.batch_size=16", "rl.steps=3", "rl.batch.prompts_per_step=4", "rl.batch.group_size=4",
+         "rl.batch.mini_batches=2", "rl.eval.every=2", "data.train_size=200", "data.eval_size=20"]
 
 
 def _ablate(args, timeout=300):
@@ -277,5 +277,5 @@ def test_cluster_ablation_cells_each_pass_the_dry_run():
         report = dry_run(cfg, missing_paths=missing)
         assert report.world_size == 8, cell
         assert cfg.rollout.record_routes == (cfg.rl.routing_replay == "r3"), cell
-    assert configs["off_policy_4x/gspo"].rl.clip_low == 3e-4 and configs["on_policy/grpo_r2"].rl.routing_replay == "r2"
-    assert {c.rl.mini_batches for c in configs.values()} == {1, 4}
+    assert configs["off_policy_4x/gspo"].rl.loss.clip_low == 3e-4 and configs["on_policy/grpo_r2"].rl.routing_replay == "r2"
+    assert {c.rl.batch.mini_batches for c in configs.values()} == {1, 4}

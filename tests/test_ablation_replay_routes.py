@@ -23,7 +23,7 @@ from megagspo.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "configs", "ablations", "moe_volatile_cpu.yaml")
-ONE_STEP = ["sft.steps=0", "rl.steps=1", "rl.prompts_per_step=4", "rl.group_size=2", "rl.eval_every=1000",
+ONE_STEP = ["sft.steps=0", "rl.steps=1", "rl.batch.prompts_per_step=4", "rl.batch.group_size=2", "rl.eval.every=1000",
             "data.train_size=64", "data.eval_size=4", "log.save_checkpoint=false", "log.plots=false",
             "log.tensorboard=false", "log.progress=false", "threads=1"]
 

@@ -17,12 +17,12 @@ from megagspo.ablation.results import ArmResult, CellResult
 from megagspo.config import ConfigError, flatten_keys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARMS = {"gspo": {"rl.loss": "gspo", "rl.clip_low": 0.003, "rl.clip_high": 0.004, "rl.routing_replay": "none"},
-        "gspo_r3": {"rl.loss": "gspo", "rl.clip_low": 0.003, "rl.clip_high": 0.004, "rl.routing_replay": "r3"},
-        "grpo": {"rl.loss": "grpo", "rl.clip_low": 0.2, "rl.clip_high": 0.27, "rl.routing_replay": "none"},
-        "grpo_r2": {"rl.loss": "grpo", "rl.clip_low": 0.2, "rl.clip_high": 0.27, "rl.routing_replay": "r2"},
-        "grpo_r3": {"rl.loss": "grpo", "rl.clip_low": 0.2, "rl.clip_high": 0.27, "rl.routing_replay": "r3"}}
-SETTINGS = {"on_policy": {"rl.mini_batches": 1}, "off_policy_4x": {"rl.mini_batches": 4}}
+ARMS = {"gspo": {"rl.loss.name": "gspo", "rl.loss.clip_low": 0.003, "rl.loss.clip_high": 0.004, "rl.routing_replay": "none"},
+        "gspo_r3": {"rl.loss.name": "gspo", "rl.loss.clip_low": 0.003, "rl.loss.clip_high": 0.004, "rl.routing_replay": "r3"},
+        "grpo": {"rl.loss.name": "grpo", "rl.loss.clip_low": 0.2, "rl.loss.clip_high": 0.27, "rl.routing_replay": "none"},
+        "grpo_r2": {"rl.loss.name": "grpo", "rl.loss.clip_low": 0.2, "rl.loss.clip_high": 0.27, "rl.routing_replay": "r2"},
+        "grpo_r3": {"rl.loss.name": "grpo", "rl.loss.clip_low": 0.2, "rl.loss.clip_high": 0.27, "rl.routing_replay": "r3"}}
+SETTINGS = {"on_policy": {"rl.batch.mini_batches": 1}, "off_policy_4x": {"rl.batch.mini_batches": 4}}
 
 
 def _write_recipe(tmp_path, **changes):
@@ -76,9 +76,9 @@ def test_without_settings_the_cells_are_the_arms_in_their_old_folders(tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"settings": {"off": {"rl.loss": "grpo"}}}, "arm 'gspo' and setting 'off' both set 'rl.loss'"),
-    ({"settings": {"grpo": {"rl.mini_batches": 2}}}, "has the name of an arm"),
-    ({"settings": {"Off": {"rl.mini_batches": 2}}}, "setting name 'Off'"),
+    ({"settings": {"off": {"rl.loss.name": "grpo"}}}, "arm 'gspo' and setting 'off' both set 'rl.loss.name'"),
+    ({"settings": {"grpo": {"rl.batch.mini_batches": 2}}}, "has the name of an arm"),
+    ({"settings": {"Off": {"rl.batch.mini_batches": 2}}}, "setting name 'Off'"),
     ({"settings": {"off": {"model.num_experts": 8}}}, "settings.off: 'model.num_experts' would change the model"),
     ({"settings": {"off": {"seed": 2}}}, "'seed' is set by the harness"),
     ({"settings": {"off": 4}}, "setting 'off' must map keys to values"),
@@ -103,7 +103,7 @@ def test_the_default_testbed_is_5_arms_x_2_settings_x_3_seeds_with_its_own_cold_
     spec = load_ablation(os.path.join(REPO, "configs", "ablations", "moe_volatile_cpu.yaml"))
     assert set(spec.arms) == set(ARMS) and len(spec.settings) == 2 and len(spec.seeds) == 3
     configs = spec.validate_runs([])
-    roles = {(ArmResult(c, cfg.to_dict()).role, cfg.rl.mini_batches) for c, cfg in configs.items()}
+    roles = {(ArmResult(c, cfg.to_dict()).role, cfg.rl.batch.mini_batches) for c, cfg in configs.items()}
     assert roles == {(r, m) for r in ARMS for m in (1, 4)}
     runs = plan_runs(spec, [])
     assert [r.kind for r in runs].count("cold_start") == 3 and len(runs) == 3 + 30
@@ -133,8 +133,8 @@ def test_cluster_recipe_prints_one_command_per_cell_and_seed():
 # ------------------------------------------------------------------------------------ the claim rules
 def _arm(name, role, per_seed_acc, mini_batches=4, setting="s", reward=None, tok_clip=0.01):
     loss, _, replay = role.partition("_")
-    config = {"rl": {"loss": loss, "routing_replay": replay or "none", "mini_batches": mini_batches,
-                     "clip_low": 0.2, "clip_high": 0.27}}
+    config = {"rl": {"loss": {"name": loss, "clip_low": 0.2, "clip_high": 0.27}, "routing_replay": replay or "none",
+                     "batch": {"mini_batches": mini_batches}}}
     cells = []
     for seed, acc in per_seed_acc.items():
         r = acc if reward is None else reward
@@ -249,8 +249,8 @@ def test_short_arms_x_settings_ablation_end_to_end(tmp_path):
     from multiprocess import cpu_pinned_env
 
     recipe = os.path.join(REPO, "configs", "ablations", "moe_volatile_cpu.yaml")
-    short = ["sft.steps=4", "sft.batch_size=16", "rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4",
-             "rl.eval_every=2", "data.train_size=200", "data.eval_size=20", "checkpoint.every_steps=0"]
+    short = ["sft.steps=4", "sft.batch_size=16", "rl.steps=2", "rl.batch.prompts_per_step=4", "rl.batch.group_size=4",
+             "rl.eval.every=2", "data.train_size=200", "data.eval_size=20", "checkpoint.every_steps=0"]
     out = str(tmp_path / "abl")
     args = ["--config", recipe, "--out", out, "--seeds", "0", "--arms", "grpo,grpo_r3", "--jobs", "2", *short]
     env = cpu_pinned_env(PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -268,7 +268,7 @@ def test_short_arms_x_settings_ablation_end_to_end(tmp_path):
         assert f"| {cell} |" in text
         with open(os.path.join(spec.cell_dir(cell, 0), "config.yaml")) as f:
             cfg = yaml.safe_load(f)
-        assert cfg["rl"]["mini_batches"] == spec.settings[setting]["rl.mini_batches"]
+        assert cfg["rl"]["batch"]["mini_batches"] == spec.settings[setting]["rl.batch.mini_batches"]
         assert cfg["rl"]["routing_replay"] == spec.arms[arm]["rl.routing_replay"]
         rows = [json.loads(line) for line in open(os.path.join(spec.cell_dir(cell, 0), "metrics.jsonl"))]
         assert len([r for r in rows if r["phase"] == "rl"]) == 2

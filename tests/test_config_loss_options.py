@@ -155,7 +155,7 @@ def test_advantage_options_reach_group_advantages():
     (["rl.old_policy.source=rollout", "rl.old_policy.correction.method=true"],
      ["rl.old_policy.correction.method", "needs source='recompute'"]),
     (["rl.old_policy.correction.cap=0.5"], ["rl.old_policy.correction.cap must be a finite number >= 1"]),
-    (["rl.advantage.eps=0"], ["rl.advantage.eps"]),
+    (["rl.advantage.eps=-1"], ["rl.advantage.eps must be a finite number >= 0"]),
     (["rl.old_policy.correction.method=1"], ["rl.old_policy.correction.method must be a string"]),
     (["rl.old_policy.correction.method=icepop"], ["rl.old_policy.correction.method must be one of", "token_mask", "opsm"]),
     (["rl.old_policy.correction.token_mask_low=2"], ["rl.old_policy.correction.token_mask_low must be <= 1"]),

@@ -112,10 +112,10 @@ CONFIG_AND_DATA_CASES = [
     ("unknown_key", lambda t: ["rl.stepz=3"], "unknown config key 'rl.stepz'"),
     ("unknown_section", lambda t: ["trainer.steps=3"], "unknown config key 'trainer'"),
     ("malformed_override", lambda t: ["rl.steps=[1"], "not valid YAML"),
-    ("negative_clip", lambda t: ["rl.clip_low=-0.2"], "rl.clip_low must be a finite number"),
-    ("nan_lr", lambda t: ["rl.lr=.nan"], "rl.lr must be a finite number"),
-    ("zero_group_size", lambda t: ["rl.group_size=0"], "rl.group_size must be a positive integer"),
-    ("group_size_one", lambda t: ["rl.group_size=1", "rl.mini_batches=1"], "rl.group_size must be >= 2"),
+    ("negative_clip", lambda t: ["rl.clip_low=-0.2"], "rl.loss.clip_low must be a finite number"),
+    ("nan_lr", lambda t: ["rl.lr=.nan"], "rl.optim.lr must be a finite number"),
+    ("zero_group_size", lambda t: ["rl.group_size=0"], "rl.batch.group_size must be a positive integer"),
+    ("group_size_one", lambda t: ["rl.group_size=1", "rl.mini_batches=1"], "rl.batch.group_size must be >= 2"),
     ("negative_timeout", lambda t: ["reward.timeout_s=-1"], "reward.timeout_s must be"),
     ("keep_zero_checkpoints", lambda t: ["checkpoint.keep_last=0"], "checkpoint.keep_last must be a positive"),
     ("resume_from_nowhere", lambda t: [f"checkpoint.resume={t}/nope"], "checkpoint.resume"),
@@ -140,7 +140,7 @@ CONFIG_AND_DATA_CASES = [
     ("duplicate_key_in_section", lambda t: _recipe(t, "rl:\n  lr: 5.0e-5\n  lr: 1.0e-3\n"),
      "duplicate key 'lr' at line 3 (first at line 2)"),
     ("huge_recipe", lambda t: _recipe(t, "# " + "x" * (1 << 20) + "\nseed: 1\n"), "a recipe is at most 1048576 bytes"),
-    ("alias_bomb", lambda t: _recipe(t, ALIAS_BOMB), "rl.lr must be a finite number"),
+    ("alias_bomb", lambda t: _recipe(t, ALIAS_BOMB), "rl.optim.lr must be a finite number"),
     ("deep_flow_yaml", lambda t: _recipe(t, "seed: " + "[" * 100_000 + "\n"), "more than 256 deep"),
     ("deep_block_yaml", lambda t: _recipe(t, "seed:\n  " + "- " * 50_000 + "x\n"), "more than 256 deep"),
     ("tabs_and_garbage_yaml", lambda t: _recipe(t, "rl:\n\t- lr: [1\n"), "is not valid YAML"),
@@ -154,7 +154,7 @@ CONFIG_AND_DATA_CASES = [
     ("tokenizer_with_an_empty_vocabulary", lambda t: [f"data.tokenizer={_tokenizer_only_unk(t)}"],
      "has no vocabulary besides its 1 special token(s)"),
     ("overrides_on_both_sides_of_resume", lambda t: ["rl.steps=3", "--resume", "rl.clip_low=-1"],
-     "rl.clip_low must be a finite number"),
+     "rl.loss.clip_low must be a finite number"),
 
 ]
 
@@ -526,4 +526,4 @@ def test_yaml_merge_keys_are_still_a_recipe_feature(tmp_path):
     path = tmp_path / "merge.yaml"
     path.write_text("sft: &schedule\n  lr: 0.002\n  warmup_steps: 5\nrl:\n  <<: *schedule\n  lr: 0.0002\n")
     cfg = load_config(str(path))
-    assert (cfg.sft.lr, cfg.rl.warmup_steps, cfg.rl.lr) == (0.002, 5, 0.0002)
+    assert (cfg.sft.optim.lr, cfg.rl.optim.warmup_steps, cfg.rl.optim.lr) == (0.002, 5, 0.0002)

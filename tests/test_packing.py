@@ -123,9 +123,9 @@ def test_token_budget_split_sizes_micro_batches_by_tokens():
 
 @pytest.mark.parametrize("overrides, error", [
     (["rl.max_tokens_per_micro_batch=64", "rl.micro_batch_size=2"], "both size the micro-batches"),
-    (["rl.max_tokens_per_micro_batch=64", "rl.packing=false"], "needs rl.packing = true"),
+    (["rl.max_tokens_per_micro_batch=64", "rl.packing=false"], "needs rl.batch.packing = true"),
     (["model.attention=local"], "needs model.attention = sdpa"),
-    (["rl.packing=2"], "rl.packing"),
+    (["rl.packing=2"], "rl.batch.packing"),
 ])
 def test_config_refuses_contradictory_packing_settings(overrides, error):
     import os

@@ -59,7 +59,9 @@ def test_30b_gspo_recipe_has_the_paper_settings_and_a_plan_that_fits():
 
     with open(os.path.join(REPO, "configs/qwen3_30b_a3b_gspo.yaml")) as f:
         rl = yaml.safe_load(f)["rl"]
-    assert (rl["loss"], rl["clip_low"], rl["clip_high"], rl["mini_batches"], rl["kl_coef"]) == ("gspo", 3e-4, 4e-4, 4, 0.0)
+    loss = rl["loss"]
+    assert (loss["name"], loss["clip_low"], loss["clip_high"], rl["batch"]["mini_batches"], rl["kl"]["coef"]) == \
+        ("gspo", 3e-4, 4e-4, 4, 0.0)
 
 
 def test_16gpu_pp2_recipe_differs_from_the_ep16_one_only_in_layout_and_plans_its_bubble():
@@ -70,7 +72,7 @@ def test_16gpu_pp2_recipe_differs_from_the_ep16_one_only_in_layout_and_plans_its
     with open(os.path.join(REPO, "configs/qwen3_30b_a3b_gspo_16gpu_pp2.yaml")) as f:
         pp2 = yaml.safe_load(f)
     assert pp2["parallel"] == dict(ep16["parallel"], pipeline_parallel=2, expert_parallel=8)
-    assert pp2["rl"].pop("micro_batch_size") == 2
+    assert pp2["rl"]["batch"].pop("micro_batch_size") == 2
     for cfg in (ep16, pp2):
         cfg.pop("name"), cfg.pop("parallel")
     assert pp2 == ep16

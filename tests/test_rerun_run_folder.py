@@ -17,8 +17,8 @@ import pytest
 from multiprocess import cpu_pinned_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
-        "rl.mini_batches=1", "rl.eval_every=1", "rl.eval_samples=0", "data.train_size=50", "data.eval_size=5",
+TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=2", "rl.batch.prompts_per_step=2", "rl.batch.group_size=2",
+        "rl.batch.mini_batches=1", "rl.eval.every=1", "rl.eval.samples=0", "data.train_size=50", "data.eval_size=5",
         "log.progress=false", "threads=1"]
 
 

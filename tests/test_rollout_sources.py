@@ -20,7 +20,7 @@ def test_one_rule_picks_the_source():
     assert source_class(0, False, 1) is Synchronous
     assert source_class(0, True, 4) is GroupFiltered
     assert source_class(1, False, 1) is OneStepAhead
-    with pytest.raises(ConfigError, match="rl.filter_groups = true is not supported"):
+    with pytest.raises(ConfigError, match="rl.filter.enabled = true is not supported"):
         source_class(1, True, 1)
     with pytest.raises(ConfigError, match="pipeline_parallel = 1"):
         source_class(1, False, 2)

@@ -60,7 +60,7 @@ def test_each_batch_comes_from_the_weights_one_update_old(tmp_path):
 
 @pytest.mark.parametrize("overrides, words", [
     (["rollout.staleness=2"], ["rollout.staleness must be 0 (synchronous) or 1 (one step off)"]),
-    (["rollout.staleness=1", "rl.filter_groups=true"], ["rl.filter_groups", "not supported"]),
+    (["rollout.staleness=1", "rl.filter_groups=true"], ["rl.filter.enabled", "not supported"]),
     (["rollout.staleness=1", "parallel.tensor_parallel=2"], ["tensor_parallel", "pipeline_parallel = 1"]),
 ])
 def test_what_one_step_off_cannot_run_is_refused(overrides, words):

@@ -25,7 +25,7 @@ def test_without_cold_start_sft_the_line_does_not_claim_one():
 def test_sampled_accuracy_that_was_not_measured_is_said_so_and_not_recorded():
     line = final_line(FINAL, EVAL, rl_steps=600, loss="gspo", sft_steps=0, eval_samples=0, temperature=1.0)
     assert line == ("held-out accuracy after 600 gspo steps: greedy 0.750 (before RL 0.500), "
-                    "sampled: not measured (rl.eval_samples=0)")
+                    "sampled: not measured (rl.eval.samples=0)")
     assert eval_record("final", FINAL, eval_samples=0) == {"final/accuracy": 0.75}
     measured = dict(FINAL, **{"eval/sampled_accuracy": 0.6})
     line = final_line(measured, dict(EVAL, **{"eval/sampled_accuracy": 0.4}), rl_steps=600, loss="gspo", sft_steps=250,

@@ -28,8 +28,8 @@ import pytest
 from helpers import REPO
 from multiprocess import cpu_pinned_env
 
-TINY = ["sft.steps=3", "sft.batch_size=4", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
-        "rl.mini_batches=1", "rl.eval_every=1", "rl.eval_samples=0", "data.train_size=50", "data.eval_size=5",
+TINY = ["sft.steps=3", "sft.batch_size=4", "rl.steps=2", "rl.batch.prompts_per_step=2", "rl.batch.group_size=2",
+        "rl.batch.mini_batches=1", "rl.eval.every=1", "rl.eval.samples=0", "data.train_size=50", "data.eval_size=5",
         "log.progress=false", "log.plots=false", "log.tensorboard=false", "threads=1"]
 CONFIG = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 STARTUP_LINE = "megagspo train: stopped by {} during start-up; nothing was written"

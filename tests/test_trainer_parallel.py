@@ -33,9 +33,9 @@ from multiprocess import run_distributed
 RTOL, ATOL_SCALE = 1e-5, 2e-6
 
 # A few seconds per trainer: 4 prompts x 4 samples, 2 mini-batches of 8 sequences (1 data-parallel rank).
-BASE = ["threads=1", "data.train_size=200", "data.eval_size=8", "rl.prompts_per_step=4", "rl.group_size=4",
-        "rl.mini_batches=2", "rl.lr=0.001", "rl.warmup_steps=0", "rl.eval_samples=0", "sft.batch_size=8",
-        "sft.warmup_steps=0", "log.progress=false", "log.plots=false", "log.tensorboard=false",
+BASE = ["threads=1", "data.train_size=200", "data.eval_size=8", "rl.batch.prompts_per_step=4", "rl.batch.group_size=4",
+        "rl.batch.mini_batches=2", "rl.optim.lr=0.001", "rl.optim.warmup_steps=0", "rl.eval.samples=0", "sft.batch_size=8",
+        "sft.optim.warmup_steps=0", "log.progress=false", "log.plots=false", "log.tensorboard=false",
         "log.save_checkpoint=false",
         # the init the learning rates and tolerances below were measured at (the main job's recipe uses 0.05)
         "model.initializer_range=0.02"]
@@ -149,20 +149,20 @@ def _runs_match(reports, reference, what):
 def _accumulation_body(rank, world_size, out_dir, seed, extra):
     results = {}
     for rl_micro, sft_micro in ((0, 0), (2, 4)):  # the whole mini-batch as padded rows; packed micro-batches
-        trainer = _trainer([*BASE, *extra, f"seed={seed}", "sft.steps=2", "sft.lr=0.5", "rl.lr=0.5",
-                            f"sft.micro_batch_size={sft_micro}", f"rl.micro_batch_size={rl_micro}",
-                            f"rl.packing={'true' if rl_micro else 'false'}",
+        trainer = _trainer([*BASE, *extra, f"seed={seed}", "sft.steps=2", "sft.optim.lr=0.5", "rl.optim.lr=0.5",
+                            f"sft.micro_batch_size={sft_micro}", f"rl.batch.micro_batch_size={rl_micro}",
+                            f"rl.batch.packing={'true' if rl_micro else 'false'}",
                             "model.router_aux_loss_coef=0.0", f"log.out_dir={out_dir}", f"name=micro{rl_micro}"])
         results[rl_micro] = _run(trainer, rl_steps=1)
     return results
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("extra", [["rl.loss=gspo"],
-                                   ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.routing_replay=r2"]],
+@pytest.mark.parametrize("extra", [["rl.loss.name=gspo"],
+                                   ["rl.loss.name=grpo", "rl.loss.clip_low=0.2", "rl.loss.clip_high=0.28", "rl.routing_replay=r2"]],
                          ids=["gspo", "grpo_r2"])
 def test_micro_batch_accumulation_equals_the_whole_mini_batch(tmp_path, extra):
-    """rl.micro_batch_size=2 (4 packed forward/backward passes per mini-batch of 8) and sft.micro_batch_size=4
+    """rl.batch.micro_batch_size=2 (4 packed forward/backward passes per mini-batch of 8) and sft.micro_batch_size=4
     (2 per SFT batch of 8) give the gradients, weights and metrics of one padded pass per (mini-)batch; under
     R2 the routes recorded per micro-batch are replayed on the same micro-batch."""
     seed = fresh_seed()
@@ -180,7 +180,7 @@ def test_micro_batch_accumulation_equals_the_whole_mini_batch(tmp_path, extra):
 def _overlap_body(rank, world_size, out_dir, seed):
     runs = {}
     for overlap in (False, True):
-        trainer = _trainer([*BASE, f"seed={seed}", "sft.steps=2", "sft.lr=0.5", "rl.lr=0.5", "rl.micro_batch_size=2",
+        trainer = _trainer([*BASE, f"seed={seed}", "sft.steps=2", "sft.optim.lr=0.5", "rl.optim.lr=0.5", "rl.batch.micro_batch_size=2",
                             "sft.micro_batch_size=2", "parallel.expert_parallel=2", f"log.out_dir={out_dir}",
                             f"parallel.overlap_grad_reduce={str(overlap).lower()}", f"name=overlap{overlap}"])
         assert trainer.dims.dp_size == 2 and trainer.policy.ddp.ddp_config.overlap_grad_reduce is overlap
@@ -203,16 +203,16 @@ def test_overlapped_gradient_reduction_equals_the_synchronous_one(tmp_path):
 # SGD lr 0.05: at 0.5 the ulp-level differences of the TP reduction order, fed back through 5 large updates,
 # exceeded the tolerance at the last step for some seeds (298800: 5.7e-6 vs 1.9e-6 allowed, step 5), which
 # measures compounding, not the layout. Seeds 1-3, 11-14 and 298800 pass at 0.05.
-TP_RUN = ["sft.steps=2", "sft.lr=0.05", "rl.lr=0.05"]
+TP_RUN = ["sft.steps=2", "sft.optim.lr=0.05", "rl.optim.lr=0.05"]
 
 
 def _reference_body(rank, world_size, out_dir, seed, init_path, extra):
-    """The 1-process reference on padded rows (rl.packing=false): the layouts below run packed sequences (the
+    """The 1-process reference on padded rows (rl.batch.packing=false): the layouts below run packed sequences (the
     default), so each comparison is also packed-at-that-layout against the padded step."""
     from safetensors.torch import save_file
 
     trainer = _trainer([*BASE, *TP_RUN, *extra, f"seed={seed}", f"log.out_dir={out_dir}", "name=tp1",
-                        "rl.packing=false"])
+                        "rl.batch.packing=false"])
     save_file({k: v.contiguous() for k, v in trainer.policy.full_state_dict().items()}, init_path)
     return _run(trainer, rl_steps=2)
 
@@ -220,7 +220,7 @@ def _reference_body(rank, world_size, out_dir, seed, init_path, extra):
 def _tp_body(rank, world_size, out_dir, seed, init_path, extra, layout):
     trainer = _trainer([*BASE, *TP_RUN, *extra, *layout, f"seed={seed}", f"model.init_from={init_path}",
                         f"log.out_dir={out_dir}", "name=tp2"])
-    assert trainer.dims.tp_size == 2 and trainer.dims.dp_size == 1 and trainer.cfg.rl.packing
+    assert trainer.dims.tp_size == 2 and trainer.dims.dp_size == 1 and trainer.cfg.rl.batch.packing
     # The TP shards really are shards: the LM head holds half the vocabulary on each rank.
     head = dict(trainer.policy.model.named_parameters())["output_layer.weight"]
     assert head.shape[0] * 2 == trainer.arch.vocab_size
@@ -229,8 +229,8 @@ def _tp_body(rank, world_size, out_dir, seed, init_path, extra, layout):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("extra, layout", [
-    (["rl.loss=gspo"], ["parallel.tensor_parallel=2"]),
-    (["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.routing_replay=r2"],
+    (["rl.loss.name=gspo"], ["parallel.tensor_parallel=2"]),
+    (["rl.loss.name=grpo", "rl.loss.clip_low=0.2", "rl.loss.clip_high=0.28", "rl.routing_replay=r2"],
      ["parallel.tensor_parallel=2", "parallel.expert_parallel=2"]),
 ], ids=["tp2_gspo", "tp2_ep2_grpo_r2"])
 def test_tensor_parallel_run_equals_single_process(tmp_path, extra, layout):
@@ -263,10 +263,10 @@ def _pp_body(rank, world_size, out_dir, seed, init_path, extra, layout):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("extra", [
-    ["rl.loss=gspo", "rl.kl_coef=0.1"],
-    ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.routing_replay=r2", "rl.micro_batch_size=2",
+    ["rl.loss.name=gspo", "rl.kl.coef=0.1"],
+    ["rl.loss.name=grpo", "rl.loss.clip_low=0.2", "rl.loss.clip_high=0.28", "rl.routing_replay=r2", "rl.batch.micro_batch_size=2",
      "sft.micro_batch_size=4"],
-    ["rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28", "rl.routing_replay=r3", "rollout.record_routes=true"],
+    ["rl.loss.name=grpo", "rl.loss.clip_low=0.2", "rl.loss.clip_high=0.28", "rl.routing_replay=r3", "rollout.record_routes=true"],
 ], ids=["pp2_gspo_kl", "pp2_grpo_r2_micro_batches", "pp2_grpo_r3"])
 def test_pipeline_parallel_run_equals_single_process(tmp_path, extra):
     """parallel.pipeline_parallel=2 on 2 gloo ranks (one layer per stage; micro-batches through Megatron's
@@ -304,7 +304,7 @@ def _dp2_body(rank, world_size, out_dir, seed, init_path, layout):
 # 2 micro-batches per mini-batch (and per SFT batch) on each data-parallel rank: Megatron's schedule scales
 # every micro-batch loss and the router aux loss by 1 / micro-batches, which the policy undoes exactly (the
 # DP factor goes through grad_scale_func)
-PP_DP_RUN = ["rl.loss=gspo", "rl.micro_batch_size=2", "sft.micro_batch_size=2"]
+PP_DP_RUN = ["rl.loss.name=gspo", "rl.batch.micro_batch_size=2", "sft.micro_batch_size=2"]
 
 
 @pytest.mark.slow
@@ -467,23 +467,23 @@ def test_micro_batch_size_that_does_not_divide_is_refused():
     from megagspo.trainer.layout import check_layout
 
     path = os.path.join(REPO, "configs/tiny_cpu.yaml")
-    cfg = load_config(path, [*BASE, "rl.micro_batch_size=3"])
+    cfg = load_config(path, [*BASE, "rl.batch.micro_batch_size=3"])
     with pytest.raises(ConfigError) as err:
         check_layout(cfg, 1)
     msg = str(err.value)
-    assert "rl.micro_batch_size = 3" in msg and "the 8 sequences" in msg and "rl.mini_batches 2" in msg
+    assert "rl.batch.micro_batch_size = 3" in msg and "the 8 sequences" in msg and "rl.batch.mini_batches 2" in msg
     assert "valid values: 0 (whole mini-batch) or 1, 2, 4, 8" in msg
     # per rank: 2 data-parallel ranks leave 4 sequences per mini-batch, so 8 no longer fits
-    cfg = load_config(path, [*BASE, "rl.micro_batch_size=8"])
+    cfg = load_config(path, [*BASE, "rl.batch.micro_batch_size=8"])
     assert check_layout(cfg, 1).dp_size == 1
-    with pytest.raises(ConfigError, match=r"rl.micro_batch_size = 8 does not divide the 4 sequences.*/ 2 ranks"):
+    with pytest.raises(ConfigError, match=r"rl.batch.micro_batch_size = 8 does not divide the 4 sequences.*/ 2 ranks"):
         check_layout(cfg, 2)
     # at TP=2 the two ranks form ONE data-parallel rank: the whole mini-batch of 8 is per rank again
-    cfg = load_config(path, [*BASE, "rl.micro_batch_size=8", "parallel.tensor_parallel=2"])
+    cfg = load_config(path, [*BASE, "rl.batch.micro_batch_size=8", "parallel.tensor_parallel=2"])
     assert check_layout(cfg, 2).dp_size == 1
     cfg = load_config(path, [*BASE, "sft.micro_batch_size=3"])
     with pytest.raises(ConfigError, match=r"sft.micro_batch_size = 3 does not divide the 8 sequences .*valid "
                                           r"values: 0 \(whole batch\) or 1, 2, 4, 8"):
         check_layout(cfg, 1)
-    with pytest.raises(ConfigError, match=r"rl.micro_batch_size must be an integer >= 0, got -1"):
-        load_config(path, ["rl.micro_batch_size=-1"])
+    with pytest.raises(ConfigError, match=r"rl.batch.micro_batch_size must be an integer >= 0, got -1"):
+        load_config(path, ["rl.batch.micro_batch_size=-1"])

@@ -7,6 +7,7 @@ defaults and the comments beside or above them), so that the documented keys are
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 import sys
@@ -66,35 +67,59 @@ def _default(value) -> str:
     return f"`{value}`"
 
 
+def _source_of(cls) -> list:
+    """The lines of the file that defines `cls` (the algorithm's Configs are rl sections as they are)."""
+    return open(inspect.getsourcefile(cls)).read().splitlines()
+
+
+def _section(path: str, section, lines: list) -> None:
+    """`path`'s table (its plain keys), then each nested section's, depth first, under its dotted name."""
+    cls = type(section)
+    comments = _comments(_source_of(cls), cls.__name__)
+    doc = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
+    if doc.startswith(cls.__name__ + "("):  # a dataclass without a docstring: its generated signature
+        doc = ""
+    rows, nested = [], []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            nested.append((f"{path}.{f.name}", value))
+            continue
+        text = comments.get(f.name, "").replace("|", "\\|")
+        rows.append(f"| `{path}.{f.name}` | {_default(value)} | {text} |")
+    lines += ["", f"## `{path}`", "", *([doc, ""] if doc else [])]
+    if rows:
+        lines += ["| key | default | meaning |", "|---|---|---|", *rows]
+    for sub_path, sub in nested:
+        _section(sub_path, sub, lines)
+
+
 def table() -> str:
     from megagspo.config import Config
 
-    source = open(os.path.join(REPO, "megagspo", "config.py")).read().splitlines()
     lines = ["# Configuration keys", "",
              "Every key of a recipe (`configs/*.yaml`) and of the command line (`section.key=value`), with its default and",
-             "what it does, generated from `megagspo/config.py` by `python tools/config_table.py > "
-             "docs/configuration-keys.md`.",
+             "what it does, generated from the config dataclasses (`megagspo/config.py` and the algorithm's own Configs,",
+             "which are rl sections as they are) by `python tools/config_table.py > docs/configuration-keys.md`.",
              "Each section is validated on construction; a bad value is an error naming the key. The guide is",
-             "[configuration.md](configuration.md).", ""]
-    top = Config()
-    top_comments = _comments(source, "Config")
+             "[configuration.md](configuration.md). Keys of earlier recipes (the flat `rl.lr`, `rl.loss: grpo`, ...)",
+             "still load, moved onto these with one warning; the table of moves is the last section.", ""]
+    top_comments = _comments(_source_of(Config), "Config")
     lines += ["## Top level", "", "| key | default | meaning |", "|---|---|---|"]
     sections = []
-    for f in dataclasses.fields(top):
-        value = getattr(top, f.name)
+    for f in dataclasses.fields(Config):
+        value = _declared_default(f)  # fresh sections, before Config resolves e.g. data.tokenizer: auto
         if dataclasses.is_dataclass(value):
             sections.append((f.name, value))
         else:
-            lines.append(f"| `{f.name}` | {_default(_declared_default(f))} | {top_comments.get(f.name) or EXTRA.get(f.name, '')} |")
+            lines.append(f"| `{f.name}` | {_default(value)} | {top_comments.get(f.name) or EXTRA.get(f.name, '')} |")
     for name, section in sections:
-        comments = _comments(source, type(section).__name__)
-        doc = (type(section).__doc__ or "").strip().splitlines()[0]
-        if doc.startswith(type(section).__name__ + "("):  # a dataclass without a docstring: its generated signature
-            doc = ""
-        lines += ["", f"## `{name}`", "", *([doc, ""] if doc else []), "| key | default | meaning |", "|---|---|---|"]
-        for f in dataclasses.fields(section):
-            text = comments.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{name}.{f.name}` | {_default(_declared_default(f))} | {text} |")
+        _section(name, section, lines)
+    from megagspo.config_moves import MOVED_KEYS
+
+    lines += ["", "## Keys that moved", "", "An earlier recipe, override, ablation arm or saved run's `config.yaml` may use the "
+              "key on the left; it loads under the key on the right, with one warning per file naming them.", "",
+              "| earlier key | key now |", "|---|---|", *(f"| `{old}` | `{new}` |" for old, new in MOVED_KEYS.items())]
     return "\n".join(lines) + "\n"
 
 

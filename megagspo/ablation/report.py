@@ -276,13 +276,14 @@ def write_report(spec: AblationSpec, command: str = "") -> str:
         lines += [f"Reproduce: `{command}`", ""]
     cfg0 = next(iter(arms.values())).config
     seeds = sorted({c.seed for a in arms.values() for c in a.cells})
-    updates = (f"{cfg0['rl']['mini_batches']} updates per step" if not spec.settings else
+    rl0, batch0 = cfg0["rl"], cfg0["rl"]["batch"]
+    updates = (f"{batch0['mini_batches']} updates per step" if not spec.settings else
                "updates per step as the setting says")
     lines += [f"Base recipe `{spec.base}`; seeds {seeds}; cold start: "
               + ("one SFT per seed shared by every arm" if spec.cold_start == "sft" else "the recipe's model.init_from")
-              + f"; {cfg0['rl']['steps']} RL steps of {cfg0['rl']['prompts_per_step']} prompts x "
-              f"{cfg0['rl']['group_size']} samples, {updates}, "
-              f"lr {cfg0['rl']['lr']:g}. Held-out accuracy: greedy decoding on {cfg0['data']['eval_size']} "
+              + f"; {rl0['steps']} RL steps of {batch0['prompts_per_step']} prompts x "
+              f"{batch0['group_size']} samples, {updates}, "
+              f"lr {rl0['optim']['lr']:g}. Held-out accuracy: greedy decoding on {cfg0['data']['eval_size']} "
               "problems never trained on.", ""]
     lines += _arms_section(spec, arms)
     if missing:

@@ -21,13 +21,15 @@ from .validation import require_positive_finite
 
 @dataclass(frozen=True)
 class GroupAdvantageConfig:
-    scale_by_std: bool = True
-    eps: float = 1e-6
+    """Group-normalised advantages (eq. 7)."""
+
+    scale_by_std: bool = True       # false: A_i = r_i - mean r (no division by the group's std)
+    eps: float = 1e-6               # A_i = (r_i - mean r) / (std r + eps); >= 0 (a tied group is exactly 0 at any eps)
     # torch.std's default (Bessel-corrected), as verl and TRL use; the paper does not say which.
     unbiased_std: bool = True
 
     def __post_init__(self) -> None:
-        require_positive_finite("GroupAdvantageConfig", "eps", self.eps, allow_zero=False)  # a tied group is 0 / eps
+        require_positive_finite("GroupAdvantageConfig", "eps", self.eps)
 
 
 def group_advantages(

@@ -23,8 +23,10 @@ KL_ESTIMATORS = ("k1", "k3")
 
 @dataclass(frozen=True)
 class KLConfig:
-    coef: float = 0.0
-    estimator: str = "k3"
+    """The KL penalty to a frozen reference policy (the GSPO paper trains without)."""
+
+    coef: float = 0.0               # loss += coef * KL(pi_theta || pi_ref); 0 = off (no reference model is built)
+    estimator: str = "k3"           # k3 = exp(d) - d - 1 (>= 0, low variance) | k1 = -d, d = log pi_ref - log pi
 
     def __post_init__(self) -> None:
         require_positive_finite("KLConfig", "coef", self.coef)

@@ -35,6 +35,8 @@ OLD_LOGP_SOURCES = ("recompute", "rollout")
 
 @dataclass(frozen=True)
 class OldPolicyConfig:
+    """Where pi_old comes from (§5.4) and, when it is recomputed, the rollout correction."""
+
     source: str = "recompute"      # recompute (a no-grad forward of the trainer) | rollout (the engine's, §5.4)
     # with source = recompute: what the loss does about the rollout -> recomputed gap
     correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)

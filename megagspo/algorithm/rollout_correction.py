@@ -70,8 +70,8 @@ def normalize_correction(value) -> str:
 
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
-    """One correction method and every threshold the menu reads (module docstring); each threshold lives here
-    only, so a recipe, the loss and the dry run's description read the same value."""
+    """The rollout correction: one method of the menu and every threshold it reads (each lives here only, so a
+    recipe, the loss and the dry run's description read the same value)."""
 
     method: str = "none"           # none | seq_tis | token_tis | seq_mask_geo | token_mask | opsm (`true` = seq_tis)
     cap: float = 2.0               # C of seq_tis / token_tis

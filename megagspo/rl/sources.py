@@ -156,7 +156,7 @@ class OneStepAhead:
 
 class GroupFiltered:
     """rl.filter.enabled (DAPO's dynamic sampling): rounds of collect + rewards until every data-parallel rank holds
-    its share of informative groups (reward variance > 0), at most rl.filter_max_rounds."""
+    its share of informative groups (reward variance > 0), at most rl.filter.max_rounds."""
 
     holder = None
 
@@ -185,7 +185,7 @@ class GroupFiltered:
                                                             float(filled)])
         metrics = {"filter/rounds": float(kept.rounds),
                    "filter/informative_frac": informative / max(generated, 1.0),  # of the groups generated
-                   "filter/filled_frac": filled_total / cfg.prompts_per_step}    # of the batch: zero-advantage fill
+                   "filter/filled_frac": filled_total / cfg.batch.prompts_per_step}    # of the batch: zero-advantage fill
         return SourcedBatch(Rollouts(prompts, out), c.scores_of(rewards_R, merge_stats(stats)), metrics,
                             {"time/rollout_s": rollout_s, "time/reward_s": reward_s})
 

@@ -168,7 +168,7 @@ class RLStep:
         cfg = self.rl
         policy = self.policy
         flat = batch.micro_batches
-        if cfg.old_logp == "recompute":
+        if cfg.old_policy.source == "recompute":
             if cfg.routing_replay == "r3":
                 for mb in flat:
                     mb.old_routes = mb.seqs.routes_for(mb.view, policy.device)
