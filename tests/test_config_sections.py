@@ -150,3 +150,19 @@ def test_defining_keys_are_section_prefixes():
         assert defining_differences(cfg.to_dict(), load_config(TINY, [override]).to_dict()) == [], override
     for override in ("rl.old_policy.correction.opsm_delta=0.5", "rl.filter.max_rounds=5", "rl.advantage.eps=0.1"):
         assert defining_differences(cfg.to_dict(), load_config(TINY, [override]).to_dict()), override
+
+
+def test_the_keys_document_is_the_one_the_dataclasses_generate():
+    """docs/configuration-keys.md lists every key, section and move as `tools/config_table.py` prints them from
+    the code; a field added, renamed or moved without regenerating it fails here, naming the command."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("config_table", os.path.join(REPO, "tools/config_table.py"))
+    config_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(config_table)
+    with open(os.path.join(REPO, "docs/configuration-keys.md"), encoding="utf-8") as f:
+        written = f.read()
+    assert written == config_table.table(), \
+        "docs/configuration-keys.md is stale: python tools/config_table.py > docs/configuration-keys.md"
+    for old, new in MOVED_KEYS.items():
+        assert f"| `{old}` | `{new}` |" in written
