@@ -19,9 +19,10 @@ def test_unknown_key_names_it_and_lists_valid_keys():
     with pytest.raises(ConfigError) as err:
         load_config("configs/tiny_cpu.yaml", ["rl.stepz=3"])
     msg = str(err.value)
-    assert "rl.stepz" in msg and "steps" in msg and "batch" in msg
-    with pytest.raises(ConfigError, match="unknown config key 'rl.batch.mini_batchez'; valid keys in rl.batch: "
-                                          "prompts_per_step, group_size, mini_batches"):
+    assert "rl.stepz" in msg and "did you mean rl.steps?" in msg and "batch" in msg
+    with pytest.raises(ConfigError, match=r"unknown config key 'rl.batch.mini_batchez' \(did you mean "
+                                          r"rl.batch.mini_batches\?\); valid keys in rl.batch: prompts_per_step, "
+                                          "group_size, mini_batches"):
         load_config("configs/tiny_cpu.yaml", ["rl.batch.mini_batchez=3"])
     with pytest.raises(ConfigError, match="unknown config key 'modle'.*valid keys.*model"):
         config_from_dict({"modle": {}})
