@@ -38,7 +38,7 @@ from megagspo.algorithm.advantages import GroupAdvantageConfig
 from megagspo.algorithm.kl import KLConfig
 from megagspo.algorithm.old_policy import OldPolicyConfig
 from megagspo.algorithm.registry import LossOptionError, build_loss_config, registered_losses
-from megagspo.config_moves import move_old_keys
+from megagspo.config_moves import move_old_keys, old_keys_in, warn_moved
 from megagspo.data.tokenizer import PROMPT_FORMATS, has_tokenizer_files
 from megagspo.errors import ConfigError
 from megagspo.errors import show_value as _show
@@ -854,8 +854,15 @@ def config_from_dict(raw: dict, overrides=None, where: str = "the config") -> Co
     """The Config of a recipe mapping plus command-line overrides. Keys from before the rl sections (rl.lr,
     sft.lr, ...) are moved onto their sections in each source apart, so a new-style override of an old-style
     recipe (or the reverse) lands where it is meant to; each source that used them warns once."""
-    recipe = move_old_keys(raw or {}, where)
-    return _build(Config, _merge(recipe, move_old_keys(parse_overrides(overrides), "the overrides")), "")
+    merged = move_old_keys(raw or {}, where)
+    moved: dict = {}
+    for item in overrides or ():  # one by one, so the last override of a key wins whichever name each one uses
+        tree = parse_overrides([item])
+        moved.update(old_keys_in(tree))
+        merged = _merge(merged, move_old_keys(tree, "the overrides", warn=False))
+    if moved:
+        warn_moved(moved, "the overrides")
+    return _build(Config, merged, "")
 
 
 MAX_YAML_BYTES = 1 << 20  # a recipe is a few KB; a larger file is refused before it is parsed

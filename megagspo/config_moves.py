@@ -94,7 +94,12 @@ def move_old_keys(tree: dict, where: str, warn: bool = True) -> dict:
                               f"name now: keep {new}")
         flat[new] = flat.pop(old)
     if warn:
-        listed = ", ".join(f"{old} -> {new}" for old, new in moved.items())
-        warnings.warn(f"{where} uses {len(moved)} config key(s) from before the rl sections; they still work under "
-                      f"their new names, which the file should use: {listed}", MovedKeyWarning, stacklevel=3)
+        warn_moved(moved, where)
     return _nested(flat)
+
+
+def warn_moved(moved: Dict[str, str], where: str) -> None:
+    """The one warning of a source that used earlier keys: which, and their names now."""
+    listed = ", ".join(f"{old} -> {new}" for old, new in moved.items())
+    warnings.warn(f"{where} uses {len(moved)} config key(s) from before the rl sections; they still work under "
+                  f"their new names, which it should use: {listed}", MovedKeyWarning, stacklevel=4)

@@ -168,7 +168,6 @@ def test_advantage_options_reach_group_advantages():
     (["rl.loss.dual_clipp=3"], ["unknown config key 'rl.loss.dual_clipp'", "dual_clip", "aggregation", "validate"]),
     (["rl.optim.lr=2"], ["rl.optim.lr must be a finite number in (0.0, 1.0]"]),
     (["sft.optim.schedule=step"], ["sft.optim.schedule = 'step' is not valid", "cosine"]),
-    (["rl.lr=0.01", "rl.optim.lr=0.02"], ["sets both rl.lr", "rl.optim.lr"]),
 ])
 def test_a_bad_loss_option_is_refused_naming_the_key(overrides, words):
     from megagspo.trainer.preflight import check_components

@@ -67,11 +67,16 @@ def test_overrides_in_either_spelling_reach_a_recipe_in_the_other(recipe, overri
     assert cfg.rl.optim.warmup_steps == 10 and cfg.sft.optim.lr == 3e-3  # the recipe's other values stay
 
 
-def test_one_source_setting_a_key_under_both_names_is_refused():
-    with pytest.raises(ConfigError, match=r"the overrides sets both rl.kl_coef .* and rl.kl.coef"):
-        load_config(TINY, ["rl.kl_coef=0.1", "rl.kl.coef=0.2"])
+def test_one_file_setting_a_key_under_both_names_is_refused_and_the_last_override_wins():
+    """Within one mapping (a recipe, an arm) which value was meant cannot be told: refused. Overrides are a
+    sequence, and the last one of a key wins whichever name each uses, as for any repeated override."""
+    with pytest.raises(ConfigError, match=r"recipe.yaml sets both rl.kl_coef .* and rl.kl.coef"):
+        config_from_dict({"rl": {"kl_coef": 0.1, "kl": {"coef": 0.2}}}, where="recipe.yaml")
     with pytest.raises(ConfigError, match="sets both rl.loss .* and rl.loss.name"):
         config_from_dict({"rl": {"loss": "grpo", "loss.name": "gspo"}})
+    assert _quiet(load_config, TINY, ["rl.kl_coef=0.1", "rl.kl.coef=0.2"]).rl.kl.coef == 0.2
+    assert _quiet(load_config, TINY, ["rl.kl.coef=0.2", "rl.kl_coef=0.1"]).rl.kl.coef == 0.1
+    assert _quiet(load_config, TINY, ["rl.loss=grpo", "rl.loss.name=gspo_token"]).rl.loss.name == "gspo_token"
 
 
 def test_move_old_keys_leaves_what_it_does_not_know_to_the_loader():

@@ -394,10 +394,10 @@ def test_resume_with_nothing_to_resume_is_refused(tmp_path, capsys):
 def test_resume_refuses_changed_settings_naming_each(run):
     tmp, _ = run
     rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
-                              "--resume", "rl.loss=grpo", "seed=3", "rl.lr=0.0002")  # lr is not run-defining
+                              "--resume", "rl.loss.name=grpo", "seed=3", "rl.optim.lr=0.0002")  # lr: not run-defining
     assert rc == 2, err[-3000:]
-    assert "rl.loss: 'gspo' in the checkpoint, 'grpo' now" in err and "seed: 0 in the checkpoint, 3 now" in err
-    assert "rl.lr" not in err and "checkpoint.allow_config_change=true" in err and "Traceback" not in err
+    assert "rl.loss.name: 'gspo' in the checkpoint, 'grpo' now" in err and "seed: 0 in the checkpoint, 3 now" in err
+    assert "rl.optim.lr" not in err and "checkpoint.allow_config_change=true" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
