@@ -71,6 +71,35 @@ def test_sequences_hold_prompt_and_response_up_to_its_last_token():
     assert part.advantages_S.tolist() == [0.0, 0.5]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_demonstrations_as_sequences_give_sfts_padded_rows(seed):
+    """Cold-start SFT's batch is a SequenceBatch; its rows are exactly the prompt + answer rows SFT trained on
+    (build_sequences): inputs, targets and loss mask, on random prompts and answers of uneven lengths."""
+    from megagspo.policy.megatron_policy import build_sequences
+    from megagspo.rl.batch import SequenceBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    n = 5
+    prompts = [torch.randint(3, 50, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(n)]
+    answers = [torch.randint(3, 50, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist() + [2]
+               for _ in range(n)]
+    width = max(map(len, answers))
+    resp, mask = torch.full((n, width), 0), torch.zeros((n, width), dtype=torch.bool)
+    for i, a in enumerate(answers):
+        resp[i, :len(a)], mask[i, :len(a)] = torch.tensor(a), True
+    natural = max(map(len, prompts)) + width - 1
+    row_len = _Dims(4).seq_length(natural)
+    inp, tgt, lmask, _ = build_sequences(prompts, resp, mask, 0, length=row_len)
+    seqs = SequenceBatch.from_demonstrations(prompts, answers, pad_id=0, row_len=row_len)
+    # a sequence's last token is an input too where its row has room (the longest rows have none)
+    assert seqs.lengths == [min(len(p) + len(a), row_len) for p, a in zip(prompts, answers)]
+    assert torch.equal(seqs.rows_of(seqs.tokens_T, 0), inp) and torch.equal(seqs.rows_of(seqs.targets_T, 0), tgt)
+    assert torch.equal(seqs.rows_of(seqs.loss_mask_T, False), lmask)
+    part = seqs.select(range(1, 3))  # a micro-batch's rows are the rows' slice
+    assert torch.equal(part.rows_of(part.tokens_T, 0), inp[1:3])
+
+
 @pytest.mark.parametrize("multiple", [1, 4])
 def test_packed_stream_holds_real_positions_and_an_aligned_tail(multiple):
     part = _sequences().select([2, 0])

@@ -94,6 +94,26 @@ class SequenceBatch:
         return cls(cat["tokens"], cat["targets"], cat["mask"], cat["logp"], advantages_R.float(), lengths, pad_id,
                    row_len, routes, route_spec if routes is not None else None)
 
+    @classmethod
+    def from_demonstrations(cls, prompt_ids: list, answer_ids: list, pad_id: int, row_len: int) -> "SequenceBatch":
+        """Cold-start SFT's batch: prompt + answer (+ eos, the caller's) per sequence, the answer's tokens as the
+        loss targets. As SFT's padded rows always had, a sequence also holds its last token as an input (its target
+        pad_id, outside the loss) where the row has room for it (`row_len`: at least the longest prompt + the
+        longest answer - 1). No rollout log-probs or advantages: zeros."""
+        tokens, targets, mask, lengths = [], [], [], []
+        for prompt, answer in zip(prompt_ids, answer_ids):
+            full = torch.tensor(list(prompt) + list(answer) + [pad_id], dtype=torch.long)
+            n = min(len(prompt) + len(answer), row_len)
+            tokens.append(full[:n])
+            targets.append(full[1:n + 1])
+            # targets from the answer's first token to its last (not the appended pad)
+            target_at = torch.arange(1, n + 1)
+            mask.append((target_at >= len(prompt)) & (target_at < len(prompt) + len(answer)))
+            lengths.append(n)
+        total = sum(lengths)
+        return cls(torch.cat(tokens), torch.cat(targets), torch.cat(mask), torch.zeros(total),
+                   torch.zeros(len(lengths)), lengths, pad_id, row_len)
+
     def select(self, indices: Sequence[int]) -> "SequenceBatch":
         """The sub-batch of these sequences, in this order."""
         idx = [int(i) for i in indices]
@@ -128,21 +148,23 @@ class SequenceBatch:
             padding = (torch.arange(total, device=dev) >= T)[None] if tail else None
             return ModelView(ModelInput(stream(self.tokens_T, self.pad_id), stream(self.targets_T, self.pad_id),
                                         padding, sequences), None)
-        rows, S = self.num_sequences, self.row_len
-        position_T = torch.cat([torch.arange(n) for n in self.lengths]) if self.lengths else torch.zeros(0, dtype=torch.long)
-        row_T = torch.repeat_interleave(torch.arange(rows), torch.tensor(self.lengths))
-        flat_T = (row_T * S + position_T).to(dev)
-
-        def rows_of(x_T, fill):
-            out = x_T.new_full((rows * S,), fill)
-            out[flat_T] = x_T
-            return out.view(rows, S)
-
-        padding_BS = torch.ones(rows * S, dtype=torch.bool, device=dev)
-        padding_BS[flat_T] = False
-        padding_BS = padding_BS.view(rows, S)
-        return ModelView(ModelInput(rows_of(self.tokens_T, self.pad_id), rows_of(self.targets_T, self.pad_id),
+        flat_T = self._row_positions()
+        padding_BS = ~self.rows_of(torch.ones_like(self.loss_mask_T), False)
+        return ModelView(ModelInput(self.rows_of(self.tokens_T, self.pad_id), self.rows_of(self.targets_T, self.pad_id),
                                     padding_BS if bool(padding_BS.any()) else None), flat_T)
+
+    def _row_positions(self) -> torch.Tensor:
+        """Where each token sits in the padded rows [R, S], flattened: sequence i's positions in row i."""
+        S = self.row_len
+        position_T = torch.cat([torch.arange(n) for n in self.lengths]) if self.lengths else torch.zeros(0, dtype=torch.long)
+        row_T = torch.repeat_interleave(torch.arange(self.num_sequences), torch.tensor(self.lengths, dtype=torch.long))
+        return (row_T * S + position_T).to(self.tokens_T.device)
+
+    def rows_of(self, x_T: torch.Tensor, fill) -> torch.Tensor:
+        """A per-token tensor as one right-padded row per sequence [R, S], `fill` past each sequence."""
+        out = x_T.new_full((self.num_sequences * self.row_len,), fill)
+        out[self._row_positions().to(x_T.device)] = x_T
+        return out.view(self.num_sequences, self.row_len)
 
     def routes_for(self, view: "ModelView", device) -> Optional[torch.Tensor]:
         """The engine's routes of these sequences in the storage order of `view`'s model input ([T', Ly, K]);

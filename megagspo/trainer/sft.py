@@ -12,12 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from megagspo.metrics_log import timeouts_note
 from megagspo.policy.engine_link import EngineLink
-from megagspo.policy.megatron_policy import MegatronPolicy, build_sequences
+from megagspo.policy.megatron_policy import MegatronPolicy, ModelInput
 from megagspo.policy.models import optimizer_settings
+from megagspo.rl.batch import SequenceBatch
 from megagspo.rl.micro_batches import micro_slices
 from megagspo.rl.schedule import lr_at
 from megagspo.trainer.hooks import RunHooks
@@ -75,36 +74,33 @@ class ColdStartSFT:
 
     def _step(self, opt, micro_rows: list):
         """One optimizer step on a fresh batch of demonstrations. -> (loss summed over ranks, gradient norm)."""
-        inp, tgt, lmask, natural = self._demonstrations(self.dims.local_slice(
-            self.demonstrations.sample(self.sft.batch_size)))
-        (n_tok,) = self.dims.dp_sum([float(lmask.sum())])
+        seqs, natural = self._demonstrations(self.dims.local_slice(self.demonstrations.sample(self.sft.batch_size)))
+        (n_tok,) = self.dims.dp_sum([float(seqs.loss_mask_T.sum())])
         self.policy.zero_grad()
-        lmask = lmask.float()
+        micro = [seqs.select(range(rows.start, min(rows.stop, seqs.num_sequences))) for rows in micro_rows]
+        lmask = [m.rows_of(m.loss_mask_T, False).float() for m in micro]
 
         def lm_loss(i, logp_BS, _entropy_BS):  # gradients accumulate; divided by the GLOBAL token count
-            loss = -(logp_BS * lmask[micro_rows[i]]).sum() / n_tok
+            loss = -(logp_BS * lmask[i]).sum() / n_tok
             return loss, float(loss.detach())
 
-        losses = self.policy.run_micro_batches([(inp[rows], tgt[rows]) for rows in micro_rows], natural,
-                                               loss_fn=lm_loss)
+        # One right-padded row per demonstration. Every position below the batch's natural length counts in the
+        # router aux loss, row padding included (SFT always has: its numbers, the golden metrics among them, stay
+        # as they were); the packed stream and the RL step's rows count only the sequences' own tokens.
+        inputs = [ModelInput.padded(m.rows_of(m.tokens_T, m.pad_id), m.rows_of(m.targets_T, m.pad_id), natural)
+                  for m in micro]
+        losses = self.policy.run_micro_batches(inputs, loss_fn=lm_loss)
         loss_local = sum(x for x in losses if x is not None)  # 0 on the stages without the LM head
         gnorm = self.policy.step(opt)
         (loss_sum,) = self.dims.dp_sum(self.dims.pp_sum([loss_local]))
         return loss_sum, gnorm
 
     def _demonstrations(self, batch: list):
-        """prompt + demonstration (Example.demo: the answer unless data.demo_drop_carry) + eos rows of `batch` on the model's device -> (input_BS, target_BS, loss_mask_BS
-        (bool), natural length before TP alignment)."""
+        """prompt + demonstration (Example.demo: the answer unless data.demo_drop_carry) + eos of each example of
+        `batch`, as a SequenceBatch on the model's device -> (it, the natural row length before TP alignment)."""
         tok = self.tokenizer
         answers = [tok.encode(ex.demo) + [tok.eos_id] for ex in batch]  # demonstration, else answer
-        width = max(len(a) for a in answers)
-        resp = torch.full((len(batch), width), tok.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.bool)
-        for i, a in enumerate(answers):
-            resp[i, :len(a)] = torch.tensor(a)
-            mask[i, :len(a)] = True
         prompt_ids = [list(ex.prompt_ids) for ex in batch]
-        natural = max(map(len, prompt_ids)) + width - 1
-        inp, tgt, lmask, _ = build_sequences(prompt_ids, resp, mask, tok.pad_id, length=self.dims.seq_length(natural))
-        inp, tgt, lmask = (t.to(self.policy.device) for t in (inp, tgt, lmask))
-        return inp, tgt, lmask, natural
+        natural = max(map(len, prompt_ids)) + max(map(len, answers)) - 1
+        seqs = SequenceBatch.from_demonstrations(prompt_ids, answers, tok.pad_id, self.dims.seq_length(natural))
+        return seqs.to(self.policy.device), natural
