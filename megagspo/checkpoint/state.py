@@ -383,7 +383,17 @@ class CheckpointManager:
             self.say("optimizer hyper-parameters differ from the checkpoint's; the config's are used: "
                      + "; ".join(changed))
 
-    def restore_rng_and_data(self, parts: "RunParts", point: dict) -> None:
+    def restore_parts(self, parts: "RunParts", point: dict) -> None:
+        """The one restore pass of the parts a checkpoint holds as state dicts, once the run has built them all:
+        the data-loader position, every RNG of this rank and the batch generated ahead (rollout.staleness = 1).
+        The weights are not among them: the policy's (and the KL reference's) are read as the models are built,
+        before the engine's first weight sync, and the optimizer's when it is made at the start of RL, since its
+        fp32 master weights copy the policy then (load_model, KLReference.resume, load_optimizer)."""
+        self._restore_rng_and_data(parts, point)
+        if parts.rollouts_ahead is not None:
+            self._restore_rollouts_ahead(parts.rollouts_ahead, point)
+
+    def _restore_rng_and_data(self, parts: "RunParts", point: dict) -> None:
         """The data-loader position and every RNG of this rank from the checkpoint `point` (RNGs reseeded
         from (seed, step, DP rank) when it was written by another process layout)."""
         state = point["state"]
@@ -406,7 +416,7 @@ class CheckpointManager:
         saved.setdefault("pipeline_parallel", 1)  # written before pipeline parallelism existed
         return state["world"] == self.world and saved == self.dims.shape.as_dict()
 
-    def restore_rollouts_ahead(self, ahead, point: dict) -> None:
+    def _restore_rollouts_ahead(self, ahead, point: dict) -> None:
         """rollout.staleness = 1: the batch the checkpoint's run had generated ahead, held again for the next
         step (when the checkpoint has one for this rank and was written by this process layout; otherwise the
         next step generates its batch now, with the checkpoint's weights, and says so)."""

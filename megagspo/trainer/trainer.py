@@ -104,11 +104,11 @@ class Trainer:
         torch.manual_seed(cfg.seed * 7919 + self.dims.dp_rank)
         self.summary: dict = {"data": self.data_stats, "device": str(self.policy.device),
                               "precision": cfg.model.precision}
-        if self.resume:
-            self.ckpt.restore_rng_and_data(self.checkpoint_parts(), self.resume)
         if self.dims.is_main and self.logger.tb_note and not self.quiet:
             print(self.logger.tb_note)
         self._build_parts(cfg, inputs)
+        if self.resume:  # one pass over the parts restored by state_dict, once all of them are built
+            self.ckpt.restore_parts(self.checkpoint_parts(), self.resume)
 
     def _build_parts(self, cfg: Config, inputs: RunInputs) -> None:
         """Held-out evaluation, cold-start SFT and the RL step, each from the inputs it uses."""
@@ -127,14 +127,12 @@ class Trainer:
                                       ahead_seed=cfg.seed * 7919 + 104_729 + self.dims.dp_rank)
         self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reference,
                            cfg.rl, source, self.tokenizer, self.sample_gen)
-        if self.resume and source.holder is not None:
-            self.ckpt.restore_rollouts_ahead(source.holder, self.resume)
 
     def checkpoint_parts(self) -> RunParts:
         """What a checkpoint holds of this run, by name (megagspo.checkpoint.state.RunParts)."""
         return RunParts(policy=self.policy, optimizer=self.optimizer, dataset=self.train_ds, rng=self.rng,
                         metrics=self.logger, summary=self.summary, arch=self.arch,
-                        rollouts_ahead=self.step.source.holder if hasattr(self, "step") else None)
+                        rollouts_ahead=self.step.source.holder)
 
     # ------------------------------------------------------------------------------------------- the parts
     def run_sft(self) -> dict:
