@@ -20,7 +20,7 @@ No .item() or value-dependent Python branching below the `validate` block: metri
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -385,6 +385,10 @@ class GRPOConfig:
         require_choice("GRPOConfig", "aggregation", self.aggregation, GRPO_AGGREGATIONS)
         _coerce(self, "kl", KLConfig)
         _coerce(self, "old_policy", OldPolicyConfig)
+
+
+# The Config of a built-in loss (megagspo.algorithm.registry.build_loss_config builds the one rl.loss.name names)
+LossConfig = Union[GSPOConfig, GSPOTokenConfig, GRPOConfig]
 
 
 def _token_advantages(batch: PackedBatch) -> Tensor:

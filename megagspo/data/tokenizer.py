@@ -10,6 +10,7 @@ list[int] (no special tokens) and decode(list[int]) -> str (stops at the first o
 from __future__ import annotations
 
 import os
+from typing import Union
 
 from megagspo.errors import first_line
 from megagspo.errors import show_value as _show
@@ -177,6 +178,10 @@ class HFTokenizer:
         if ends:
             ids = ids[:min(ends)]
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+# Either tokenizer: the run's one interface (encode, decode, pad_id, eos_id, render)
+Tokenizer = Union[BuiltinTokenizer, HFTokenizer]
 
 
 def load_tokenizer(spec: str, prompt_format: str = "auto", chat_template_kwargs: dict | None = None):

@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol
+from typing import Callable, List, Optional, Protocol
 
 import torch
 
 from megagspo.algorithm import group_advantages
 from megagspo.config import ConfigError, RLConfig
 from megagspo.data.datasets import Example, PromptDataset
+from megagspo.data.tokenizer import Tokenizer
 from megagspo.policy.engine_link import EngineLink
 from megagspo.rewards import RewardStats, score_batch
 from megagspo.rl.dynamic_sampling import GroupFilter, merge_stats
@@ -62,7 +63,7 @@ class RolloutCollector:
     """What every source does: draw this rank's prompts, sample G responses each, score them (eq. 7)."""
 
     def __init__(self, dims: ParallelDims, engine: EngineLink, rl: RLConfig, sampling: SamplingParams,
-                 tokenizer, prompts: PromptDataset, reward_fn) -> None:
+                 tokenizer: Tokenizer, prompts: PromptDataset, reward_fn: Callable[[str, str], float]) -> None:
         self.dims, self.engine, self.rl, self.sampling = dims, engine, rl, sampling
         self.tokenizer, self.prompts, self.reward_fn = tokenizer, prompts, reward_fn
 

@@ -36,6 +36,9 @@ from typing import Callable, List, Optional
 import torch
 
 from megagspo.algorithm import PackedBatch, merge_metrics
+from megagspo.algorithm.losses import LossConfig
+from megagspo.config import RLConfig
+from megagspo.data.tokenizer import Tokenizer
 from megagspo.policy.engine_link import EngineLink
 from megagspo.policy.kl_reference import KLReference
 from megagspo.policy.megatron_policy import MegatronPolicy
@@ -100,11 +103,11 @@ class RLStep:
     policy: MegatronPolicy
     engine: EngineLink
     loss_fn: Callable                # (PackedBatch, loss_cfg) -> (loss, metrics): megagspo.kernels.policy_losses.build_loss
-    loss_cfg: object
+    loss_cfg: LossConfig             # the loss's Config, from rl.loss, rl.kl and rl.old_policy
     reference: Optional[KLReference]  # the frozen KL reference (rl.kl.coef > 0), else None
-    rl: object                       # megagspo.config.RLConfig
+    rl: RLConfig
     source: RolloutSource            # scored rollouts: synchronous, one step ahead or group-filtered
-    tokenizer: object
+    tokenizer: Tokenizer
     sample_gen: torch.Generator      # the mini-batch permutation
 
     def __call__(self, step: int, optimizer) -> dict:

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from megagspo.data.tokenizer import Tokenizer
 from megagspo.rewards import RewardStats, score_batch
 from megagspo.rollout import RolloutEngine, SamplingParams
 from moe.parallel import ParallelDims
@@ -18,7 +19,7 @@ from moe.parallel import ParallelDims
 class Evaluator:
     dims: ParallelDims
     engine: RolloutEngine
-    tokenizer: object
+    tokenizer: Tokenizer
     reward_fn: Callable              # (response, answer) -> [0, 1]
     held_out: list                   # megagspo.data Examples
     max_response_tokens: int

@@ -19,13 +19,14 @@ from megagspo.rollout import available_engines
 from megagspo.rollout.sglang_engine import SGLangEngineConfig
 from megagspo.rl.sources import source_class
 from megagspo.trainer.layout import check_layout
+from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import ParallelShape
 
 
 @dataclass
 class Preflight:
     shape: ParallelShape              # the sizes the run's ParallelDims will have
-    arch: object                      # moe.architecture.Qwen3MoeArchitecture
+    arch: Qwen3MoeArchitecture
     init_source: Optional[InitSource]  # None when model.init_from is not on this machine (dry run only)
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from megagspo.algorithm.losses import LossConfig
 from megagspo.algorithm.registry import LossOptionError
 from megagspo.config import Config, ConfigError
 from megagspo.data import build_datasets
 from megagspo.data.datasets import response_check_for
+from megagspo.data.tokenizer import Tokenizer
 from megagspo.kernels.policy_losses import build_loss
 from megagspo.rewards import get_reward
 from megagspo.rewards.bounded import with_time_limit
@@ -21,14 +23,14 @@ from megagspo.trainer.preflight import Preflight, preflight
 
 @dataclass
 class RunInputs:
-    tokenizer: object
+    tokenizer: Tokenizer
     train: list                      # training Examples
     held_out: list                   # held-out Examples
     data_stats: dict
     checked: Preflight               # shape (the sizes of the run's ParallelDims), arch, init_source
     reward_fn: Callable              # (response, answer) -> [0, 1]
     loss_fn: Callable                # (PackedBatch, loss_cfg) -> (loss, metrics)
-    loss_cfg: object
+    loss_cfg: LossConfig
     engine_cls: type                 # the registered rollout engine
 
 

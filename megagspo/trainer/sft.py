@@ -12,6 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from megagspo.config import SFTConfig
+from megagspo.data.datasets import PromptDataset
+from megagspo.data.tokenizer import Tokenizer
 from megagspo.metrics_log import timeouts_note
 from megagspo.policy.engine_link import EngineLink
 from megagspo.policy.megatron_policy import MegatronPolicy, ModelInput
@@ -28,9 +31,9 @@ from moe.parallel import ParallelDims
 class ColdStartSFT:
     dims: ParallelDims
     policy: MegatronPolicy
-    tokenizer: object
-    demonstrations: object           # megagspo.data.PromptDataset: sample(n) -> Examples (prompt and answer)
-    sft: object                      # megagspo.config.SFTConfig
+    tokenizer: Tokenizer
+    demonstrations: PromptDataset    # sample(n) -> Examples (prompt and answer)
+    sft: SFTConfig
     engine: EngineLink
     evaluate: Callable[[], dict]     # held-out evaluation (megagspo.trainer.evaluation.Evaluator)
     hooks: RunHooks
