@@ -23,22 +23,19 @@ loader's job it does not do. Checked with pydantic 2.14 in this venv.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import difflib
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
 
-from megagspo.algorithm.advantages import GroupAdvantageConfig
-from megagspo.algorithm.kl import KLConfig
-from megagspo.algorithm.old_policy import OldPolicyConfig
-from megagspo.algorithm.registry import LossOptionError, build_loss_config, registered_losses
+from megagspo.config_checks import choice, deferred_path_checks, nonneg_int, num, path_present, pos_int, require
 from megagspo.config_moves import move_old_keys, old_keys_in, warn_moved
+# the training phases' sections, loaded here and named from here too (megagspo.config.RLConfig, ...)
+from megagspo.config_training import (FORMER_BOOLEANS, SPELLED, SPELLED_CHOICES, EvalConfig, FilterConfig,  # noqa: F401
+                                      OptimConfig, RLBatchConfig, RLConfig, RLLossConfig, SFTConfig)
 from megagspo.data.tokenizer import PROMPT_FORMATS, has_tokenizer_files
 from megagspo.errors import ConfigError
 from megagspo.errors import show_value as _show
@@ -50,59 +47,6 @@ from moe.json_files import read_json
 from moe.parallel import ParallelLayout
 from moe.routing_replay import replay_available
 from moe.yaml_files import yaml_depth
-
-
-# A dry run validates a cluster recipe on a box that lacks the cluster's files: there, a missing data,
-# tokenizer or checkpoint path is recorded (and reported) instead of raising. Real runs always check.
-_DEFERRED_PATHS: contextvars.ContextVar = contextvars.ContextVar("megagspo_deferred_paths", default=None)
-
-
-def _path_present(key: str, path: str, kind: str = "any") -> bool:
-    exists = {"any": os.path.exists, "file": os.path.isfile, "dir": os.path.isdir}[kind](path)
-    deferred = _DEFERRED_PATHS.get()
-    if not exists and deferred is not None:
-        deferred.append((key, path))
-        return True
-    return exists
-
-
-@contextlib.contextmanager
-def deferred_path_checks():
-    """Within this block missing paths are collected in the yielded list instead of raising."""
-    missing: list = []
-    token = _DEFERRED_PATHS.set(missing)
-    try:
-        yield missing
-    finally:
-        _DEFERRED_PATHS.reset(token)
-
-
-def _require(owner: str, name: str, ok: bool, value: Any, what: str) -> None:
-    if not ok:
-        raise ConfigError(f"{owner}.{name} must be {what}, got {_show(value)}")
-
-
-def _pos_int(owner: str, name: str, value: Any) -> None:
-    _require(owner, name, isinstance(value, int) and not isinstance(value, bool) and value > 0, value,
-             "a positive integer")
-
-
-def _nonneg_int(owner: str, name: str, value: Any) -> None:
-    _require(owner, name, isinstance(value, int) and not isinstance(value, bool) and value >= 0, value,
-             "an integer >= 0")
-
-
-def _num(owner: str, name: str, value: Any, lo: float = -math.inf, hi: float = math.inf,
-         lo_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
-    rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
-    _require(owner, name, ok, value, f"a finite number in {rng}")
-
-
-def _choice(owner: str, name: str, value: Any, choices) -> None:
-    if value not in choices:
-        raise ConfigError(f"{owner}.{name} = {_show(value)} is not valid; valid values: {', '.join(map(str, choices))}")
 
 
 # ------------------------------------------------------------------------------------------- sections
@@ -156,17 +100,17 @@ class ModelConfig:
     recompute: str = "none"
 
     def __post_init__(self) -> None:
-        _nonneg_int("model", "vocab_size", self.vocab_size)
-        _choice("model", "experts", self.experts, EXPERT_PATHS)
-        _choice("model", "attention", self.attention, ATTENTION_PATHS)
-        _choice("model", "recompute", self.recompute, RECOMPUTE_MODES)
-        _choice("model", "precision", self.precision, PRECISIONS)
-        _choice("model", "logprob_path", self.logprob_path, LOGPROB_PATHS)
-        _pos_int("model", "logprob_chunk_tokens", self.logprob_chunk_tokens)
-        if self.init_from and not _path_present("model.init_from", self.init_from):
+        nonneg_int("model", "vocab_size", self.vocab_size)
+        choice("model", "experts", self.experts, EXPERT_PATHS)
+        choice("model", "attention", self.attention, ATTENTION_PATHS)
+        choice("model", "recompute", self.recompute, RECOMPUTE_MODES)
+        choice("model", "precision", self.precision, PRECISIONS)
+        choice("model", "logprob_path", self.logprob_path, LOGPROB_PATHS)
+        pos_int("model", "logprob_chunk_tokens", self.logprob_chunk_tokens)
+        if self.init_from and not path_present("model.init_from", self.init_from):
             raise ConfigError(f"model.init_from = {_show(self.init_from)}: no such file or folder")
         if self.arch_file:
-            if not _path_present("model.arch_file", self.arch_file):
+            if not path_present("model.arch_file", self.arch_file):
                 raise ConfigError(f"model.arch_file = {_show(self.arch_file)}: no such file or folder")
             defaults = ModelConfig()
             clash = [f.name for f in dataclasses.fields(self) if f.name not in _NOT_ARCHITECTURE
@@ -262,10 +206,10 @@ class DataConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        _choice("data", "task", self.task, TASKS)
+        choice("data", "task", self.task, TASKS)
         for name in ("num_digits", "train_size", "eval_size", "max_prompt_tokens", "max_response_tokens"):
-            _pos_int("data", name, getattr(self, name))
-        _require("data", "demo_drop_carry", isinstance(self.demo_drop_carry, (int, float))
+            pos_int("data", name, getattr(self, name))
+        require("data", "demo_drop_carry", isinstance(self.demo_drop_carry, (int, float))
                  and not isinstance(self.demo_drop_carry, bool) and 0.0 <= self.demo_drop_carry <= 1.0,
                  self.demo_drop_carry, "a fraction in [0, 1]")
         if self.task == "addition":
@@ -279,15 +223,15 @@ class DataConfig:
                 raise ConfigError("data.train_path is required when data.task = 'file'")
             for name in ("train_path", "eval_path"):
                 path = getattr(self, name)
-                if path and not _path_present(f"data.{name}", path, "file"):
+                if path and not path_present(f"data.{name}", path, "file"):
                     raise ConfigError(f"data.{name} = {_show(path)}: no such file")
                 if path and not path.endswith((".jsonl", ".json", ".parquet")):
                     raise ConfigError(f"data.{name} = {_show(path)}: expected a .jsonl or .parquet file")
-        _choice("data", "prompt_format", self.prompt_format, PROMPT_FORMATS)
-        _require("data", "chat_template_kwargs", isinstance(self.chat_template_kwargs, dict) and all(
+        choice("data", "prompt_format", self.prompt_format, PROMPT_FORMATS)
+        require("data", "chat_template_kwargs", isinstance(self.chat_template_kwargs, dict) and all(
             isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in self.chat_template_kwargs.items()),
             self.chat_template_kwargs, "a mapping of names to plain values (e.g. {enable_thinking: false})")
-        if self.tokenizer not in ("auto", "builtin") and not _path_present("data.tokenizer", self.tokenizer, "dir"):
+        if self.tokenizer not in ("auto", "builtin") and not path_present("data.tokenizer", self.tokenizer, "dir"):
             raise ConfigError(f"data.tokenizer = {_show(self.tokenizer)}: expected 'auto', 'builtin' or a local "
                               "tokenizer folder")
 
@@ -300,7 +244,7 @@ class RewardConfig:
     timeout_s: float = 10.0         # one verifier call past this scores 0, counted in reward/errors (0 = no limit)
 
     def __post_init__(self) -> None:
-        _num("reward", "timeout_s", self.timeout_s, 0.0)
+        num("reward", "timeout_s", self.timeout_s, 0.0)
 
 
 @dataclass
@@ -325,225 +269,17 @@ class RolloutConfig:
     staleness: int = 0
 
     def __post_init__(self) -> None:
-        _require("rollout", "staleness", self.staleness in (0, 1) and not isinstance(self.staleness, bool),
+        require("rollout", "staleness", self.staleness in (0, 1) and not isinstance(self.staleness, bool),
                  self.staleness, "0 (synchronous) or 1 (one step off)")
         if not isinstance(self.sglang, dict):
             raise ConfigError(f"rollout.sglang must be a mapping, got {_show(self.sglang)}")
         if self.sglang and self.engine != "sglang":
             raise ConfigError("rollout.sglang is set but rollout.engine is not 'sglang'")
-        _require("rollout", "record_routes", self.record_routes in (None, True, False), self.record_routes,
+        require("rollout", "record_routes", self.record_routes in (None, True, False), self.record_routes,
                  "true or false (better: unset, it follows rl.routing_replay and rl.old_policy.source)")
-        _pos_int("rollout", "sync_bucket_mib", self.sync_bucket_mib)
-        _num("rollout", "temperature", self.temperature, 0.0, 10.0, lo_open=True)
-        _num("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
-
-
-ROUTING_REPLAY = ("none", "r2", "r3")
-LOSS_IMPLS = ("torch", "kernels")
-LOGPROB_IMPLS = ("auto", "kernels", "torch")
-SCHEDULES = ("constant", "cosine", "linear")
-# Spellings other projects (and megagspo's SGLang config) use for a value that has one name here: refused with
-# the right one. YAML reads a bare `off` as false, hence the boolean.
-_SPELLED = {("rl.routing_replay", "off"): "none", ("rl.routing_replay", False): "none",
-            ("rl.loss.impl", "fused"): "kernels", ("rl.logprob_impl", "fused"): "kernels"}
-_SPELLED_CHOICES = {"rl.routing_replay": ROUTING_REPLAY, "rl.loss.impl": LOSS_IMPLS, "rl.logprob_impl": LOGPROB_IMPLS}
-# keys that were booleans and became a choice: the boolean an earlier recipe or checkpoint holds -> its choice
-_FORMER_BOOLEANS = {"rl.old_policy.correction.method": {True: "seq_tis", False: "none"}}
-
-# Sections below name themselves by class in their errors ("OptimConfig.lr must be ..."): the loader rewrites
-# the class name into the dotted path the recipe used (rl.optim.lr, sft.optim.lr), as it does for the
-# algorithm's own Configs (rl.kl is a KLConfig).
-
-
-@dataclass
-class OptimConfig:
-    """Megatron's distributed AdamW and its learning-rate schedule (rl.optim and sft.optim)."""
-
-    lr: float = 1e-3                # the peak learning rate
-    schedule: str = "constant"      # constant | cosine | linear (decay to min_lr_ratio * lr, after the warmup)
-    warmup_steps: int = 0           # linear warmup from 0 over this many optimizer steps
-    min_lr_ratio: float = 0.1       # cosine / linear end at this fraction of lr
-    weight_decay: float = 0.0       # AdamW's decoupled weight decay
-    beta1: float = 0.9              # AdamW's first-moment decay
-    beta2: float = 0.99             # AdamW's second-moment decay
-    grad_clip: float = 1.0          # the global gradient norm is clipped to this
-
-    def __post_init__(self) -> None:
-        owner = type(self).__name__
-        _num(owner, "lr", self.lr, 0.0, 1.0, lo_open=True)
-        _choice(owner, "schedule", self.schedule, SCHEDULES)
-        _nonneg_int(owner, "warmup_steps", self.warmup_steps)
-        _num(owner, "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _num(owner, "weight_decay", self.weight_decay, 0.0, 1.0)
-        _num(owner, "beta1", self.beta1, 0.0, 1.0)
-        _num(owner, "beta2", self.beta2, 0.0, 1.0)
-        _num(owner, "grad_clip", self.grad_clip, 0.0, lo_open=True)
-
-
-def _sft_optim() -> OptimConfig:
-    """SFT's defaults: a higher peak and a cosine decay after a short warmup (what cold start has always run)."""
-    return OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
-
-
-@dataclass
-class SFTConfig:
-    """Cold start: supervised steps on demonstrations (prompt + answer) before RL."""
-
-    steps: int = 150
-    batch_size: int = 64
-    eval_every: int = 0             # held-out greedy accuracy every N SFT steps (0 = only at the end)
-    # Sequences per forward/backward on each rank; gradients accumulate over the micro-batches of a step
-    # (one reduction, clip and optimizer step). 0 = the whole per-rank batch (batch_size / data-parallel).
-    micro_batch_size: int = 0
-    optim: OptimConfig = field(default_factory=_sft_optim)
-
-    def __post_init__(self) -> None:
-        _nonneg_int("sft", "steps", self.steps)
-        _nonneg_int("sft", "eval_every", self.eval_every)
-        _nonneg_int("sft", "micro_batch_size", self.micro_batch_size)
-        _pos_int("sft", "batch_size", self.batch_size)
-
-
-@dataclass
-class RLBatchConfig:
-    """Per step: prompts_per_step prompts x group_size responses, split into mini_batches updates."""
-
-    prompts_per_step: int = 16      # B
-    group_size: int = 8             # G
-    mini_batches: int = 4           # optimizer updates per rollout batch (paper: 4)
-    # Sequences per forward/backward on each rank: each mini-batch's share on a rank is split into
-    # micro-batches whose gradients accumulate before the one reduction / clip / optimizer step of that
-    # mini-batch (losses divide by global counts, so the sum equals the unsplit gradient).
-    # 0 = the whole per-rank mini-batch in one forward/backward.
-    micro_batch_size: int = 0
-    # Packed sequences (THD, cu_seqlens): every model pass of the step runs each micro-batch as one stream of
-    # whole sequences, no pad token computed (only the total rounded up to TP under sequence parallelism);
-    # false = the same sequences one per row, right-padded to the longest (kept for comparison)
-    packing: bool = True
-    # > 0 (needs packing, instead of micro_batch_size): micro-batches by token budget. Each mini-batch's
-    # sequences on a rank are split into the same number of micro-batches on every data-parallel rank (enough
-    # for the fullest rank at this budget), balanced by tokens (greedy longest-first)
-    max_tokens_per_micro_batch: int = 0
-
-    def __post_init__(self) -> None:
-        owner = "rl.batch"
-        for name in ("prompts_per_step", "group_size", "mini_batches"):
-            _pos_int(owner, name, getattr(self, name))
-        _nonneg_int(owner, "micro_batch_size", self.micro_batch_size)
-        _nonneg_int(owner, "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
-        if not isinstance(self.packing, bool):
-            raise ConfigError(f"rl.batch.packing must be true or false, got {self.packing!r}")
-        if self.max_tokens_per_micro_batch and self.micro_batch_size:
-            raise ConfigError(f"rl.batch.max_tokens_per_micro_batch = {self.max_tokens_per_micro_batch} and "
-                              f"rl.batch.micro_batch_size = {self.micro_batch_size} both size the micro-batches: "
-                              "set one")
-        if self.max_tokens_per_micro_batch and not self.packing:
-            raise ConfigError("rl.batch.max_tokens_per_micro_batch needs rl.batch.packing = true (token budgets pack "
-                              "whole sequences into one stream)")
-        if self.group_size < 2:
-            raise ConfigError(f"rl.batch.group_size must be >= 2 (group advantages need >= 2 responses), got "
-                              f"{self.group_size}")
-        samples = self.prompts_per_step * self.group_size
-        if samples % self.mini_batches:
-            raise ConfigError(
-                f"rl.batch.prompts_per_step * rl.batch.group_size = {samples} samples do not divide into "
-                f"rl.batch.mini_batches = {self.mini_batches} equal mini-batches")
-
-    @property
-    def samples(self) -> int:
-        """Responses per step: prompts_per_step x group_size."""
-        return self.prompts_per_step * self.group_size
-
-
-@dataclass
-class RLLossConfig:
-    """The policy loss: its name and the fields of that loss's own Config (megagspo.algorithm.losses; the KL
-    and old-policy parts of it are rl.kl and rl.old_policy). An option the named loss lacks (dual_clip with
-    gspo) is refused naming the key."""
-
-    name: str = "gspo"              # gspo (eq. 6) | gspo_token (eqs. 14-15) | grpo (eq. 2)
-    clip_low: float = 3e-4          # ratio clipped below at 1 - clip_low (the paper's GSPO values; GRPO: 0.2)
-    clip_high: float = 4e-4         # ... and above at 1 + clip_high (GRPO: 0.27)
-    dual_clip: Optional[float] = None  # grpo only: for A_t < 0 the objective is bounded below by dual_clip * A_t (> 1)
-    aggregation: str = "seq_mean_token_mean"  # grpo only: seq_mean_token_mean (eq. 2) | token_mean (1 / tokens)
-    validate: bool = True           # check each batch's shapes and finiteness in the loss (host syncs; false = skip)
-    # torch (megagspo.algorithm) | kernels (the fused segmented GSPO kernel for gspo and gspo_token, forced: an
-    # error where megagspo._C cannot serve the device; grpo has none and is refused)
-    impl: str = "torch"
-
-    def __post_init__(self) -> None:
-        _choice("rl.loss", "name", self.name, registered_losses())
-        _choice("rl.loss", "impl", self.impl, LOSS_IMPLS)
-        _num("rl.loss", "clip_low", self.clip_low, 0.0, 1.0, lo_open=True)
-        _num("rl.loss", "clip_high", self.clip_high, 0.0, lo_open=True)
-        if self.dual_clip is not None:
-            _num("rl.loss", "dual_clip", self.dual_clip, 1.0, lo_open=True)
-            self.dual_clip = float(self.dual_clip)  # `3` on the command line is an int to YAML
-
-
-@dataclass
-class FilterConfig:
-    """Dynamic sampling (DAPO; megagspo/rl/dynamic_sampling.py): drop the groups whose rewards are all equal
-    (zero advantage) and draw more prompts until the batch is full, in at most max_rounds rounds of generation
-    (then zero-advantage groups fill what is left, reported as filter/filled_frac)."""
-
-    enabled: bool = False           # true: drop zero-advantage groups and draw again (DAPO's dynamic sampling)
-    max_rounds: int = 3             # rounds of generation per step at most
-
-    def __post_init__(self) -> None:
-        _pos_int("rl.filter", "max_rounds", self.max_rounds)
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation during RL."""
-
-    every: int = 25                 # held-out accuracy every N RL steps (and at the end)
-    samples: int = 4                # also score this many T=1 samples per held-out prompt (0 = greedy only)
-
-    def __post_init__(self) -> None:
-        _pos_int("rl.eval", "every", self.every)
-        _nonneg_int("rl.eval", "samples", self.samples)
-
-
-@dataclass
-class RLConfig:
-    """The RL phase, one section per component: rl.batch (sizes), rl.loss (the loss's own Config), rl.kl
-    (KLConfig), rl.old_policy (OldPolicyConfig, with its correction subsection), rl.advantage
-    (GroupAdvantageConfig, eq. 7), rl.filter (dynamic sampling), rl.optim, rl.eval. The algorithm's sections are
-    its own frozen Config classes; build_loss_config(cfg.rl) assembles the loss's Config from rl.loss, rl.kl and
-    rl.old_policy and validates the combination here and in the trainer."""
-
-    steps: int = 100                # RL steps (each: one rollout batch, rl.batch.mini_batches updates)
-    # routing replay, the one switch (moe.routing_replay on Megatron-Core's RouterReplay): none | r2 (pi_old's
-    # routes, recorded in the recompute forward, replayed in training) | r3 (the rollout engine's routes
-    # replayed; the engine is asked for them: rollout.record_routes follows this key)
-    routing_replay: str = "none"
-    # auto (megagspo.kernels, with one warning where megagspo._C cannot serve the device) | kernels (forced: an
-    # error instead of the fallback) | torch (a naive log_softmax; needs model.logprob_path=logits)
-    logprob_impl: str = "auto"
-    batch: RLBatchConfig = field(default_factory=RLBatchConfig)
-    loss: RLLossConfig = field(default_factory=RLLossConfig)
-    # kl.coef > 0: loss += coef * KL(pi_theta || pi_ref) to a frozen copy of the policy at the start of RL (a
-    # second model's weights in memory; <run>/reference.safetensors). 0 = off (the GSPO paper trains without)
-    kl: KLConfig = field(default_factory=KLConfig)
-    # where pi_old comes from and, when recomputed, how the loss corrects for the rollout -> trainer gap
-    old_policy: OldPolicyConfig = field(default_factory=OldPolicyConfig)
-    advantage: GroupAdvantageConfig = field(default_factory=GroupAdvantageConfig)
-    filter: FilterConfig = field(default_factory=FilterConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-
-    def __post_init__(self) -> None:
-        _nonneg_int("rl", "steps", self.steps)
-        _choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)
-        _choice("rl", "logprob_impl", self.logprob_impl, LOGPROB_IMPLS)
-        # The loss's own Config validates the combination (an option the chosen loss lacks): the same builder the
-        # trainer calls, so a recipe that loads here builds there.
-        try:
-            build_loss_config(self)
-        except LossOptionError as exc:
-            raise ConfigError(str(exc)) from None
+        pos_int("rollout", "sync_bucket_mib", self.sync_bucket_mib)
+        num("rollout", "temperature", self.temperature, 0.0, 10.0, lo_open=True)
+        num("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
 
 
 @dataclass
@@ -561,12 +297,12 @@ class ParallelConfig:
     gpu_memory_gib: float = 80.0    # per GPU (H100 80, H200 141)
 
     def __post_init__(self) -> None:
-        _pos_int("parallel", "tensor_parallel", self.tensor_parallel)
-        _pos_int("parallel", "expert_parallel", self.expert_parallel)
-        _pos_int("parallel", "pipeline_parallel", self.pipeline_parallel)
-        _choice("parallel", "token_dispatcher", self.token_dispatcher, ("alltoall", "allgather"))
-        _nonneg_int("parallel", "world_size", self.world_size)
-        _num("parallel", "gpu_memory_gib", self.gpu_memory_gib, 0.0, lo_open=True)
+        pos_int("parallel", "tensor_parallel", self.tensor_parallel)
+        pos_int("parallel", "expert_parallel", self.expert_parallel)
+        pos_int("parallel", "pipeline_parallel", self.pipeline_parallel)
+        choice("parallel", "token_dispatcher", self.token_dispatcher, ("alltoall", "allgather"))
+        nonneg_int("parallel", "world_size", self.world_size)
+        num("parallel", "gpu_memory_gib", self.gpu_memory_gib, 0.0, lo_open=True)
 
     def layout(self) -> ParallelLayout:
         """The TP / EP / PP sizes as moe.parallel describes them (the only place a recipe's sizes become one)."""
@@ -607,10 +343,10 @@ class CheckpointConfig:
     allow_config_change: bool = False
 
     def __post_init__(self) -> None:
-        _nonneg_int("checkpoint", "every_steps", self.every_steps)
-        _pos_int("checkpoint", "keep_last", self.keep_last)
-        _nonneg_int("checkpoint", "metrics_tail", self.metrics_tail)
-        if self.resume not in RESUME_MODES and not _path_present("checkpoint.resume", self.resume):
+        nonneg_int("checkpoint", "every_steps", self.every_steps)
+        pos_int("checkpoint", "keep_last", self.keep_last)
+        nonneg_int("checkpoint", "metrics_tail", self.metrics_tail)
+        if self.resume not in RESUME_MODES and not path_present("checkpoint.resume", self.resume):
             raise ConfigError(f"checkpoint.resume = {_show(self.resume)}: expected latest, auto, never, or an "
                               "existing checkpoint or run folder")
 
@@ -644,8 +380,8 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_run_name(self.name)
-        _nonneg_int("", "seed", self.seed)
-        _pos_int("", "threads", self.threads)
+        nonneg_int("", "seed", self.seed)
+        pos_int("", "threads", self.threads)
         if self.model.logprob_path == "hidden" and self.rl.logprob_impl == "torch":
             raise ConfigError("model.logprob_path = 'hidden' computes log-probs chunk by chunk with megagspo.kernels, "
                               "but rl.logprob_impl = 'torch' needs the whole logits: set rl.logprob_impl to auto or "
@@ -724,12 +460,12 @@ def _recorded_tokenizer(folder: str) -> str:
 
 def _coerce_value(path: str, value: Any, default: Any) -> Any:
     """YAML gives ints for floats like `1` and strings for `1e-3`; accept those, reject real mismatches."""
-    if isinstance(value, (str, bool)) and (path, value) in _SPELLED:
+    if isinstance(value, (str, bool)) and (path, value) in SPELLED:
         shown = "off (YAML reads a bare off as false)" if value is False else _show(value)
-        raise ConfigError(f"{path} = {shown} is spelled {_SPELLED[(path, value)]!r} here; valid values: "
-                          f"{', '.join(_SPELLED_CHOICES[path])}")
-    if isinstance(value, bool) and path in _FORMER_BOOLEANS:
-        return _FORMER_BOOLEANS[path][value]
+        raise ConfigError(f"{path} = {shown} is spelled {SPELLED[(path, value)]!r} here; valid values: "
+                          f"{', '.join(SPELLED_CHOICES[path])}")
+    if isinstance(value, bool) and path in FORMER_BOOLEANS:
+        return FORMER_BOOLEANS[path][value]
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{path} must be true or false, got {_show(value)}")

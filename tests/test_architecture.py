@@ -32,10 +32,11 @@ FORBIDDEN = {
     "megagspo.rewards": (("megagspo.trainer", "megagspo.rl", "megagspo.policy", "megagspo.rollout", "moe", "megatron",
                           "torch.distributed"),
                          "megagspo/rewards/ are verifiers fn(response, answer): no model or process group"),
-    "megagspo.config": (("megagspo.trainer", "megagspo.rl", "megagspo.policy", "megagspo.rollout", "megagspo.kernels",
-                         "megagspo.rewards", "megagspo.checkpoint"),
-                        "megagspo/config.py describes a run: it builds no component (registry names are checked in the "
-                        "preflight, where the components are built)"),
+    **{module: (("megagspo.trainer", "megagspo.rl", "megagspo.policy", "megagspo.rollout", "megagspo.kernels",
+                 "megagspo.rewards", "megagspo.checkpoint"),
+                f"{module.replace('.', '/')}.py describes a run: it builds no component (registry names are checked "
+                "in the preflight, where the components are built)")
+       for module in ("megagspo.config", "megagspo.config_training", "megagspo.config_checks", "megagspo.config_moves")},
     "megagspo.rl": (("megagspo.trainer",), "megagspo/rl/ is the step: it never reaches up to the trainer"),
     "megagspo.policy": (("megagspo.rl", "megagspo.trainer"), "megagspo/policy/ is the model side: it runs no RL step"),
 }
@@ -310,6 +311,8 @@ def _plant(root, files: Dict[str, str]) -> str:
      folder_rule_violations, "registry names are checked in the preflight"),
     ({"megagspo/config.py": "from megagspo.kernels.policy_losses import check_loss_impl\n",
       "megagspo/kernels/policy_losses.py": ""}, folder_rule_violations, "it builds no component"),
+    ({"megagspo/config_training.py": "from megagspo.rl.schedule import lr_at\n", "megagspo/rl/schedule.py": ""},
+     folder_rule_violations, "config_training.py describes a run"),
     ({"megagspo/rl/step.py": "from megagspo.trainer.layout import check_layout\n", "megagspo/trainer/layout.py": ""},
      folder_rule_violations, "never reaches up to the trainer"),
     ({"megagspo/policy/models.py": "from megagspo.rl.step import RLStep\n", "megagspo/rl/step.py": ""},
