@@ -21,8 +21,8 @@ from megagspo.checkpoint.store import sha256_file
 from helpers import REPO
 from multiprocess import cpu_pinned_env
 
-TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
-        "rl.mini_batches=1", "data.train_size=50", "data.eval_size=5", "log.progress=false", "threads=1",
+TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=1", "rl.batch.prompts_per_step=2", "rl.batch.group_size=2",
+        "rl.batch.mini_batches=1", "data.train_size=50", "data.eval_size=5", "log.progress=false", "threads=1",
         "log.plots=false", "log.tensorboard=false"]
 
 
@@ -112,10 +112,10 @@ CONFIG_AND_DATA_CASES = [
     ("unknown_key", lambda t: ["rl.stepz=3"], "unknown config key 'rl.stepz'"),
     ("unknown_section", lambda t: ["trainer.steps=3"], "unknown config key 'trainer'"),
     ("malformed_override", lambda t: ["rl.steps=[1"], "not valid YAML"),
-    ("negative_clip", lambda t: ["rl.clip_low=-0.2"], "rl.loss.clip_low must be a finite number"),
-    ("nan_lr", lambda t: ["rl.lr=.nan"], "rl.optim.lr must be a finite number"),
-    ("zero_group_size", lambda t: ["rl.group_size=0"], "rl.batch.group_size must be a positive integer"),
-    ("group_size_one", lambda t: ["rl.group_size=1", "rl.mini_batches=1"], "rl.batch.group_size must be >= 2"),
+    ("negative_clip", lambda t: ["rl.loss.clip_low=-0.2"], "rl.loss.clip_low must be a finite number"),
+    ("nan_lr", lambda t: ["rl.optim.lr=.nan"], "rl.optim.lr must be a finite number"),
+    ("zero_group_size", lambda t: ["rl.batch.group_size=0"], "rl.batch.group_size must be a positive integer"),
+    ("group_size_one", lambda t: ["rl.batch.group_size=1", "rl.batch.mini_batches=1"], "rl.batch.group_size must be >= 2"),
     ("negative_timeout", lambda t: ["reward.timeout_s=-1"], "reward.timeout_s must be"),
     ("keep_zero_checkpoints", lambda t: ["checkpoint.keep_last=0"], "checkpoint.keep_last must be a positive"),
     ("resume_from_nowhere", lambda t: [f"checkpoint.resume={t}/nope"], "checkpoint.resume"),
@@ -153,14 +153,14 @@ CONFIG_AND_DATA_CASES = [
      "could not be loaded (ValueError"),
     ("tokenizer_with_an_empty_vocabulary", lambda t: [f"data.tokenizer={_tokenizer_only_unk(t)}"],
      "has no vocabulary besides its 1 special token(s)"),
-    ("overrides_on_both_sides_of_resume", lambda t: ["rl.steps=3", "--resume", "rl.clip_low=-1"],
+    ("overrides_on_both_sides_of_resume", lambda t: ["rl.steps=3", "--resume", "rl.loss.clip_low=-1"],
      "rl.loss.clip_low must be a finite number"),
 
 ]
 
 
 # Nine levels of nine-fold aliases: a few hundred bytes that are 9^9 strings when written out in full.
-ALIAS_BOMB = "rl:\n  lr: [" + ", ".join(
+ALIAS_BOMB = "rl:\n  optim:\n    lr: [" + ", ".join(
     [f"&a0 [{', '.join(['lol'] * 9)}]"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]) + "]\n"
 
 
