@@ -78,5 +78,5 @@ def test_sft_trains_on_the_demonstration():
             return natural
 
     sft = ColdStartSFT(Dims(), type("P", (), {"device": torch.device("cpu")})(), tok, None, None, None, None, None)
-    _, tgt, lmask, _ = sft._demonstrations([ex])
-    assert tgt[0][lmask[0]].tolist() == tok.encode("33") + [tok.eos_id]
+    seqs, _ = sft._demonstrations([ex])  # a SequenceBatch: the loss reads its flat targets under its mask
+    assert seqs.targets_T[seqs.loss_mask_T].tolist() == tok.encode("33") + [tok.eos_id]

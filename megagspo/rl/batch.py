@@ -12,6 +12,12 @@ A packed stream under sequence parallelism is rounded up to a multiple of TP wit
 sequence of their own (the model's cu_seqlens), left out of the router aux loss and of the loss; padded rows
 mark every position past the sequence as padding for the aux loss. Both layouts route, score and balance exactly
 the same real tokens.
+
+`rl.batch.packing: false` stays, as this batch's one-sequence-per-row view, not as a second data path: it is the
+reference the packed stream is tested against (same gradients, tests/test_packing.py), the only layout Megatron's
+local attention takes (model.attention = local), and the view the cold-start SFT trains on. SFT is not packed: its
+router aux loss has always counted the row padding (`model_input(aux_len=)`), which a packed stream has none of,
+so packing it would change the cold start's numbers (tests/test_golden_metrics.py).
 """
 
 from __future__ import annotations
@@ -134,8 +140,12 @@ class SequenceBatch:
                                    advantages_S=self.advantages_S.to(device))
 
     # ---- the views of one micro-batch -------------------------------------------------------------------
-    def model_input(self, packed: bool, dims: ParallelDims) -> "ModelView":
-        """What the model sees of these sequences: one packed stream (with the TP alignment tail) or padded rows."""
+    def model_input(self, packed: bool, dims: ParallelDims, *, aux_len: Optional[int] = None) -> "ModelView":
+        """What the model sees of these sequences: one packed stream (with the TP alignment tail) or padded rows.
+
+        Padded rows leave every position past a sequence out of the router aux loss; with `aux_len` only the
+        positions from aux_len on (ModelInput.padded's alignment padding): the row padding below it counts, as it
+        always has in the cold-start SFT (megagspo.trainer.sft)."""
         dev, T = self.tokens_T.device, self.num_tokens
         if packed:
             total = dims.seq_length(T)
@@ -149,9 +159,11 @@ class SequenceBatch:
             return ModelView(ModelInput(stream(self.tokens_T, self.pad_id), stream(self.targets_T, self.pad_id),
                                         padding, sequences), None)
         flat_T = self._row_positions()
+        tokens_BS, targets_BS = self.rows_of(self.tokens_T, self.pad_id), self.rows_of(self.targets_T, self.pad_id)
+        if aux_len is not None:
+            return ModelView(ModelInput.padded(tokens_BS, targets_BS, aux_len), flat_T)
         padding_BS = ~self.rows_of(torch.ones_like(self.loss_mask_T), False)
-        return ModelView(ModelInput(self.rows_of(self.tokens_T, self.pad_id), self.rows_of(self.targets_T, self.pad_id),
-                                    padding_BS if bool(padding_BS.any()) else None), flat_T)
+        return ModelView(ModelInput(tokens_BS, targets_BS, padding_BS if bool(padding_BS.any()) else None), flat_T)
 
     def _row_positions(self) -> torch.Tensor:
         """Where each token sits in the padded rows [R, S], flattened: sequence i's positions in row i."""

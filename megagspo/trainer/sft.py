@@ -17,7 +17,7 @@ from megagspo.data.datasets import PromptDataset
 from megagspo.data.tokenizer import Tokenizer
 from megagspo.metrics_log import timeouts_note
 from megagspo.policy.engine_link import EngineLink
-from megagspo.policy.megatron_policy import MegatronPolicy, ModelInput
+from megagspo.policy.megatron_policy import MegatronPolicy
 from megagspo.policy.models import optimizer_settings
 from megagspo.rl.batch import SequenceBatch
 from megagspo.rl.micro_batches import micro_slices
@@ -90,8 +90,7 @@ class ColdStartSFT:
         # One right-padded row per demonstration. Every position below the batch's natural length counts in the
         # router aux loss, row padding included (SFT always has: its numbers, the golden metrics among them, stay
         # as they were); the packed stream and the RL step's rows count only the sequences' own tokens.
-        inputs = [ModelInput.padded(m.rows_of(m.tokens_T, m.pad_id), m.rows_of(m.targets_T, m.pad_id), natural)
-                  for m in micro]
+        inputs = [m.model_input(False, self.dims, aux_len=natural).model for m in micro]
         losses = self.policy.run_micro_batches(inputs, loss_fn=lm_loss)
         loss_local = sum(x for x in losses if x is not None)  # 0 on the stages without the LM head
         gnorm = self.policy.step(opt)
