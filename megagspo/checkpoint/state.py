@@ -53,6 +53,7 @@ from moe.json_files import JsonFileError, loads_bounded, read_json
 
 from . import store
 from .guards import load_safetensors
+from .parts import CheckpointParts, Shared
 from .run_folder import RunAlreadyFinished, check_fresh_start, earlier_run, move_earlier_run_aside, nothing_to_resume
 from .store import CheckpointError
 
@@ -133,16 +134,27 @@ def arch_dict(arch) -> dict:
 # ------------------------------------------------------------------------------------------------- RNG
 class RunRng:
     """Every random state a run draws from on this rank: the global torch (and CUDA) generators (HF
-    `generate` samples with them), Python's and NumPy's, and the mini-batch permutation generator."""
+    `generate` samples with them), Python's and NumPy's, and the mini-batch permutation generator. A per-rank
+    checkpoint part (megagspo.checkpoint.parts.PerRank): generator states as tensors, Python's and NumPy's as
+    JSON; on another process layout it is reseeded from (seed, step, data-parallel rank)."""
 
-    def __init__(self, sample_gen: torch.Generator) -> None:
+    def __init__(self, sample_gen: torch.Generator, seed: int = 0, dp_rank: int = 0) -> None:
         self.sample_gen = sample_gen
+        self.seed = seed
+        self.dp_rank = dp_rank
 
     def state_dict(self) -> dict:
-        return capture_rng(self.sample_gen)
+        captured = capture_rng(self.sample_gen)
+        return {"tensors": {k: captured[k] for k in ("torch", "sample_gen", "cuda") if k in captured},
+                "meta": {"python": captured["python"], "numpy": captured["numpy"]}}
 
-    def load_state_dict(self, tensors: Dict[str, torch.Tensor], meta: dict, rank: int) -> None:
-        restore_rng(tensors, meta, rank, self.sample_gen)
+    def load_state_dict(self, tensors: Dict[str, torch.Tensor], meta: dict) -> None:
+        restore_rng({f"rank0/{name}": t for name, t in tensors.items()}, meta, 0, self.sample_gen)
+
+    def start_afresh(self, step: int) -> None:
+        """Seeded by the DATA-parallel rank, as a fresh run is: tensor-parallel peers must draw the same
+        mini-batch permutation (they hold chunks of the same rows under sequence parallelism)."""
+        self.reseed(self.seed * 7919 + 1_000_003 * int(step) + self.dp_rank)
 
     def reseed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -227,18 +239,16 @@ def defining_differences(saved: dict, now: dict) -> list:
 # ---------------------------------------------------------------------------- the parts a checkpoint holds
 @dataclass
 class RunParts:
-    """The named parts of a run a checkpoint holds (torchtitan's pattern: the manager gets the parts, not the
-    trainer). dataset / rng / metrics expose state_dict(); policy and optimizer go through Megatron's
-    sharded checkpointing (moe.dist_checkpoint)."""
+    """What a checkpoint is written from: the state-dict parts in their one table (megagspo.checkpoint.parts:
+    data position, RNGs, the batch generated ahead, the summary, ...), and beside them the policy and optimizer
+    (Megatron's sharded checkpointing, moe.dist_checkpoint), the metrics tail and the run's identity."""
 
     policy: object                    # megagspo.policy.megatron_policy.MegatronPolicy
     optimizer: object                 # Megatron's distributed optimizer, None before RL
-    dataset: object                   # megagspo.data.PromptDataset
-    rng: RunRng
+    dataset: object                   # megagspo.data.PromptDataset (its size: the data position's meaning)
     metrics: object                   # megagspo.metrics_log.MetricsLogger
-    summary: dict
     arch: object                      # moe.architecture.Qwen3MoeArchitecture
-    rollouts_ahead: object = None     # megagspo.rl.rollouts_ahead.RolloutsAhead (rollout.staleness = 1)
+    table: CheckpointParts            # the state-dict parts, restored in one pass (restore_parts)
 
 
 # ------------------------------------------------------------------------------------------- manager
@@ -383,54 +393,41 @@ class CheckpointManager:
             self.say("optimizer hyper-parameters differ from the checkpoint's; the config's are used: "
                      + "; ".join(changed))
 
-    def restore_parts(self, parts: "RunParts", point: dict) -> None:
-        """The one restore pass of the parts a checkpoint holds as state dicts, once the run has built them all:
-        the data-loader position, every RNG of this rank and the batch generated ahead (rollout.staleness = 1).
-        The weights are not among them: the policy's (and the KL reference's) are read as the models are built,
-        before the engine's first weight sync, and the optimizer's when it is made at the start of RL, since its
-        fp32 master weights copy the policy then (load_model, KLReference.resume, load_optimizer)."""
-        self._restore_rng_and_data(parts, point)
-        if parts.rollouts_ahead is not None:
-            self._restore_rollouts_ahead(parts.rollouts_ahead, point)
-
-    def _restore_rng_and_data(self, parts: "RunParts", point: dict) -> None:
-        """The data-loader position and every RNG of this rank from the checkpoint `point` (RNGs reseeded
-        from (seed, step, DP rank) when it was written by another process layout)."""
+    def restore_parts(self, table: CheckpointParts, point: dict) -> None:
+        """The one restore pass, once the run has built every part: each part of the table, in its order, gets
+        its state from the checkpoint `point` (megagspo.checkpoint.parts: Shared parts from trainer_state.json,
+        PerRank parts from their file when this process layout wrote it, else start_afresh and one line said). A
+        part the checkpoint predates keeps the state it was built with. The weights and the optimizer are not
+        in the table: see megagspo.checkpoint.parts for why and where they are read."""
         state = point["state"]
-        parts.dataset.load_state_dict(state["data"])
-        layout_now = self.dims.shape.as_dict()
-        if self._written_by_this_layout(state):
-            tensors = load_safetensors(os.path.join(point["path"], RNG))
-            parts.rng.load_state_dict(tensors, state["rng"][self.rank], self.rank)
-        else:
-            # Seeded by the DATA-parallel rank, as a fresh run is: tensor-parallel peers must draw the same
-            # mini-batch permutation (they hold chunks of the same rows under sequence parallelism).
-            parts.rng.reseed(self.cfg.seed * 7919 + 1_000_003 * int(state["step"]) + self.dims.dp_rank)
-            self.say(f"checkpoint written by {state['world']} processes with layout {state.get('layout')}, resumed "
-                     f"on {self.world} with {layout_now}: RNG states reseeded (the run continues; it is not a "
-                     "bit-for-bit replay of the uninterrupted one)")
+        same_layout = self._written_by_this_layout(state)
+        for part in table:
+            storage = part.storage
+            if storage.key not in state:
+                continue
+            if isinstance(storage, Shared):
+                part.obj.load_state_dict(state[storage.key])
+                continue
+            metas = state[storage.key] or []
+            meta = metas[self.rank] if self.rank < len(metas) else None
+            if same_layout and meta is not None:
+                prefix = f"rank{self.rank}/"
+                tensors = load_safetensors(os.path.join(point["path"], storage.file))
+                part.obj.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                                         meta)
+            elif not same_layout and any(m is not None for m in metas):
+                start_afresh = getattr(part.obj, "start_afresh", None)
+                if start_afresh is not None:
+                    start_afresh(int(state["step"]))
+                self.say(f"checkpoint written by {state['world']} processes with layout {state.get('layout')}, "
+                         f"resumed on {self.world} with {self.dims.shape.as_dict()}: {storage.note} (the run "
+                         "continues; it is not a bit-for-bit replay of the uninterrupted one)")
 
     def _written_by_this_layout(self, state: dict) -> bool:
         """Whether the checkpoint's process count and layout are this run's (per-rank states then map 1:1)."""
         saved = dict(state.get("layout") or {})
         saved.setdefault("pipeline_parallel", 1)  # written before pipeline parallelism existed
         return state["world"] == self.world and saved == self.dims.shape.as_dict()
-
-    def _restore_rollouts_ahead(self, ahead, point: dict) -> None:
-        """rollout.staleness = 1: the batch the checkpoint's run had generated ahead, held again for the next
-        step (when the checkpoint has one for this rank and was written by this process layout; otherwise the
-        next step generates its batch now, with the checkpoint's weights, and says so)."""
-        state = point["state"]
-        metas = state.get("rollouts_ahead") or []
-        meta = metas[self.rank] if self.rank < len(metas) else None
-        if meta is not None and self._written_by_this_layout(state):
-            prefix = f"rank{self.rank}/"
-            tensors = load_safetensors(os.path.join(point["path"], AHEAD))
-            ahead.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, meta)
-        elif any(m is not None for m in metas):
-            self.say("the checkpoint's batch generated ahead (rollout.staleness = 1) is for another process layout: "
-                     "the first resumed step generates its batch now (the run continues; it is not a bit-for-bit "
-                     "replay of the uninterrupted one)")
 
     def prior_metrics(self, point: dict, metrics_path: str) -> list:
         """The metrics rows logged up to the checkpoint: from metrics.jsonl when it still holds them all,
@@ -462,8 +459,8 @@ class CheckpointManager:
         A failure on any rank (disk full, quota, permissions) raises CheckpointError on every rank, with the
         earlier checkpoints untouched."""
         t0 = time.perf_counter()
-        rngs = self._gather(parts.rng.state_dict())
-        aheads = self._gather(None if parts.rollouts_ahead is None else parts.rollouts_ahead.state_dict())
+        # every rank's per-rank parts, in table order (collective)
+        per_rank = {part.name: self._gather(part.obj.state_dict()) for part in parts.table.per_rank()}
         # 1. rank 0 opens the temporary folder; every rank learns its path (or that it failed)
         def begin():
             try:
@@ -478,10 +475,9 @@ class CheckpointManager:
         # 3. rank 0 writes the rest, the manifest, renames
         path = None
         if self.rank == 0 and failure is None:
-            state = self._trainer_state(parts, steps_done, phase, last_eval, rngs, index, has_optimizer)
-            state["rollouts_ahead"] = [None if a is None else a["meta"] for a in aheads]
+            state = self._trainer_state(parts, steps_done, phase, last_eval, per_rank, index, has_optimizer)
             try:
-                path = self._commit(tmp, steps_done, state, rngs, aheads)
+                path = self._commit(tmp, steps_done, state, parts.table, per_rank)
             except (OSError, SafetensorError) as exc:  # disk full, quota, permissions: earlier ones are untouched
                 failure = self._failed(steps_done, exc)
         if failure and self.rank == 0:
@@ -515,41 +511,39 @@ class CheckpointManager:
         except (OSError, dist_checkpoint.DistCheckpointError, *dist_checkpoint.save_errors()) as exc:
             return None, has_optimizer, self._failed(steps_done, exc)
 
-    def _trainer_state(self, parts: "RunParts", steps_done: int, phase: str, last_eval: dict, rngs: list,
+    def _trainer_state(self, parts: "RunParts", steps_done: int, phase: str, last_eval: dict, per_rank: dict,
                        index, has_optimizer: bool) -> dict:
-        """trainer_state.json: step, identity, layout, model, tokenizer, config, every part's state."""
-        return {
+        """trainer_state.json: step, identity, layout, model, tokenizer, config, the metrics tail, and every
+        table part's state (Shared: rank 0's state dict; PerRank: each rank's meta, by rank)."""
+        state = {
             "step": steps_done, "phase": phase, "run_id": self.run_id, "world": self.world,
             "layout": self.dims.shape.as_dict(),
             "arch": arch_dict(parts.arch), "tokenizer": self.cfg.data.tokenizer,
             "dataset_size": len(parts.dataset), "config": _jsonable(self.cfg.to_dict()),
-            "data": parts.dataset.state_dict(),
-            "rng": [{"python": r["python"], "numpy": r["numpy"]} for r in rngs],
-            "last_eval": last_eval, "summary": _jsonable(parts.summary),
-            "metrics": parts.metrics.state_dict(self.ck.metrics_tail),
+            "last_eval": last_eval, "metrics": parts.metrics.state_dict(self.ck.metrics_tail),
             "optimizer": has_optimizer, "model_index": index,
         }
+        for part in parts.table.shared():
+            state[part.storage.key] = _jsonable(part.obj.state_dict())
+        for part in parts.table.per_rank():
+            state[part.storage.key] = [None if s is None else s["meta"] for s in per_rank[part.name]]
+        return state
 
-    def _commit(self, tmp: str, steps_done: int, state: dict, rngs: list, aheads: list = ()) -> str:
-        """Rank 0: the RNG tensors and trainer state into `tmp`, then the manifest and the rename; prune."""
+    def _commit(self, tmp: str, steps_done: int, state: dict, table: CheckpointParts, per_rank: dict) -> str:
+        """Rank 0: each per-rank part's tensors (rank<r>/<name>) and the trainer state into `tmp`, then the
+        manifest and the rename; prune. A per-rank part with no tensors on any rank writes no file."""
         from safetensors.torch import save_file
-
-        rng_t = {}
-        for r, s in enumerate(rngs):
-            rng_t[f"rank{r}/torch"] = s["torch"]
-            rng_t[f"rank{r}/sample_gen"] = s["sample_gen"]
-            if "cuda" in s:
-                rng_t[f"rank{r}/cuda"] = s["cuda"]
 
         def dump_json(p):
             with open(p, "w") as f:
                 json.dump(state, f)
 
-        writers = {RNG: lambda p: save_file(rng_t, p), STATE: dump_json}
-        ahead_t = {f"rank{r}/{name}": t.contiguous() for r, a in enumerate(aheads) if a is not None
-                   for name, t in a["tensors"].items()}
-        if ahead_t:
-            writers[AHEAD] = lambda p: save_file(ahead_t, p)
+        writers = {STATE: dump_json}
+        for part in table.per_rank():
+            tensors = {f"rank{r}/{name}": t.contiguous() for r, s in enumerate(per_rank[part.name]) if s is not None
+                       for name, t in s["tensors"].items()}
+            if tensors:
+                writers[part.storage.file] = lambda p, tensors=tensors: save_file(tensors, p)
         path = store.commit_checkpoint(self.root, steps_done, tmp, writers, {"run_id": self.run_id})
         store.prune(self.root, self.ck.keep_last)
         return path

@@ -31,7 +31,8 @@ from megagspo.checkpoint import CheckpointManager, Preempted, StopRequest
 from megagspo.checkpoint.full_state import save_full_weights
 from megagspo.checkpoint.run_folder import check_resume_reaches, start_over_hint
 from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
-from megagspo.checkpoint.state import RunParts, RunRng
+from megagspo.checkpoint.parts import CheckpointParts, DictState, PerRank, Shared
+from megagspo.checkpoint.state import AHEAD, RNG, RunParts, RunRng
 from megagspo.config import Config
 from megagspo.data import PromptDataset
 from megagspo.metrics_log import cold_start_line, eval_record, final_line, timeouts_note
@@ -100,15 +101,16 @@ class Trainer:
         # Sampling randomness differs per data-parallel rank; the TP ranks of one DP rank draw the same
         # (rank == dp_rank without TP). Training rollouts are also broadcast from TP rank 0 (EngineLink).
         self.sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.dims.dp_rank)
-        self.rng = RunRng(self.sample_gen)
+        self.rng = RunRng(self.sample_gen, cfg.seed, self.dims.dp_rank)
         torch.manual_seed(cfg.seed * 7919 + self.dims.dp_rank)
         self.summary: dict = {"data": self.data_stats, "device": str(self.policy.device),
                               "precision": cfg.model.precision}
         if self.dims.is_main and self.logger.tb_note and not self.quiet:
             print(self.logger.tb_note)
         self._build_parts(cfg, inputs)
+        self.table = self._register_parts()
         if self.resume:  # one pass over the parts restored by state_dict, once all of them are built
-            self.ckpt.restore_parts(self.checkpoint_parts(), self.resume)
+            self.ckpt.restore_parts(self.table, self.resume)
 
     def _build_parts(self, cfg: Config, inputs: RunInputs) -> None:
         """Held-out evaluation, cold-start SFT and the RL step, each from the inputs it uses."""
@@ -128,11 +130,23 @@ class Trainer:
         self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reference,
                            cfg.rl, source, self.tokenizer, self.sample_gen)
 
+    def _register_parts(self) -> CheckpointParts:
+        """The parts a checkpoint holds as state dicts, in the order they are restored (megagspo.checkpoint.parts):
+        one line each."""
+        table = CheckpointParts()
+        table.register("data", self.train_ds, Shared("data"))  # the sampler's RNG and epoch order
+        table.register("rng", self.rng, PerRank("rng", RNG, note="RNG states reseeded"))
+        if self.step.source.holder is not None:  # the batch generated ahead (rollout.staleness = 1)
+            table.register("rollouts_ahead", self.step.source.holder, PerRank(
+                "rollouts_ahead", AHEAD, note="the batch generated ahead is not restored; the first resumed step "
+                                              "generates its batch now"))
+        table.register("summary", DictState(self.summary), Shared("summary"))
+        return table
+
     def checkpoint_parts(self) -> RunParts:
-        """What a checkpoint holds of this run, by name (megagspo.checkpoint.state.RunParts)."""
-        return RunParts(policy=self.policy, optimizer=self.optimizer, dataset=self.train_ds, rng=self.rng,
-                        metrics=self.logger, summary=self.summary, arch=self.arch,
-                        rollouts_ahead=self.step.source.holder)
+        """What a checkpoint holds of this run (megagspo.checkpoint.state.RunParts): the table and the rest."""
+        return RunParts(policy=self.policy, optimizer=self.optimizer, dataset=self.train_ds, metrics=self.logger,
+                        arch=self.arch, table=self.table)
 
     # ------------------------------------------------------------------------------------------- the parts
     def run_sft(self) -> dict:
@@ -216,8 +230,7 @@ class Trainer:
 
     def _train_resumed(self, t0: float) -> dict:
         """Continue an RL run from self.resume (weights, RNG, data position already restored)."""
-        state = self.resume["state"]
-        self.summary.update(state.get("summary", {}))
+        state = self.resume["state"]  # the summary so far was restored with the other parts (_register_parts)
         cold = dict(state["last_eval"])
         final = self._timed_rl(cold, state["step"]) if state["step"] < self.cfg.rl.steps else self._record_final(cold)
         self.console.say(f"held-out accuracy after {self.cfg.rl.steps} {self.cfg.rl.loss.name} steps (resumed at step "
