@@ -4,6 +4,7 @@ fallback to the previous good one, exact resume, preemption signals, and safe re
     store.py    folder protocol (tmp name -> rename, manifest written last, sha256), verify, fallback, prune
     state.py    what a training checkpoint holds (model / optimizer as Megatron dist_checkpointing shards, via
                 moe.dist_checkpoint); CheckpointManager (save / find_resume / restore)
+    parts.py    the state-dict parts in one ordered table, restored in one pass (restore_parts)
     signals.py  SIGTERM / SIGINT -> finish the step, checkpoint, exit 128+signal; second signal exits at once
     guards.py   safetensors / weights-only torch readers; verifier time limit
     reference.py the frozen KL reference policy's weights (<run>/reference.safetensors, written once, verified)

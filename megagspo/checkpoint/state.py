@@ -17,7 +17,12 @@ Files in `step_X/` (see store.py for the atomic protocol; the manifest lists eve
                            (sampler RNG + epoch order), Python / NumPy RNG per rank, last eval, summary so far,
                            metrics (row count + tail), whether optimizer/ exists, and `model_index` (full
                            parameter name -> checkpoint key and expert index) for single-process readers
+    rollouts_ahead.safetensors  per rank (rollout.staleness = 1, where a batch is held): the batch generated ahead
     manifest.json          sizes and sha256 of all of the above, written last
+
+The data position, RNGs, batch generated ahead and summary are the run's table of state-dict parts
+(megagspo.checkpoint.parts: registered by the trainer, restored in one pass by `restore_parts`); the files and keys
+above are the ones checkpoints had before the table, so older checkpoints resume.
 
 Every rank writes its own shards (moe.dist_checkpoint); rank 0 writes the rest and commits. Loading goes
 against the current model's sharded_state_dict, so a checkpoint written at EP=2 loads at EP=1 (and back),
