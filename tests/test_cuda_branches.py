@@ -31,7 +31,7 @@ NO_SGLANG = ("reason: SGLang servers on a GPU; no GPU host of ours has sglang (t
 BRANCH_OWNERS = {
     "megagspo/checkpoint/state.py::capture_rng::use_cuda()": [GPU_RESUME, CONTRACT],
     "megagspo/checkpoint/state.py::restore_rng::use_cuda() and f'rank{rank}/cuda' in tensors": [GPU_RESUME, CONTRACT],
-    "megagspo/checkpoint/state.py::CheckpointManager._commit::'cuda' in s": [GPU_RESUME],
+    "megagspo/checkpoint/state.py::RunRng.state_dict::'cuda' in captured": [GPU_RESUME],
     "megagspo/rollout/hf_engine.py::engine_dtype::dtype is None or device.type != 'cuda'": [
         "tests/test_rollout_engine_memory.py::test_engine_dtype_follows_a_bf16_policy_on_a_gpu_only"],
     "megagspo/rollout/sglang_engine.py::SGLangIpcCodec.__init__::not torch.cuda.is_available()": [

@@ -150,8 +150,10 @@ class RunRng:
 
     def state_dict(self) -> dict:
         captured = capture_rng(self.sample_gen)
-        return {"tensors": {k: captured[k] for k in ("torch", "sample_gen", "cuda") if k in captured},
-                "meta": {"python": captured["python"], "numpy": captured["numpy"]}}
+        tensors = {"torch": captured["torch"], "sample_gen": captured["sample_gen"]}
+        if "cuda" in captured:  # this rank's GPU generator, where the run uses CUDA
+            tensors["cuda"] = captured["cuda"]
+        return {"tensors": tensors, "meta": {"python": captured["python"], "numpy": captured["numpy"]}}
 
     def load_state_dict(self, tensors: Dict[str, torch.Tensor], meta: dict) -> None:
         restore_rng({f"rank0/{name}": t for name, t in tensors.items()}, meta, 0, self.sample_gen)
