@@ -264,13 +264,25 @@ class RolloutConfig:
     # engine = sglang: the fields of megagspo.rollout.sglang_engine.SGLangEngineConfig (urls of running
     # servers or launch settings, sync_dir, colocate, ...), validated by the preflight before any compute.
     sglang: dict = field(default_factory=dict)
-    # 1: one-step-off asynchronous rollouts (megagspo/rl/rollouts_ahead.py): batch n+1 is generated with
-    # the weights after update n-1 while the trainer updates on batch n; 0: generate, then train (synchronous)
+    # N >= 1: asynchronous rollouts, batch k generated with the policy N versions older than the update that
+    # consumes it (the first N batches with the starting weights); 0: generate, then train (synchronous)
     staleness: int = 0
+    # Who generates ahead (staleness >= 1): process = a producer process with its own threads, a queue of at most
+    # N scored batches, dynamic sampling included (megagspo/rl/producer.py; rollout.engine = hf); thread = a
+    # thread of the trainer, one batch ahead (megagspo/rl/rollouts_ahead.py); auto = process for hf, thread for
+    # sglang (the server generates elsewhere)
+    producer: str = "auto"
+    producer_threads: int = 1       # the producer process's intra-op threads
+    producer_cpus: list = field(default_factory=list)  # cores the producer process is pinned to ([]: not pinned)
 
     def __post_init__(self) -> None:
-        require("rollout", "staleness", self.staleness in (0, 1) and not isinstance(self.staleness, bool),
-                 self.staleness, "0 (synchronous) or 1 (one step off)")
+        require("rollout", "staleness", isinstance(self.staleness, int) and not isinstance(self.staleness, bool)
+                and self.staleness >= 0, self.staleness, "an integer >= 0 (0: synchronous)")
+        choice("rollout", "producer", self.producer, ("auto", "process", "thread"))
+        pos_int("rollout", "producer_threads", self.producer_threads)
+        require("rollout", "producer_cpus", isinstance(self.producer_cpus, list) and all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.producer_cpus),
+            self.producer_cpus, "a list of core ids (integers >= 0)")
         if not isinstance(self.sglang, dict):
             raise ConfigError(f"rollout.sglang must be a mapping, got {_show(self.sglang)}")
         if self.sglang and self.engine != "sglang":

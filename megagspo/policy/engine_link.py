@@ -27,10 +27,15 @@ class EngineLink:
         the whole model. Only the ranks whose engine needs the weights receive buckets (engine.weights_needed:
         for the embedded engine the ranks that generate, model-parallel rank 0 of each data-parallel rank; for
         SGLang rank 0, which sends); the others relay their shards and iterate empty buckets."""
+        return self.stream_weights(self.engine)
+
+    def stream_weights(self, consumer) -> float:
+        """sync_weights into any consumer of the stream (`weights_needed`, `update_weights_from_buckets`): the
+        run's engine, or a rollout producer process (megagspo.rl.producer). Collective; returns seconds."""
         t0 = time.perf_counter()
         buckets = iter_full_state_buckets(self.policy.model, self.bucket_bytes, dims=self.dims,
-                                          receive=self.engine.weights_needed(self.dims.generates))
-        self.engine.update_weights_from_buckets(buckets)
+                                          receive=consumer.weights_needed(self.dims.generates))
+        consumer.update_weights_from_buckets(buckets)
         return time.perf_counter() - t0
 
     def seeded_generator(self, seed: int):
@@ -48,6 +53,12 @@ class EngineLink:
 def build_engine(engine_cls: type, arch, tokenizer, cfg: Config) -> RolloutEngine:
     """The run's rollout engine (rollout.engine's class): SGLang gets rollout.sglang; the embedded engine takes
     the policy's precision on a GPU (bf16 -> bf16), fp32 on the CPU (hf_engine)."""
+    return engine_cls(arch, tokenizer, **engine_kwargs(cfg))
+
+
+def engine_kwargs(cfg: Config) -> dict:
+    """The engine's arguments besides the architecture and the tokenizer (also what a producer process builds its
+    engine with)."""
     kwargs = ({"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang"
               else {"dtype": cfg.model.precision} if cfg.rollout.engine == "hf" else {})
-    return engine_cls(arch, tokenizer, record_routes=cfg.rollout.record_routes, **kwargs)
+    return {"record_routes": cfg.rollout.record_routes, **kwargs}

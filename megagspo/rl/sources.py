@@ -2,17 +2,19 @@
 
     source.next(step)    -> SourcedBatch: this rank's rollouts, their scores, the source's own metrics and times
     source.after_update() -> times: what the source does once the step's update is done (before the weight sync)
-    source.holder         -> what a checkpoint saves of the source (a RolloutsAhead), or None
+    source.holder         -> what a checkpoint saves of the source (state_dict / load_state_dict), or None
 
     Synchronous     collect, then score (rollout.staleness 0)
     OneStepAhead    take the batch generated during the previous step, launch the next one (rollout.staleness 1;
                     megagspo.rl.rollouts_ahead)
     GroupFiltered   rounds of collect + rewards until every DP rank holds its share of informative groups
                     (rl.filter.enabled: DAPO's dynamic sampling; megagspo.rl.dynamic_sampling)
+    Produced        a producer process generates and scores batches up to rollout.staleness = N policy versions
+                    ahead, dynamic sampling included (rollout.producer = process; megagspo.rl.producer)
 
 `source_class` is the one rule for which source a recipe gets and what combines with what; the preflight that
 the trainer and the dry run share applies it, and `build_rollout_source` builds from it. The step never branches
-on the rollout mode: a fully asynchronous producer is one more class here.
+on the rollout mode.
 
 Legend (docs/architecture.md): B prompts (this rank's share), G samples per prompt, R = B*G responses.
 """
@@ -21,20 +23,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Protocol
 
 import torch
 
 from megagspo.algorithm import group_advantages
-from megagspo.config import ConfigError, RLConfig
+from megagspo.config import ConfigError, RLConfig, RolloutConfig
 from megagspo.data.datasets import Example, PromptDataset
 from megagspo.data.tokenizer import Tokenizer
 from megagspo.policy.engine_link import EngineLink
 from megagspo.rewards import RewardStats, score_batch
 from megagspo.rl.dynamic_sampling import GroupFilter, merge_stats
-from megagspo.rl.rollouts_ahead import RolloutsAhead
+from megagspo.rl.producer import EngineRecipe, ProducedBatch, ProducerProcess, ProducerSpec, RewardRecipe
+from megagspo.rl.rollouts_ahead import TENSORS, RolloutsAhead
 from megagspo.rollout import RolloutOutput, SamplingParams
+from megagspo.rollout.base import drain
 from moe.parallel import ParallelDims
 
 
@@ -105,7 +110,7 @@ class RolloutCollector:
 
 
 class RolloutSource(Protocol):
-    holder: Optional[RolloutsAhead]
+    holder: Optional[object]          # RolloutsAhead, Produced: state_dict() / load_state_dict(tensors, meta)
 
     def next(self, step: int) -> SourcedBatch: ...
 
@@ -194,23 +199,216 @@ class GroupFiltered:
         return {}
 
 
-def source_class(staleness: int, filter_groups: bool, model_parallel: int) -> type:
+class Produced:
+    """rollout.staleness = N with the producer process (megagspo.rl.producer): batch k was generated with the
+    policy version max(k - N, start) by a process of its own, scored there (dynamic sampling's rounds included),
+    and waits in a queue of at most N batches. The model-parallel rank 0 of each data-parallel rank talks to its
+    producer and shares the batch with its TP x PP peers, as generation does; the weights go to the producer after
+    each update, streamed in the engine link's buckets (a collective, on every rank). The source's state (the
+    batches received and not consumed, the producer's state after the last of them) is what a checkpoint holds:
+    `state_dict` / `load_state_dict`, through `holder`."""
+
+    def __init__(self, collector: RolloutCollector, spec: ProducerSpec) -> None:
+        self.collector, self.spec, self.dims = collector, spec, collector.dims
+        self.producer = ProducerProcess(spec, collector.prompts) if self.dims.generates else None
+        self.holder = self
+        self.version: Optional[int] = None     # the policy version the trainer holds; None: not started
+        self.held: deque = deque()             # ProducedBatch received (or restored), not yet consumed
+        self.next_index = 0                    # the next batch to receive from the producer
+        self.resume_state: Optional[dict] = None
+
+    # ---- the protocol ---------------------------------------------------------------------------------------
+    def next(self, step: int) -> SourcedBatch:
+        if self.version is None:
+            self._start(step)
+        t0 = time.perf_counter()
+        batch, depth = self.dims.on_mp_rank0("rollouts from the producer", lambda: self._take(step))
+        wait_s = time.perf_counter() - t0
+        c = self.collector
+        metrics = self._staleness_metrics(batch, step)
+        if self.spec.filter_groups:
+            metrics.update(self._filter_metrics(batch.filter))
+        times = {"time/rollout_s": batch.times["rollout_s"], "time/reward_s": batch.times["reward_s"],
+                 "time/producer_idle_s": batch.times["idle_s"], "time/trainer_wait_s": wait_s,
+                 # timing-dependent (how far the producer got), hence among the time/ entries
+                 "time/queue_depth": float(depth)}
+        return SourcedBatch(Rollouts(batch.prompts, batch.out), c.scores_of(batch.rewards_R, batch.stats),
+                            metrics, times)
+
+    def after_update(self) -> dict:
+        """Send the weights after this update (version + 1) to the producer, when a batch still to come needs them."""
+        self.version += 1
+        if self.spec.version_for(self.spec.steps - 1, 0) < self.version:
+            return {}
+        t0 = time.perf_counter()
+        self._send_weights()
+        return {"time/producer_sync_s": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+
+    # ---- inside -----------------------------------------------------------------------------------------------
+    def _start(self, step: int) -> None:
+        """Start the producer where the run is: the restored state, or batch `step` from the current weights and the
+        prompt stream's current position (fresh start; a checkpoint that held no producer state)."""
+        self.version = step
+        state = self.resume_state or {"next": step, "floor": step, "dataset": self.collector.prompts.state_dict(),
+                                      "generator": None}
+        self.next_index = state["next"]
+        if self.producer is not None:
+            self.producer.start(state)
+        self._send_weights()
+
+    def _send_weights(self) -> None:
+        self.collector.engine.stream_weights(_ToProducer(self.producer, self.version))
+
+    def _receive(self) -> None:
+        self.held.append(self.producer.take(self.next_index))
+        self.next_index += 1
+
+    def _take(self, step: int):
+        depth = len(self.held) + self.producer.depth()
+        if not self.held:
+            self._receive()
+        batch = self.held.popleft()
+        if batch.index != step:
+            raise RuntimeError(f"rollout producer: step {step} was given batch {batch.index} (a checkpoint of another "
+                               "run or rl.steps?)")
+        return batch, depth
+
+    def _staleness_metrics(self, batch: ProducedBatch, step: int) -> dict:
+        """Staleness of the consumed tokens (versions between the weights that sampled them and this update)."""
+        tokens_R = batch.out.response_mask_RL.sum(1).double()
+        stale_R = (step - batch.version_R).double()
+        total, stale_sum, stale_tokens = self.dims.dp_sum([float(tokens_R.sum()), float((tokens_R * stale_R).sum()),
+                                                          float(tokens_R[stale_R > 0].sum())])
+        most = max(v[0] for v in self.dims.dp_gather([float(stale_R.max()) if len(stale_R) else 0.0]))
+        return {"rollout/staleness_mean": stale_sum / max(total, 1.0), "rollout/staleness_max": most,
+                "rollout/stale_token_frac": stale_tokens / max(total, 1.0)}
+
+    def _filter_metrics(self, info: dict) -> dict:
+        """As GroupFiltered's: rounds (the most any rank drew), informative groups of those generated, filled share."""
+        generated, informative, filled = self.dims.dp_sum([info["generated"], info["informative"], info["filled"]])
+        rounds = max(v[0] for v in self.dims.dp_gather([info["rounds"]]))
+        return {"filter/rounds": rounds, "filter/informative_frac": informative / max(generated, 1.0),
+                "filter/filled_frac": filled / self.spec.prompts_per_step}
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+    def state_dict(self) -> Optional[dict]:
+        """The batches received and not consumed, after waiting for every batch generated with weights older than
+        the current ones (a resumed run has only these), and the producer's state after the last of them, as
+        {"tensors": {...}, "meta": JSON-able}; None before the producer started and on ranks without one."""
+        if self.version is None or self.producer is None:
+            return None
+        while self.next_index < self.spec.steps and \
+                self.spec.version_for(self.next_index, self.producer.start_state["floor"]) < self.version:
+            self._receive()
+        tensors, batches = {}, []
+        for i, b in enumerate(self.held):
+            out = b.out
+            prefix = f"b{i}/"
+            for name in TENSORS:
+                if getattr(out, name) is not None:
+                    tensors[prefix + name] = getattr(out, name)
+            # log-probs only where generated (a checkpoint refuses non-finite padding; every reader masks it)
+            tensors[prefix + "logp_RL"] = out.logp_RL.masked_fill(~out.response_mask_RL, 0.0)
+            tensors[prefix + "rewards_R"] = b.rewards_R
+            batches.append({"index": b.index, "version": b.version, "filter": b.filter,
+                            "stats": dataclasses.asdict(b.stats), "prompt_ids": [list(p) for p in out.prompt_ids],
+                            "prompts": [{"prompt": ex.prompt, "answer": ex.answer, "prompt_ids": list(ex.prompt_ids)}
+                                        for ex in b.prompts]})
+        state = dict(self.producer.start_state)
+        if state.get("generator") is not None:
+            tensors["generator"] = state.pop("generator")
+        state.pop("generator", None)
+        return {"tensors": tensors, "meta": {"kind": "producer", "batches": batches, "state": state}}
+
+    def load_state_dict(self, tensors: dict, meta: dict) -> None:
+        """Hold the checkpoint's batches again; the producer restarts from the state after the last of them."""
+        if meta.get("kind") != "producer":
+            print("the checkpoint's batch generated ahead comes from rollout.producer = thread: the producer starts "
+                  "from the checkpoint's weights (the run continues; it is not a bit-for-bit replay)", flush=True)
+            return
+        self.held.clear()
+        for i, b in enumerate(meta["batches"]):
+            prefix = f"b{i}/"
+            out = RolloutOutput(prompt_ids=b["prompt_ids"], routes_RPLyK=tensors.get(prefix + "routes_RPLyK"),
+                                **{name: tensors[prefix + name] for name in TENSORS[:3]})
+            prompts = [Example(prompt=p["prompt"] if isinstance(p["prompt"], str) else tuple(p["prompt"]),
+                               answer=p["answer"], prompt_ids=tuple(p["prompt_ids"])) for p in b["prompts"]]
+            self.held.append(ProducedBatch(b["index"], b["version"], prompts, out, tensors[prefix + "rewards_R"],
+                                           RewardStats(**b["stats"]), b["filter"], {}, 
+                                           {"rollout_s": 0.0, "reward_s": 0.0, "idle_s": 0.0}))
+        self.resume_state = dict(meta["state"], generator=tensors.get("generator"))
+
+
+class _ToProducer:
+    """The weight stream's consumer on the producer's side (EngineLink.stream_weights): each bucket cloned off the
+    trainer's parameters (which the next update overwrites) and sent to the producer as one version."""
+
+    def __init__(self, producer: Optional[ProducerProcess], version: int) -> None:
+        self.producer, self.version = producer, version
+
+    def weights_needed(self, generates: bool) -> bool:
+        return generates and self.producer is not None
+
+    def update_weights_from_buckets(self, buckets) -> None:
+        it = iter(buckets)
+        if not getattr(buckets, "receive", True) or self.producer is None:
+            drain(it)
+            return
+        kept = [{name: t.detach().to("cpu", copy=True) for name, t in bucket.items()} for bucket in it]
+        self.producer.send_weights(self.version, kept)
+
+
+PRODUCERS = ("auto", "process", "thread")
+
+
+def producer_kind(producer: str, engine: str) -> str:
+    """rollout.producer = auto: a process for the embedded engine (its generation competes with the update for this
+    process's cores), the thread for SGLang (a server generates elsewhere; the thread only waits on HTTP)."""
+    if producer == "auto":
+        return "process" if engine == "hf" else "thread"
+    return producer
+
+
+def source_class(staleness: int, filter_groups: bool, model_parallel: int, producer: str = "auto",
+                 engine: str = "hf") -> type:
     """The source a recipe asks for, or a ConfigError naming the keys that cannot combine (the one place)."""
-    if staleness and filter_groups:
-        raise ConfigError("rollout.staleness = 1 with rl.filter.enabled = true is not supported: dynamic "
-                          "sampling draws more rounds after seeing the rewards, which a batch generated ahead "
-                          "cannot; set one of them")
-    if staleness and model_parallel > 1:
-        raise ConfigError("rollout.staleness = 1 needs parallel.tensor_parallel = pipeline_parallel = 1: under "
-                          "TP x PP the generating rank broadcasts the rollouts to its peers, a collective that "
-                          "cannot run beside the training thread's")
-    if staleness:
+    if not staleness:
+        return GroupFiltered if filter_groups else Synchronous
+    kind = producer_kind(producer, engine)
+    if kind == "thread":
+        if staleness > 1 or filter_groups:
+            raise ConfigError(f"rollout.producer = thread runs one batch ahead without dynamic sampling: rollout."
+                              f"staleness = {staleness} with rl.filter.enabled = {str(filter_groups).lower()} is "
+                              "not supported by it; set rollout.producer = process (rollout.engine = hf)")
+        if model_parallel > 1:
+            raise ConfigError("rollout.producer = thread needs parallel.tensor_parallel = pipeline_parallel = 1: "
+                              "under TP x PP the generating rank broadcasts the rollouts to its peers, a collective "
+                              "that cannot run beside the training thread's; set rollout.producer = process")
         return OneStepAhead
-    return GroupFiltered if filter_groups else Synchronous
+    if engine != "hf":
+        raise ConfigError(f"rollout.producer = process runs the embedded engine (rollout.engine = hf), not "
+                          f"rollout.engine = {engine}; with SGLang use rollout.staleness = 1 and rollout.producer = "
+                          "thread (the server generates beside the trainer)")
+    return Produced
 
 
-def build_rollout_source(collector: RolloutCollector, staleness: int, ahead_seed: int) -> RolloutSource:
-    cls = source_class(staleness, collector.rl.filter.enabled, collector.dims.mp_size)
+def build_rollout_source(collector: RolloutCollector, rollout: RolloutConfig, ahead_seed: int,
+                         engine: Optional[EngineRecipe] = None, reward: Optional[RewardRecipe] = None) -> RolloutSource:
+    """The run's source; `engine` and `reward` say how the producer process builds its engine and verifier."""
+    rl = collector.rl  # the rl.* this module reads, all here
+    cls = source_class(rollout.staleness, rl.filter.enabled, collector.dims.mp_size, rollout.producer, rollout.engine)
     if cls is OneStepAhead:
-        return OneStepAhead(collector, collector.rl.steps, ahead_seed)
+        return OneStepAhead(collector, rl.steps, ahead_seed)
+    if cls is Produced:
+        spec = ProducerSpec(
+            engine=engine, reward=reward, sampling=collector.sampling, seed=ahead_seed, staleness=rollout.staleness,
+            steps=rl.steps, prompts_per_step=rl.batch.prompts_per_step, group_size=rl.batch.group_size,
+            dp_rank=collector.dims.dp_rank, dp_size=collector.dims.dp_size, filter_groups=rl.filter.enabled,
+            filter_max_rounds=rl.filter.max_rounds, pad_id=collector.tokenizer.pad_id,
+            threads=rollout.producer_threads, cpus=tuple(rollout.producer_cpus))
+        return Produced(collector, spec)
     return cls(collector)

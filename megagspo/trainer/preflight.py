@@ -55,7 +55,7 @@ def check_components(cfg: Config) -> None:
     except LossOptionError as exc:
         raise ConfigError(str(exc)) from None
     source_class(cfg.rollout.staleness, cfg.rl.filter.enabled,  # which rollout source; what combines with what
-                 cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
+                 cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel, cfg.rollout.producer, cfg.rollout.engine)
 
 
 def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bool = True) -> Preflight:

@@ -36,9 +36,10 @@ from megagspo.checkpoint.state import AHEAD, RNG, RunParts, RunRng
 from megagspo.config import Config
 from megagspo.data import PromptDataset
 from megagspo.metrics_log import cold_start_line, eval_record, final_line, timeouts_note
-from megagspo.policy.engine_link import EngineLink, build_engine
+from megagspo.policy.engine_link import EngineLink, build_engine, engine_kwargs
 from megagspo.policy.megatron_policy import setup_parallel
 from megagspo.policy.models import build_models, optimizer_settings
+from megagspo.rl.producer import EngineRecipe, RewardRecipe
 from megagspo.rl.sources import RolloutCollector, build_rollout_source
 from megagspo.rl.step import RLStep
 from megagspo.rollout import SamplingParams
@@ -57,6 +58,7 @@ class Trainer:
         """reward_fn: (response, answer) -> [0, 1] in place of reward.name's verifier; adamw_class: the torch
         optimizer inside Megatron's distributed optimizer (moe.optimizer.build_optimizer). Tests inject both."""
         self.adamw_class = adamw_class
+        self.injected_reward = reward_fn  # a rollout producer process rebuilds reward.name's verifier, or takes this
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
         # everything that can be wrong with the input is checked before any compute
@@ -125,8 +127,10 @@ class Trainer:
                                   top_p=cfg.rollout.top_p)
         collector = RolloutCollector(self.dims, self.link, cfg.rl, sampling, self.tokenizer, self.train_ds,
                                      self.reward_fn)
-        source = build_rollout_source(collector, cfg.rollout.staleness,
-                                      ahead_seed=cfg.seed * 7919 + 104_729 + self.dims.dp_rank)
+        source = build_rollout_source(
+            collector, cfg.rollout, ahead_seed=cfg.seed * 7919 + 104_729 + self.dims.dp_rank,
+            engine=EngineRecipe(cfg.rollout.engine, self.arch, self.tokenizer, engine_kwargs(cfg)),
+            reward=RewardRecipe(cfg.reward.name, cfg.reward.timeout_s, self.injected_reward))
         self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reference,
                            cfg.rl, source, self.tokenizer, self.sample_gen)
 
@@ -192,6 +196,8 @@ class Trainer:
             self.stop.uninstall()
             self.run_lock.release()
             getattr(self.reward_fn, "close", lambda: None)()  # the verifier's worker, if any
+            if hasattr(self, "step"):
+                getattr(self.step.source, "close", lambda: None)()  # the rollout producer process, if any
 
     def _train(self, rl: bool) -> dict:
         t0 = time.perf_counter()

@@ -1,0 +1,301 @@
+"""A rollout producer in its own process (`rollout.staleness: N` with `rollout.producer: process`): the embedded
+engine generates and scores batches on its own threads / cores while the trainer updates, up to N policy versions
+ahead, and hands them over through a bounded queue.
+
+Legend: B prompts of this data-parallel rank's share, G samples per prompt, R = B G responses, L response length.
+
+Versions. Version v is the policy after v RL updates (the run's step count). Batch k (the batch update k consumes)
+is generated with exactly version `max(k - N, floor)` (floor: the version the producer stream started from), never
+a newer one, although a newer one may already have arrived: the run is a function of the seed, not of timing,
+so a resumed run repeats the uninterrupted one bit for bit. Batch k thus waits for the weights after update
+k - N - 1, which the trainer sends once it has consumed batch k - N - 1: at most N batches are ever produced and
+not consumed (the queue bound), and every token of batch k is at most N versions old when update k consumes it.
+N = 1 is the one-step-off order of megagspo.rl.rollouts_ahead (the same draws, the same generator).
+
+The process. `torch.multiprocessing`'s spawn context (a fresh interpreter: no trainer threads, process groups or
+CUDA context); its own intra-op threads and, where asked, its own cores (`rollout.producer_threads`,
+`rollout.producer_cpus`). It holds a copy of the prompt stream, the engine's sampling generator and the
+verifier; it draws prompts, generates, scores and (dynamic sampling) draws more rounds until its share holds
+enough informative groups, all without a collective: each data-parallel rank's producer draws the same global
+stream and keeps its own share, so ranks that need different numbers of rounds never collide on a prompt.
+Weights arrive by version, as the streamed buckets of the engine link (cloned off the trainer's parameters, in
+shared memory). Each batch goes out with the producer's state after it (stream position, generator state), so
+the trainer can restart a dead producer, or resume from a checkpoint, exactly where the last batch it received
+left off: no sample is lost or produced twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+from megagspo.data.datasets import Example, PromptDataset
+from megagspo.rewards import RewardStats, get_reward, score_batch
+from megagspo.rewards.bounded import with_time_limit
+from megagspo.rl.dynamic_sampling import GroupFilter, merge_stats
+from megagspo.rollout import SamplingParams, get_engine_class
+from megagspo.rollout.base import RolloutOutput
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    """How to build the run's rollout engine in another process: the registered name and its arguments."""
+
+    name: str
+    arch: object
+    tokenizer: object
+    kwargs: dict = field(default_factory=dict)
+
+    def build(self):
+        return get_engine_class(self.name)(self.arch, self.tokenizer, **self.kwargs)
+
+
+@dataclass(frozen=True)
+class RewardRecipe:
+    """The verifier in another process: reward.name under reward.timeout_s, or an injected (picklable) function."""
+
+    name: str
+    timeout_s: float
+    fn: Optional[Callable] = None
+
+    def build(self) -> Callable:
+        return self.fn if self.fn is not None else with_time_limit(get_reward(self.name), self.timeout_s)
+
+
+@dataclass(frozen=True)
+class ProducerSpec:
+    """Everything the producer process needs, as plain picklable values (no config object, no process group)."""
+
+    engine: EngineRecipe
+    reward: RewardRecipe
+    sampling: SamplingParams          # without a generator: the producer makes its own from `seed`
+    seed: int                         # the engine's sampling generator (megagspo.rl.rollouts_ahead's ahead seed)
+    staleness: int                    # N
+    steps: int                        # rl.steps: no batch k >= steps is produced
+    prompts_per_step: int             # the global draw per round
+    group_size: int                   # G
+    dp_rank: int
+    dp_size: int
+    filter_groups: bool               # dynamic sampling (DAPO)
+    filter_max_rounds: int
+    pad_id: int
+    threads: int = 1                  # the producer's intra-op threads
+    cpus: tuple = ()                  # cores it is pinned to (empty: not pinned)
+
+    def version_for(self, k: int, floor: int) -> int:
+        """The policy version that generates batch k: the oldest the staleness bound allows."""
+        return max(k - self.staleness, floor)
+
+
+@dataclass
+class ProducedBatch:
+    """Batch `index`, generated with weights `version`, scored; `post` is the producer's state after it."""
+
+    index: int
+    version: int
+    prompts: List[Example]
+    out: RolloutOutput
+    rewards_R: torch.Tensor
+    stats: RewardStats
+    filter: dict                      # rounds / generated / informative / filled (dynamic sampling), else {}
+    post: dict                        # {"next": k + 1, "floor", "dataset": JSON state, "generator": ByteTensor}
+    times: dict                       # rollout_s, reward_s, idle_s (waiting for weights since the last batch)
+
+    @property
+    def version_R(self) -> torch.Tensor:
+        """The policy version that sampled each response (one per row: a batch is generated under one version)."""
+        return torch.full((self.out.response_ids_RL.shape[0],), self.version, dtype=torch.long)
+
+
+def local_share(items: list, dp_rank: int, dp_size: int) -> list:
+    """This data-parallel rank's contiguous share (moe.parallel.ParallelDims.local_slice, without the groups)."""
+    n = len(items) // dp_size
+    return items[dp_rank * n:(dp_rank + 1) * n]
+
+
+class BatchMaker:
+    """One batch: draw this rank's share of the next global draw, generate G samples each, score them; with dynamic
+    sampling, rounds until the share holds its informative groups (megagspo.rl.dynamic_sampling), at most
+    filter_max_rounds, each rank on its own."""
+
+    def __init__(self, spec: ProducerSpec, engine, dataset: PromptDataset, reward_fn, generator) -> None:
+        self.spec, self.engine, self.dataset, self.reward_fn = spec, engine, dataset, reward_fn
+        self.sampling = dataclasses.replace(spec.sampling, generator=generator)
+
+    def _round(self):
+        s = self.spec
+        prompts = local_share(self.dataset.sample(s.prompts_per_step), s.dp_rank, s.dp_size)
+        t0 = time.perf_counter()
+        out = self.engine.generate([ex.prompt_ids for ex in prompts], s.group_size, self.sampling)
+        t1 = time.perf_counter()
+        tok = self.spec.engine.tokenizer
+        texts = [tok.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
+        answers = [ex.answer for ex in prompts for _ in range(s.group_size)]
+        stats = RewardStats()
+        rewards_R = torch.tensor(score_batch(self.reward_fn, texts, answers, stats), dtype=torch.float32)
+        return prompts, out, rewards_R, stats, t1 - t0, time.perf_counter() - t1
+
+    def make(self) -> tuple:
+        """-> (prompts, out, rewards_R, stats, filter info, rollout_s, reward_s)."""
+        s = self.spec
+        if not s.filter_groups:
+            prompts, out, rewards_R, stats, gen_s, rew_s = self._round()
+            return prompts, out, rewards_R, stats, {}, gen_s, rew_s
+        need = len(local_share(list(range(s.prompts_per_step)), s.dp_rank, s.dp_size))
+        kept = GroupFilter(need, s.group_size)
+        all_stats, gen_total, rew_total = [], 0.0, 0.0
+        while True:
+            prompts, out, rewards_R, stats, gen_s, rew_s = self._round()
+            gen_total, rew_total = gen_total + gen_s, rew_total + rew_s
+            all_stats.append(stats)
+            kept.add_round(prompts, out, rewards_R)
+            if kept.short == 0 or kept.rounds >= s.filter_max_rounds:
+                break
+        prompts, out, rewards_R, filled = kept.result(s.pad_id)
+        info = {"rounds": float(kept.rounds), "generated": float(kept.generated),
+                "informative": float(kept.informative), "filled": float(filled)}
+        return prompts, out, rewards_R, merge_stats(all_stats), info, gen_total, rew_total
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills the producer when the trainer dies (no orphan keeps generating)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def producer_main(spec: ProducerSpec, dataset: PromptDataset, start: dict, commands, results) -> None:
+    """The producer process: batches start["next"], start["next"] + 1, ... < spec.steps, each with the weights of
+    its version (read from `commands` in order, never ahead of need), put on `results`."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer decides
+    torch.set_num_threads(spec.threads)
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
+    engine = spec.engine.build()
+    generator = engine.seeded_generator(spec.seed)
+    if start.get("dataset") is not None:
+        dataset.load_state_dict(start["dataset"])
+    if start.get("generator") is not None and generator is not None:
+        generator.set_state(start["generator"])
+    maker = BatchMaker(spec, engine, dataset, spec.reward.build(), generator)
+    k, floor, version = start["next"], start["floor"], None
+    idle = 0.0
+    while k < spec.steps:
+        need = spec.version_for(k, floor)
+        while version is None or version < need:  # the weights of batch k (in version order; older ones replayed)
+            t0 = time.perf_counter()
+            message = commands.get()
+            idle += time.perf_counter() - t0
+            if message is None:
+                return
+            version, buckets = message
+            engine.update_weights_from_buckets(buckets)
+            del buckets
+        prompts, out, rewards_R, stats, info, gen_s, rew_s = maker.make()
+        post = {"next": k + 1, "floor": floor, "dataset": dataset.state_dict(),
+                "generator": None if generator is None else generator.get_state()}
+        t0 = time.perf_counter()
+        # by value (plain pickle), not as shared-memory handles: those die with this process, which may end (its
+        # last batch made, or killed) before the trainer reads the queue
+        results.put(pickle.dumps(ProducedBatch(k, version, prompts, out, rewards_R, stats, info, post,
+                                               {"rollout_s": gen_s, "reward_s": rew_s, "idle_s": idle})))
+        idle = time.perf_counter() - t0  # a full queue blocks the put: idle too
+        k += 1
+
+
+class ProducerProcess:
+    """The trainer's handle on the producer: start it, send weights by version, take batches in order, restart it
+    when it died. Keeps every version a batch not yet received may still need (to replay after a restart)."""
+
+    POLL_S = 0.5  # how often a wait for a batch checks that the producer is alive
+
+    def __init__(self, spec: ProducerSpec, dataset: PromptDataset, say: Callable[[str], None] = print) -> None:
+        import torch.multiprocessing as tmp
+
+        self.spec, self.dataset, self.say = spec, dataset, say
+        self.ctx = tmp.get_context("spawn")
+        self.proc = None
+        self.commands = self.results = None
+        self.sent: dict = {}         # version -> [bucket dicts] (shared memory), the versions still needed
+        self.start_state: dict = {}  # where a (re)started producer continues: the state after the last batch taken
+        self.restarts = 0
+
+    # ---- lifetime ----------------------------------------------------------------------------------
+    def start(self, state: dict) -> None:
+        """(Re)start the producer from `state` ({"next", "floor", "dataset", "generator"}) and replay the kept
+        versions it needs."""
+        import multiprocessing
+
+        if multiprocessing.current_process().daemon:
+            raise RuntimeError("rollout.producer = process: this process is a daemonic multiprocessing child, which "
+                               "may not start the producer process; run the trainer from a normal process (the CLI, "
+                               "torchrun) or use rollout.producer = thread")
+        self.start_state = dict(state)
+        self.commands, self.results = self.ctx.Queue(), self.ctx.Queue(maxsize=max(self.spec.staleness, 1))
+        self.proc = self.ctx.Process(target=producer_main, name="megagspo-rollout-producer",
+                                     args=(self.spec, self.dataset, self.start_state, self.commands, self.results))
+        self.proc.start()
+        for version in sorted(self.sent):
+            self.commands.put((version, self.sent[version]))
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        for q in (self.commands, self.results):
+            q.cancel_join_thread()
+            q.close()
+        self.proc = None
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def send_weights(self, version: int, buckets: list) -> None:
+        self.sent[version] = buckets
+        self.commands.put((version, buckets))
+
+    def _forget_before(self, version: int) -> None:
+        for v in [v for v in self.sent if v < version]:
+            del self.sent[v]
+
+    # ---- batches ------------------------------------------------------------------------------------
+    def depth(self) -> int:
+        try:
+            return self.results.qsize()
+        except NotImplementedError:  # macOS
+            return -1
+
+    def take(self, index: int) -> ProducedBatch:
+        """Batch `index` (the next one in order); restarts the producer from the last batch taken if it died."""
+        while True:
+            try:
+                batch = pickle.loads(self.results.get(timeout=self.POLL_S))
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    self._restart()
+                continue
+            if batch.index != index:
+                raise RuntimeError(f"rollout producer: got batch {batch.index}, expected {index}")
+            self.start_state = dict(batch.post)
+            self._forget_before(self.spec.version_for(batch.index + 1, batch.post["floor"]))
+            return batch
+
+    def _restart(self) -> None:
+        code = self.proc.exitcode
+        self.close()
+        self.restarts += 1
+        self.say(f"rollout producer died (exit code {code}); restarted at batch {self.start_state['next']} from "
+                 "the state after the last batch received (nothing lost or repeated)")
+        self.start(self.start_state)
