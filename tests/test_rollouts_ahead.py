@@ -1,4 +1,5 @@
-"""One-step-off asynchronous rollouts (rollout.staleness = 1; megagspo.rl.rollouts_ahead): each RL batch is
+"""One-step-off asynchronous rollouts (rollout.staleness = 1, rollout.producer = thread; megagspo.rl.rollouts_ahead;
+the resume test runs the default, the producer process of megagspo.rl.producer): each RL batch is
 generated on the background thread from exactly the weights one update old (an engine that counts its weight
 updates records the version each generate call saw), staleness 0 is the synchronous order, the configuration
 refuses what it cannot run, and a run killed mid-way and resumed logs the metrics of the uninterrupted one."""
@@ -17,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["sft.steps=2", "sft.batch_size=8", "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=2",
        "rl.mini_batches=1", "rl.eval_every=100", "rl.eval_samples=0", "data.train_size=60", "data.eval_size=4",
        "threads=1", "log.progress=false", "log.plots=false", "log.tensorboard=false", "log.save_checkpoint=false",
-       "checkpoint.every_steps=0", "rollout.engine=hf_versioned"]
+       "checkpoint.every_steps=0", "rollout.engine=hf_versioned", "rollout.producer=thread"]
 
 
 def _versions_body(rank, world_size, out_dir, staleness):
@@ -59,9 +60,11 @@ def test_each_batch_comes_from_the_weights_one_update_old(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["rollout.staleness=2"], ["rollout.staleness must be 0 (synchronous) or 1 (one step off)"]),
-    (["rollout.staleness=1", "rl.filter_groups=true"], ["rl.filter.enabled", "not supported"]),
-    (["rollout.staleness=1", "parallel.tensor_parallel=2"], ["tensor_parallel", "pipeline_parallel = 1"]),
+    (["rollout.staleness=-1"], ["rollout.staleness must be an integer >= 0"]),
+    (["rollout.staleness=2", "rollout.producer=thread"], ["rollout.producer = thread", "not supported"]),
+    (["rollout.staleness=1", "rollout.producer=thread", "rl.filter_groups=true"], ["rl.filter.enabled", "not supported"]),
+    (["rollout.staleness=1", "rollout.producer=thread", "parallel.tensor_parallel=2"],
+     ["tensor_parallel", "pipeline_parallel = 1"]),
 ])
 def test_what_one_step_off_cannot_run_is_refused(overrides, words):
     """Refused by the config (a key's own range) or by the preflight the trainer and the dry run share (what

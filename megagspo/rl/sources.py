@@ -230,7 +230,8 @@ class Produced:
             metrics.update(self._filter_metrics(batch.filter))
         times = {"time/rollout_s": batch.times["rollout_s"], "time/reward_s": batch.times["reward_s"],
                  "time/producer_idle_s": batch.times["idle_s"], "time/trainer_wait_s": wait_s,
-                 # timing-dependent (how far the producer got), hence among the time/ entries
+                 # the batches ready behind this one when the step asked (at most N); timing-dependent (how far the
+                 # producer got), hence among the time/ entries
                  "time/queue_depth": float(depth)}
         return SourcedBatch(Rollouts(batch.prompts, batch.out), c.scores_of(batch.rewards_R, batch.stats),
                             metrics, times)
@@ -268,10 +269,11 @@ class Produced:
         self.next_index += 1
 
     def _take(self, step: int):
-        depth = len(self.held) + self.producer.depth()
+        ready = len(self.held) + self.producer.depth()
         if not self.held:
             self._receive()
         batch = self.held.popleft()
+        depth = max(ready - 1, 0)  # scored batches ready behind this one: at most N (the weights gate the producer)
         if batch.index != step:
             raise RuntimeError(f"rollout producer: step {step} was given batch {batch.index} (a checkpoint of another "
                                "run or rl.steps?)")

@@ -1,0 +1,132 @@
+"""The rollout producer process (rollout.staleness = N, rollout.producer = process; megagspo.rl.producer), end to end
+with real `megagspo train` subprocesses on the tiny recipe:
+
+- every consumed token was sampled exactly min(step, N) versions before the update that consumes it, and the queue
+  never holds more than N batches;
+- N = 1 logs the metrics of the one-step-ahead thread (rollout.producer = thread), bit for bit;
+- a run killed mid-way and resumed logs the uninterrupted run's metrics at N = 2 (N = 1:
+  test_rollouts_ahead.py's resume test, which runs the producer by default);
+- a producer killed mid-run is restarted from the state after the last batch received: the same metrics.
+
+The N = 2 runs use dynamic sampling (rl.filter.enabled), which the producer runs itself: the consumed groups are the
+informative ones, drawn in rounds, and a resumed or restarted producer draws the same rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from test_checkpoint_resume import _assert_same_metrics, _rl_steps_logged, _rows, _run, _start_and_wait, _env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARGS = ["--config", "configs/tiny_cpu.yaml", "sft.steps=2", "sft.batch_size=8", "rl.steps=4",
+        "rl.batch.prompts_per_step=4", "rl.batch.group_size=2", "rl.batch.mini_batches=1", "rl.eval.every=100",
+        "rl.eval.samples=0", "data.train_size=60", "data.eval_size=4", "threads=1", "log.progress=false",
+        "log.plots=false", "log.tensorboard=false", "log.save_checkpoint=false", "checkpoint.every_steps=1",
+        "reward.name=digit_match"]  # partial credit: informative groups and a moving policy from the first step
+
+
+def _cmd(out_dir, name, *extra):
+    import sys
+
+    return [sys.executable, "-m", "megagspo.cli", "train", *ARGS, f"log.out_dir={out_dir}", f"name={name}", *extra]
+
+
+def _rl(run_dir):
+    return [r for r in _rows(run_dir) if r.get("phase") == "rl"]
+
+
+STALE2 = ["rollout.staleness=2", "rl.filter.enabled=true", "rl.filter.max_rounds=3"]
+
+
+@pytest.fixture(scope="module")
+def stale2(tmp_path_factory):
+    """The uninterrupted N = 2 run with dynamic sampling, with its timed rows (the volatile time/ entries kept)."""
+    import json
+
+    out = tmp_path_factory.mktemp("n2")
+    _run(_cmd(out, "ref", *STALE2))
+    with open(out / "ref" / "metrics.jsonl") as f:
+        timed = [json.loads(line) for line in f if line.strip()]
+    return out / "ref", [r for r in timed if r.get("phase") == "rl"]
+
+
+def test_versions_of_consumed_tokens_and_the_queue_bound(stale2):
+    """Batch k comes from version max(k - 2, 0): the consumed tokens' staleness is 0, 1, 2, 2 (every token of a
+    batch one version), and the producer never holds more than N = 2 batches ahead of the trainer."""
+    _, rows = stale2
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    assert [r["rollout/stale_token_frac"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(0 <= r["time/queue_depth"] <= 2 for r in rows), [r["time/queue_depth"] for r in rows]
+    assert all(r["time/trainer_wait_s"] >= 0 and r["time/producer_idle_s"] >= 0 for r in rows)
+    assert rows[1]["mismatch/abs_log_ratio"] > rows[0]["mismatch/abs_log_ratio"]  # stale batches, measured so
+
+
+def test_dynamic_sampling_runs_in_the_producer(stale2):
+    """The producer scores its samples and draws more rounds (at most rl.filter.max_rounds) until its share holds
+    informative groups; what it hands over is those (G = 2: both advantages nonzero), and the fill after the last
+    round when it fell short."""
+    _, rows = stale2
+    assert all(1 <= r["filter/rounds"] <= 3 for r in rows) and any(r["filter/rounds"] > 1 for r in rows)
+    assert [r["reward/nonzero_adv_frac"] for r in rows] == [1.0 - r["filter/filled_frac"] for r in rows]
+
+
+def test_staleness_one_equals_the_one_step_ahead_thread(tmp_path):
+    one = ["rollout.staleness=1", "checkpoint.every_steps=0", "rl.steps=3"]
+    _run(_cmd(tmp_path, "thread", *one, "rollout.producer=thread"))
+    _run(_cmd(tmp_path, "process", *one, "rollout.producer=process"))
+    thread, process = _rows(tmp_path / "thread"), _rows(tmp_path / "process")
+    new = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/stale_token_frac")
+    assert [r.get("rollout/staleness_max") for r in process if r["phase"] == "rl"] == [0.0, 1.0, 1.0]
+    assert [{k: v for k, v in r.items() if k not in new} for r in process] == thread
+
+
+def test_killed_and_resumed_at_staleness_two_equals_uninterrupted(tmp_path, stale2):
+    """The checkpoint after step n holds the batches generated with versions older than n (the queue) and the
+    producer's state after the last of them; the resumed producer continues from it with the checkpoint's weights."""
+    proc = _start_and_wait(_cmd(tmp_path, "k", *STALE2), tmp_path / "k", min_rl_rows=2)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    out = _run(_cmd(tmp_path, "k", *STALE2, "--resume"))
+    assert "resuming from" in out.stdout
+    _assert_same_metrics(stale2[0], tmp_path / "k")
+
+
+def _producer_pid(trainer_pid: int):
+    """The trainer's spawned producer (not multiprocessing's resource tracker), or None while there is none."""
+    children = set()
+    for tid in os.listdir(f"/proc/{trainer_pid}/task"):
+        with open(f"/proc/{trainer_pid}/task/{tid}/children") as f:
+            children.update(int(p) for p in f.read().split())
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            return pid
+    return None
+
+
+def test_a_killed_producer_is_restarted_without_losing_or_repeating_a_sample(tmp_path, stale2):
+    import subprocess
+
+    proc = subprocess.Popen(_cmd(tmp_path, "p", *STALE2), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not _rl_steps_logged(tmp_path / "p"):  # the producer is running (making batch 2 or later)
+        assert proc.poll() is None and time.time() - t0 < 180, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    pid = _producer_pid(proc.pid)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "rollout producer died" in out, out
+    _assert_same_metrics(stale2[0], tmp_path / "p")
