@@ -6,7 +6,8 @@ with real `megagspo train` subprocesses on the tiny recipe:
 - N = 1 logs the metrics of the one-step-ahead thread (rollout.producer = thread), bit for bit;
 - a run killed mid-way and resumed logs the uninterrupted run's metrics at N = 2 (N = 1:
   test_rollouts_ahead.py's resume test, which runs the producer by default);
-- a producer killed mid-run is restarted from the state after the last batch received: the same metrics.
+- a producer killed mid-run is restarted from the state after the last batch received: the same metrics;
+- under TP = 2 (torchrun) one rank runs the producer and shares its batches.
 
 The N = 2 runs use dynamic sampling (rl.filter.enabled), which the producer runs itself: the consumed groups are the
 informative ones, drawn in rounds, and a resumed or restarted producer draws the same rounds.
@@ -130,3 +131,20 @@ def test_a_killed_producer_is_restarted_without_losing_or_repeating_a_sample(tmp
     assert proc.returncode == 0, err[-3000:]
     assert "rollout producer died" in out, out
     _assert_same_metrics(stale2[0], tmp_path / "p")
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_ranks_share_one_producer(tmp_path):
+    """TP = 2 under torchrun (2 gloo processes): model-parallel rank 0 runs the producer and shares each batch
+    with its peer (both train on it: the TP forward needs the same tokens on both), the weights stream to the
+    producer through the TP gather, and the N = 2 versions, dynamic sampling and the checkpoint's wait all hold
+    (the DP = 2 layout, one producer per rank, takes the same path with dp_rank's share)."""
+    import sys
+
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+          "megagspo.cli", "train", *ARGS, *STALE2, "parallel.tensor_parallel=2", "checkpoint.every_steps=2",
+          f"log.out_dir={tmp_path}", "name=tp2"], timeout=300)
+    rows = _rl(tmp_path / "tp2")
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    assert all(1 <= r["filter/rounds"] <= 3 for r in rows)
+    assert [r["reward/nonzero_adv_frac"] for r in rows] == [1.0 - r["filter/filled_frac"] for r in rows]
