@@ -148,3 +148,25 @@ def test_tensor_parallel_ranks_share_one_producer(tmp_path):
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
     assert all(1 <= r["filter/rounds"] <= 3 for r in rows)
     assert [r["reward/nonzero_adv_frac"] for r in rows] == [1.0 - r["filter/filled_frac"] for r in rows]
+
+
+def test_a_producer_that_fails_by_itself_is_an_error_not_a_restart_loop():
+    """A producer that dies on its own (here: its engine cannot be built) is restarted MAX_RESTARTS times, then the
+    trainer's wait raises, naming the batch and the exit code."""
+    from megagspo.data.datasets import PromptDataset
+    from megagspo.rl.producer import EngineRecipe, ProducerProcess, ProducerSpec, RewardRecipe
+    from megagspo.rollout import SamplingParams
+
+    spec = ProducerSpec(engine=EngineRecipe("no_such_engine", None, None), reward=RewardRecipe("exact_match", 0),
+                        sampling=SamplingParams(4), seed=0, staleness=1, steps=2, prompts_per_step=2, group_size=2,
+                        dp_rank=0, dp_size=1, filter_groups=False, filter_max_rounds=1, pad_id=0)
+    said = []
+    producer = ProducerProcess(spec, PromptDataset([]), say=said.append)
+    producer.MAX_RESTARTS = 1
+    producer.start({"next": 0, "floor": 0, "dataset": None, "generator": None})
+    try:
+        with pytest.raises(RuntimeError, match=r"died 2 times in a row at batch 0 \(last exit code 1"):
+            producer.take(0)
+    finally:
+        producer.close()
+    assert len(said) == 1 and "restarted at batch 0" in said[0]

@@ -220,6 +220,8 @@ class ProducerProcess:
     when it died. Keeps every version a batch not yet received may still need (to replay after a restart)."""
 
     POLL_S = 0.5  # how often a wait for a batch checks that the producer is alive
+    MAX_RESTARTS = 3  # in a row without a batch received: a producer that fails by itself (its traceback is on
+    #                   stderr), not one that was killed, is an error rather than a loop
 
     def __init__(self, spec: ProducerSpec, dataset: PromptDataset, say: Callable[[str], None] = print) -> None:
         import torch.multiprocessing as tmp
@@ -231,6 +233,7 @@ class ProducerProcess:
         self.sent: dict = {}         # version -> [bucket dicts] (shared memory), the versions still needed
         self.start_state: dict = {}  # where a (re)started producer continues: the state after the last batch taken
         self.restarts = 0
+        self._in_a_row = 0
 
     # ---- lifetime ----------------------------------------------------------------------------------
     def start(self, state: dict) -> None:
@@ -289,13 +292,18 @@ class ProducerProcess:
             if batch.index != index:
                 raise RuntimeError(f"rollout producer: got batch {batch.index}, expected {index}")
             self.start_state = dict(batch.post)
+            self._in_a_row = 0
             self._forget_before(self.spec.version_for(batch.index + 1, batch.post["floor"]))
             return batch
 
     def _restart(self) -> None:
         code = self.proc.exitcode
         self.close()
+        if self._in_a_row >= self.MAX_RESTARTS:
+            raise RuntimeError(f"rollout producer: died {self._in_a_row + 1} times in a row at batch "
+                               f"{self.start_state['next']} (last exit code {code}; its traceback is on stderr)")
         self.restarts += 1
+        self._in_a_row += 1
         self.say(f"rollout producer died (exit code {code}); restarted at batch {self.start_state['next']} from "
                  "the state after the last batch received (nothing lost or repeated)")
         self.start(self.start_state)
