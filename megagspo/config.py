@@ -499,8 +499,9 @@ def _coerce_value(path: str, value: Any, default: Any) -> Any:
     return value
 
 
-def _declared_default(f: dataclasses.Field) -> Any:
-    """The default a dataclass field declares: a fresh instance for a section (SFT's optim differs from RL's)."""
+def declared_default(f: dataclasses.Field) -> Any:
+    """The default a dataclass field declares, before any __post_init__ resolves it (data.tokenizer: auto); a fresh
+    instance for a section (SFT's optim differs from RL's). tools/config_table.py documents these defaults."""
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
@@ -508,7 +509,7 @@ def _leaf_paths(cls, prefix: str) -> dict:
     """{leaf name: [dotted paths]} of every key under the dataclass `cls` at `prefix`, sections included."""
     out: dict = {}
     for f in dataclasses.fields(cls):
-        default = _declared_default(f)
+        default = declared_default(f)
         if dataclasses.is_dataclass(default):
             for leaf, paths in _leaf_paths(type(default), f"{prefix}{f.name}.").items():
                 out.setdefault(leaf, []).extend(paths)
@@ -539,7 +540,7 @@ def _build(cls, raw: dict, prefix: str, base: Any = None):
         if key not in declared:
             raise ConfigError(f"unknown config key {_show(path)}{_did_you_mean(cls, key, prefix)}; valid keys"
                               f"{' in ' + prefix[:-1] if prefix else ''}: {', '.join(declared)}")
-        default = _declared_default(declared[key])
+        default = declared_default(declared[key])
         if dataclasses.is_dataclass(default):
             kwargs[key] = _build(type(default), {} if value is None else value, f"{path}.", default)
         else:

@@ -62,7 +62,8 @@ def _flat(tree: dict, prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def _nested(flat: Dict[str, Any]) -> dict:
+def nest_keys(flat: Dict[str, Any]) -> dict:
+    """{'rl.loss.name': 'grpo'} -> {'rl': {'loss': {'name': 'grpo'}}}: dotted paths back into nested mappings."""
     out: dict = {}
     for path, value in flat.items():
         node = out
@@ -95,7 +96,7 @@ def move_old_keys(tree: dict, where: str, warn: bool = True) -> dict:
         flat[new] = flat.pop(old)
     if warn:
         warn_moved(moved, where)
-    return _nested(flat)
+    return nest_keys(flat)
 
 
 def warn_moved(moved: Dict[str, str], where: str) -> None:

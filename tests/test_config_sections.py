@@ -16,7 +16,7 @@ from megagspo.checkpoint.run_folder import config_differences
 from megagspo.checkpoint.state import DEFINING_KEYS, IMPLEMENTATION_KEYS, defining_differences
 from megagspo.config import (Config, ConfigError, OptimConfig, config_from_dict, flatten_keys, load_config,
                              parse_overrides)
-from megagspo.config_moves import MOVED_KEYS, MovedKeyWarning, move_old_keys, old_keys_in
+from megagspo.config_moves import MOVED_KEYS, MovedKeyWarning, move_old_keys, nest_keys, old_keys_in
 from megagspo.policy.models import optimizer_settings
 from helpers import REPO
 
@@ -115,16 +115,8 @@ def test_sft_optimizer_is_its_section_and_its_defaults_are_what_sft_always_ran()
 
 def _flat_dump(cfg: Config) -> dict:
     """A run's config.yaml as the code before the sections wrote it: every moved key at its earlier path."""
-    flat = flatten_keys(dataclasses.asdict(cfg))
     back = {new: old for old, new in MOVED_KEYS.items()}
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        *parents, leaf = back.get(path, path).split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
+    return nest_keys({back.get(path, path): value for path, value in flatten_keys(dataclasses.asdict(cfg)).items()})
 
 
 def test_a_run_saved_before_the_sections_is_the_same_run(tmp_path):

@@ -50,13 +50,6 @@ def _comments(source_lines: list, cls_name: str) -> dict:
     return out
 
 
-def _declared_default(f: dataclasses.Field):
-    """The default written in the dataclass (before __post_init__ resolves e.g. data.tokenizer: auto)."""
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory()  # type: ignore[misc]
-
-
 def _default(value) -> str:
     if isinstance(value, str):
         return f'`"{value}"`' if value == "" else f"`{value}`"
@@ -95,7 +88,7 @@ def _section(path: str, section, lines: list) -> None:
 
 
 def table() -> str:
-    from megagspo.config import Config
+    from megagspo.config import Config, declared_default
 
     lines = ["# Configuration keys", "",
              "Every key of a recipe (`configs/*.yaml`) and of the command line (`section.key=value`), with its default and",
@@ -108,7 +101,7 @@ def table() -> str:
     lines += ["## Top level", "", "| key | default | meaning |", "|---|---|---|"]
     sections = []
     for f in dataclasses.fields(Config):
-        value = _declared_default(f)  # fresh sections, before Config resolves e.g. data.tokenizer: auto
+        value = declared_default(f)  # fresh sections, before Config resolves e.g. data.tokenizer: auto
         if dataclasses.is_dataclass(value):
             sections.append((f.name, value))
         else:
