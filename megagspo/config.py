@@ -274,12 +274,17 @@ class RolloutConfig:
     producer: str = "auto"
     producer_threads: int = 1       # the producer process's intra-op threads
     producer_cpus: list = field(default_factory=list)  # cores the producer process is pinned to ([]: not pinned)
+    # Partial rollouts (producer = process): weights that arrive while a batch is generated load at once, and the
+    # unfinished responses continue from their prefix under them; each token keeps the version that sampled it.
+    # The switch points follow the weights' arrival: such a run depends on timing, not only on the seed.
+    partial: bool = False
 
     def __post_init__(self) -> None:
         require("rollout", "staleness", isinstance(self.staleness, int) and not isinstance(self.staleness, bool)
                 and self.staleness >= 0, self.staleness, "an integer >= 0 (0: synchronous)")
         choice("rollout", "producer", self.producer, ("auto", "process", "thread"))
         pos_int("rollout", "producer_threads", self.producer_threads)
+        require("rollout", "partial", isinstance(self.partial, bool), self.partial, "true or false")
         require("rollout", "producer_cpus", isinstance(self.producer_cpus, list) and all(
             isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.producer_cpus),
             self.producer_cpus, "a list of core ids (integers >= 0)")

@@ -77,6 +77,27 @@ def test_dynamic_sampling_runs_in_the_producer(stale2):
     assert [r["reward/nonzero_adv_frac"] for r in rows] == [1.0 - r["filter/filled_frac"] for r in rows]
 
 
+def test_partial_rollouts_run_in_the_producer_and_log_their_versions(tmp_path):
+    """rollout.partial: the producer loads weights that arrive mid-batch and continues its responses under them
+    (where the switches fall depends on timing: tests/test_partial_rollouts.py pins them). What holds whatever the
+    timing: no token older than N, versions only fresher than without partial rollouts, the partial metrics in
+    [0, 1], and a checkpoint of its queue (per-token versions included) that a resume reads."""
+    args = ["rollout.staleness=2", "rollout.partial=true"]
+    proc = _start_and_wait(_cmd(tmp_path, "partial", *args), tmp_path / "partial", min_rl_rows=2)
+    proc.send_signal(signal.SIGKILL)  # with the queue's batches (and their tokens' versions) in the checkpoint
+    proc.communicate(timeout=30)
+    out = _run(_cmd(tmp_path, "partial", *args, "--resume"))
+    assert "resuming from" in out.stdout
+    rows = _rl(tmp_path / "partial")
+    assert [r["step"] for r in rows][-1] == 3
+    for r in rows:
+        assert 0.0 <= r["rollout/staleness_max"] <= min(r["step"], 2)
+        assert 0.0 <= r["rollout/staleness_mean"] <= r["rollout/staleness_max"]
+        # a token older than its response's newest version is older than this update's weights too
+        assert 0.0 <= r["rollout/older_version_token_frac"] <= r["rollout/stale_token_frac"] <= 1.0
+        assert 0.0 <= r["rollout/continued_response_frac"] <= 1.0
+
+
 def test_staleness_one_equals_the_one_step_ahead_thread(tmp_path):
     one = ["rollout.staleness=1", "checkpoint.every_steps=0", "rl.steps=3"]
     _run(_cmd(tmp_path, "thread", *one, "rollout.producer=thread"))

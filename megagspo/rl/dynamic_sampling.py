@@ -39,7 +39,8 @@ def select_groups(out: RolloutOutput, groups: list, group_size: int) -> RolloutO
     return RolloutOutput(
         prompt_ids=[out.prompt_ids[r] for r in rows], response_ids_RL=out.response_ids_RL[index],
         response_mask_RL=out.response_mask_RL[index], logp_RL=out.logp_RL[index],
-        routes_RPLyK=None if out.routes_RPLyK is None else out.routes_RPLyK[index])
+        routes_RPLyK=None if out.routes_RPLyK is None else out.routes_RPLyK[index],
+        version_RL=None if out.version_RL is None else out.version_RL[index])
 
 
 def _pad_to(t: torch.Tensor, length: int, dim: int, value) -> torch.Tensor:
@@ -52,7 +53,7 @@ def _pad_to(t: torch.Tensor, length: int, dim: int, value) -> torch.Tensor:
 
 def concat_outputs(outputs: list, pad_id: int) -> RolloutOutput:
     """One RolloutOutput of several rounds' rows: responses right-padded to the longest (pad_id, mask False,
-    log-prob 0), routes padded with -1 (not fed) to the most positions."""
+    log-prob 0, version 0), routes padded with -1 (not fed) to the most positions."""
     if len(outputs) == 1:
         return outputs[0]
     length = max(o.response_ids_RL.shape[1] for o in outputs)
@@ -60,11 +61,15 @@ def concat_outputs(outputs: list, pad_id: int) -> RolloutOutput:
     if outputs[0].routes_RPLyK is not None:
         positions = max(o.routes_RPLyK.shape[1] for o in outputs)
         routes = torch.cat([_pad_to(o.routes_RPLyK, positions, 1, -1) for o in outputs])
+    versions = None
+    if outputs[0].version_RL is not None:  # partial rollouts: every round's output has them
+        versions = torch.cat([_pad_to(o.version_RL, length, 1, 0) for o in outputs])
     return RolloutOutput(
         prompt_ids=[p for o in outputs for p in o.prompt_ids],
         response_ids_RL=torch.cat([_pad_to(o.response_ids_RL, length, 1, pad_id) for o in outputs]),
         response_mask_RL=torch.cat([_pad_to(o.response_mask_RL, length, 1, False) for o in outputs]),
-        logp_RL=torch.cat([_pad_to(o.logp_RL, length, 1, 0.0) for o in outputs]), routes_RPLyK=routes)
+        logp_RL=torch.cat([_pad_to(o.logp_RL, length, 1, 0.0) for o in outputs]), routes_RPLyK=routes,
+        version_RL=versions)
 
 
 def merge_stats(parts: list) -> RewardStats:

@@ -12,6 +12,14 @@ k - N - 1, which the trainer sends once it has consumed batch k - N - 1: at most
 not consumed (the queue bound), and every token of batch k is at most N versions old when update k consumes it.
 N = 1 is the one-step-off order of megagspo.rl.rollouts_ahead (the same draws, the same generator).
 
+Partial rollouts (`rollout.partial: true`). Batch k still starts with version max(k - N, floor), or a newer one that
+has already arrived, but the weights that arrive while it is generated no longer wait for it: the engine stops its
+unfinished responses, loads them and continues the responses from their prefix (`RolloutEngine.generate`'s
+`switch`), so later tokens come from fresher weights; every token carries the version that sampled it
+(RolloutOutput.version_RL) and its behaviour log-prob is that version's. The oldest token is still at most N
+versions old. Where the switches fall depends on when the weights arrive: a partial run is a function of the seed
+AND of timing (as in every framework that has partial rollouts), so it is not replayed bit for bit by a resume.
+
 The process. `torch.multiprocessing`'s spawn context (a fresh interpreter: no trainer threads, process groups or
 CUDA context); its own intra-op threads and, where asked, its own cores (`rollout.producer_threads`,
 `rollout.producer_cpus`). It holds a copy of the prompt stream, the engine's sampling generator and the
@@ -89,6 +97,7 @@ class ProducerSpec:
     pad_id: int
     threads: int = 1                  # the producer's intra-op threads
     cpus: tuple = ()                  # cores it is pinned to (empty: not pinned)
+    partial: bool = False             # partial rollouts: newer weights replace the engine's mid-batch
 
     def version_for(self, k: int, floor: int) -> int:
         """The policy version that generates batch k: the oldest the staleness bound allows."""
@@ -97,7 +106,8 @@ class ProducerSpec:
 
 @dataclass
 class ProducedBatch:
-    """Batch `index`, generated with weights `version`, scored; `post` is the producer's state after it."""
+    """Batch `index`, started with weights `version` (partial rollouts: later tokens may be newer, out.version_RL),
+    scored; `post` is the producer's state after it."""
 
     index: int
     version: int
@@ -110,9 +120,9 @@ class ProducedBatch:
     times: dict                       # rollout_s, reward_s, idle_s (waiting for weights since the last batch)
 
     @property
-    def version_R(self) -> torch.Tensor:
-        """The policy version that sampled each response (one per row: a batch is generated under one version)."""
-        return torch.full((self.out.response_ids_RL.shape[0],), self.version, dtype=torch.long)
+    def version_RL(self) -> torch.Tensor:
+        """The policy version that sampled each token (one version for the whole batch unless partial)."""
+        return self.out.versions_RL(self.version)
 
 
 def local_share(items: list, dp_rank: int, dp_size: int) -> list:
@@ -126,15 +136,21 @@ class BatchMaker:
     sampling, rounds until the share holds its informative groups (megagspo.rl.dynamic_sampling), at most
     filter_max_rounds, each rank on its own."""
 
-    def __init__(self, spec: ProducerSpec, engine, dataset: PromptDataset, reward_fn, generator) -> None:
+    def __init__(self, spec: ProducerSpec, engine, dataset: PromptDataset, reward_fn, generator,
+                 switch=None) -> None:
         self.spec, self.engine, self.dataset, self.reward_fn = spec, engine, dataset, reward_fn
         self.sampling = dataclasses.replace(spec.sampling, generator=generator)
+        self.switch = switch              # partial rollouts: the weights that may arrive mid-batch
 
     def _round(self):
         s = self.spec
         prompts = local_share(self.dataset.sample(s.prompts_per_step), s.dp_rank, s.dp_size)
         t0 = time.perf_counter()
-        out = self.engine.generate([ex.prompt_ids for ex in prompts], s.group_size, self.sampling)
+        if self.switch is None:
+            out = self.engine.generate([ex.prompt_ids for ex in prompts], s.group_size, self.sampling)
+        else:
+            out = self.engine.generate([ex.prompt_ids for ex in prompts], s.group_size, self.sampling,
+                                       switch=self.switch)
         t1 = time.perf_counter()
         tok = self.spec.engine.tokenizer
         texts = [tok.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
@@ -175,6 +191,58 @@ def _die_with_parent() -> None:
         pass
 
 
+class ArrivingWeights:
+    """The producer's side of the weight stream: versions in the order the trainer sent them (a message is
+    (version, buckets); None ends the producer). `wait_for` blocks until the version a batch needs is loaded;
+    `pending` / `apply` make it the engine's WeightSwitch for partial rollouts (only the newest of the versions
+    that arrived together is loaded)."""
+
+    def __init__(self, commands, engine) -> None:
+        self.commands, self.engine = commands, engine
+        self.version: Optional[int] = None
+        self.newest = None                # (version, buckets) received and not loaded
+        self.closed = False
+        self.idle_s = 0.0                 # time spent waiting for a version (not loading it)
+
+    def _load(self, message) -> None:
+        version, buckets = message
+        self.engine.update_weights_from_buckets(buckets)
+        self.version = version
+
+    def wait_for(self, need: int) -> bool:
+        """Load weights until version >= need (the newest already received first); False: the producer is told
+        to stop."""
+        if self.newest is not None:
+            message, self.newest = self.newest, None
+            self._load(message)
+        while self.version is None or self.version < need:
+            t0 = time.perf_counter()
+            message = self.commands.get()
+            self.idle_s += time.perf_counter() - t0
+            if message is None:
+                self.closed = True
+                return False
+            self._load(message)
+        return True
+
+    def pending(self) -> bool:
+        while not self.closed:
+            try:
+                message = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if message is None:
+                self.closed = True
+                break
+            self.newest = message
+        return self.newest is not None
+
+    def apply(self, engine) -> int:
+        message, self.newest = self.newest, None
+        self._load(message)
+        return self.version
+
+
 def producer_main(spec: ProducerSpec, dataset: PromptDataset, start: dict, commands, results) -> None:
     """The producer process: batches start["next"], start["next"] + 1, ... < spec.steps, each with the weights of
     its version (read from `commands` in order, never ahead of need), put on `results`."""
@@ -189,20 +257,20 @@ def producer_main(spec: ProducerSpec, dataset: PromptDataset, start: dict, comma
         dataset.load_state_dict(start["dataset"])
     if start.get("generator") is not None and generator is not None:
         generator.set_state(start["generator"])
-    maker = BatchMaker(spec, engine, dataset, spec.reward.build(), generator)
-    k, floor, version = start["next"], start["floor"], None
+    weights = ArrivingWeights(commands, engine)
+    maker = BatchMaker(spec, engine, dataset, spec.reward.build(), generator,
+                       switch=weights if spec.partial else None)
+    k, floor = start["next"], start["floor"]
     idle = 0.0
     while k < spec.steps:
-        need = spec.version_for(k, floor)
-        while version is None or version < need:  # the weights of batch k (in version order; older ones replayed)
-            t0 = time.perf_counter()
-            message = commands.get()
-            idle += time.perf_counter() - t0
-            if message is None:
-                return
-            version, buckets = message
-            engine.update_weights_from_buckets(buckets)
-            del buckets
+        # the weights of batch k (in version order; older ones replayed after a restart); partial: or newer
+        if not weights.wait_for(spec.version_for(k, floor)):
+            return
+        if spec.partial and weights.pending():
+            weights.apply(engine)
+        idle += weights.idle_s
+        weights.idle_s = 0.0
+        version = weights.version
         prompts, out, rewards_R, stats, info, gen_s, rew_s = maker.make()
         post = {"next": k + 1, "floor": floor, "dataset": dataset.state_dict(),
                 "generator": None if generator is None else generator.get_state()}

@@ -40,7 +40,7 @@ import torch
 from megagspo.data.datasets import Example
 from megagspo.rollout.base import RolloutOutput
 
-TENSORS = ("response_ids_RL", "response_mask_RL", "logp_RL", "routes_RPLyK")
+TENSORS = ("response_ids_RL", "response_mask_RL", "logp_RL", "routes_RPLyK", "version_RL")
 
 
 class RolloutsAhead:

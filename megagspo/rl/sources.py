@@ -280,14 +280,25 @@ class Produced:
         return batch, depth
 
     def _staleness_metrics(self, batch: ProducedBatch, step: int) -> dict:
-        """Staleness of the consumed tokens (versions between the weights that sampled them and this update)."""
-        tokens_R = batch.out.response_mask_RL.sum(1).double()
-        stale_R = (step - batch.version_R).double()
-        total, stale_sum, stale_tokens = self.dims.dp_sum([float(tokens_R.sum()), float((tokens_R * stale_R).sum()),
-                                                          float(tokens_R[stale_R > 0].sum())])
-        most = max(v[0] for v in self.dims.dp_gather([float(stale_R.max()) if len(stale_R) else 0.0]))
-        return {"rollout/staleness_mean": stale_sum / max(total, 1.0), "rollout/staleness_max": most,
-                "rollout/stale_token_frac": stale_tokens / max(total, 1.0)}
+        """Staleness of the consumed tokens (versions between the weights that sampled them and this update), and,
+        with partial rollouts, how many responses the producer continued under newer weights and the share of the
+        tokens sampled under a version older than their response's last (the tokens an update overtook)."""
+        mask_RL = batch.out.response_mask_RL.bool()
+        version_RL = batch.version_RL
+        stale_RL = (step - version_RL).double().masked_fill(~mask_RL, 0.0)
+        tokens = float(mask_RL.sum())
+        newest_R = version_RL.masked_fill(~mask_RL, -1).amax(1, keepdim=True) if mask_RL.numel() else version_RL
+        overtaken_RL = mask_RL & (version_RL < newest_R)
+        sums = [tokens, float(stale_RL.sum()), float(mask_RL[stale_RL > 0].sum()), float(overtaken_RL.sum()),
+                float(overtaken_RL.any(1).sum()) if mask_RL.numel() else 0.0, float(mask_RL.shape[0])]
+        total, stale_sum, stale_tokens, overtaken, continued, rows = self.dims.dp_sum(sums)
+        most = max(v[0] for v in self.dims.dp_gather([float(stale_RL.max()) if stale_RL.numel() else 0.0]))
+        metrics = {"rollout/staleness_mean": stale_sum / max(total, 1.0), "rollout/staleness_max": most,
+                   "rollout/stale_token_frac": stale_tokens / max(total, 1.0)}
+        if self.spec.partial:
+            metrics.update({"rollout/older_version_token_frac": overtaken / max(total, 1.0),
+                            "rollout/continued_response_frac": continued / max(rows, 1.0)})
+        return metrics
 
     def _filter_metrics(self, info: dict) -> dict:
         """As GroupFiltered's: rounds (the most any rank drew), informative groups of those generated, filled share."""
@@ -336,6 +347,7 @@ class Produced:
         for i, b in enumerate(meta["batches"]):
             prefix = f"b{i}/"
             out = RolloutOutput(prompt_ids=b["prompt_ids"], routes_RPLyK=tensors.get(prefix + "routes_RPLyK"),
+                                version_RL=tensors.get(prefix + "version_RL"),
                                 **{name: tensors[prefix + name] for name in TENSORS[:3]})
             prompts = [Example(prompt=p["prompt"] if isinstance(p["prompt"], str) else tuple(p["prompt"]),
                                answer=p["answer"], prompt_ids=tuple(p["prompt_ids"])) for p in b["prompts"]]
@@ -376,11 +388,17 @@ def producer_kind(producer: str, engine: str) -> str:
 
 
 def source_class(staleness: int, filter_groups: bool, model_parallel: int, producer: str = "auto",
-                 engine: str = "hf") -> type:
+                 engine: str = "hf", partial: bool = False) -> type:
     """The source a recipe asks for, or a ConfigError naming the keys that cannot combine (the one place)."""
     if not staleness:
+        if partial:
+            raise ConfigError("rollout.partial = true continues unfinished responses under weights that arrive "
+                              "while a batch is generated ahead: it needs rollout.staleness >= 1")
         return GroupFiltered if filter_groups else Synchronous
     kind = producer_kind(producer, engine)
+    if kind == "thread" and partial:
+        raise ConfigError("rollout.partial = true needs rollout.producer = process: the one-step-ahead thread "
+                          "loads weights only between batches")
     if kind == "thread":
         if staleness > 1 or filter_groups:
             raise ConfigError(f"rollout.producer = thread runs one batch ahead without dynamic sampling: rollout."
@@ -402,7 +420,8 @@ def build_rollout_source(collector: RolloutCollector, rollout: RolloutConfig, ah
                          engine: Optional[EngineRecipe] = None, reward: Optional[RewardRecipe] = None) -> RolloutSource:
     """The run's source; `engine` and `reward` say how the producer process builds its engine and verifier."""
     rl = collector.rl  # the rl.* this module reads, all here
-    cls = source_class(rollout.staleness, rl.filter.enabled, collector.dims.mp_size, rollout.producer, rollout.engine)
+    cls = source_class(rollout.staleness, rl.filter.enabled, collector.dims.mp_size, rollout.producer, rollout.engine,
+                       rollout.partial)
     if cls is OneStepAhead:
         return OneStepAhead(collector, rl.steps, ahead_seed)
     if cls is Produced:
@@ -411,6 +430,6 @@ def build_rollout_source(collector: RolloutCollector, rollout: RolloutConfig, ah
             steps=rl.steps, prompts_per_step=rl.batch.prompts_per_step, group_size=rl.batch.group_size,
             dp_rank=collector.dims.dp_rank, dp_size=collector.dims.dp_size, filter_groups=rl.filter.enabled,
             filter_max_rounds=rl.filter.max_rounds, pad_id=collector.tokenizer.pad_id,
-            threads=rollout.producer_threads, cpus=tuple(rollout.producer_cpus))
+            threads=rollout.producer_threads, cpus=tuple(rollout.producer_cpus), partial=rollout.partial)
         return Produced(collector, spec)
     return cls(collector)

@@ -21,7 +21,7 @@ import torch
 from moe.device import model_device
 from moe.hf_config import hf_config_from_architecture
 
-from .base import RolloutEngine, RolloutOutput, SamplingParams, drain, register_engine
+from .base import RolloutEngine, RolloutOutput, SamplingParams, WeightSwitch, drain, register_engine
 from .weight_sync import HFParamWriter
 
 
@@ -131,6 +131,18 @@ class _StepLogProbs:
         return StoppingCriteriaList([_RecordLogProbs()])
 
 
+class _StopForWeights:
+    """A stopping criterion (partial rollouts): stops every row once the switch has newer weights; `fired` says
+    it did. Any other criterion that stops a row (eos, length) leaves `fired` as it is."""
+
+    def __init__(self, switch: Optional[WeightSwitch]) -> None:
+        self.switch, self.fired = switch, False
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.fired = self.fired or bool(self.switch.pending())
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+
+
 def engine_dtype(dtype, device: torch.device) -> torch.dtype:
     """The embedded engine's parameter dtype: the policy's (`dtype`: a torch dtype or "fp32"/"bf16", None =
     fp32) on a GPU; always fp32 on the CPU, where bf16 matmuls are slow and the golden CPU numbers are fp32."""
@@ -201,9 +213,11 @@ class HFRolloutEngine(RolloutEngine):
     def seeded_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> RolloutOutput:
-        from transformers import GenerationConfig
-
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
+                 switch: Optional[WeightSwitch] = None) -> RolloutOutput:
+        """G = n samples of each prompt. With `switch` (partial rollouts), newer weights that arrive between two
+        decoding steps stop the unfinished responses; they continue from their prefix (prompt + tokens so far,
+        prefilled again) under the new weights, and every token carries the version that sampled it."""
         tok = self.tokenizer
         num = len(prompts) * n
         max_new = sampling.max_new_tokens
@@ -211,13 +225,60 @@ class HFRolloutEngine(RolloutEngine):
         response_RL = torch.full((num, max_new), tok.pad_id, dtype=torch.long)
         mask_RL = torch.zeros((num, max_new), dtype=torch.bool)
         logp_RL = torch.zeros((num, max_new), dtype=torch.float32)
+        version_RL = torch.zeros((num, max_new), dtype=torch.long) if switch is not None else None
         n_layers = len(self._gates)
         routes = None
         if self.record_routes and n_layers:
             routes = torch.full((num, max_prompt + max_new - 1, n_layers, self.arch.num_experts_per_tok), -1,
                                 dtype=torch.int16)
         seeded = sampling.generator is not None and not sampling.greedy
-        sample = not sampling.greedy and not seeded
+        processors = _seeded_sampling(sampling) if seeded else None
+        by_len: Dict[int, list] = defaultdict(list)
+        for i, p in enumerate(prompts):
+            by_len[len(p)].append(i)
+        eos_T = torch.tensor(tok.eos_ids, dtype=torch.long)
+        for plen, idx in by_len.items():
+            rows = torch.tensor([r for i in idx for r in range(i * n, i * n + n)])
+            input_ids = torch.tensor([list(prompts[i]) for i in idx for _ in range(n)], dtype=torch.long,
+                                     device=self.device)
+            done = 0  # tokens generated so far by every row still in `rows` (they decode in lockstep)
+            while len(rows):
+                if switch is not None and switch.pending():  # newer weights: load them before the next token
+                    switch.apply(self)
+                new_RT, lp_RT, r_chunks, interrupted = self._decode(input_ids, max_new - done, sampling, processors,
+                                                                    switch, routes is not None)
+                steps = new_RT.shape[1]
+                is_eos = torch.isin(new_RT, eos_T.to(new_RT.dtype))
+                # a token is part of the response up to and including the first eos (any of the stop tokens)
+                before_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0
+                span = slice(done, done + steps)
+                response_RL[rows, span] = torch.where(before_eos, new_RT, torch.full_like(new_RT, tok.pad_id))
+                mask_RL[rows, span] = before_eos
+                logp_RL[rows, span] = torch.where(before_eos, lp_RT, torch.zeros_like(lp_RT))
+                if version_RL is not None:
+                    version_RL[rows, span] = torch.where(before_eos, switch.version, 0)
+                if routes is not None:  # a resumed row's routes: those of the forward that computed its last token
+                    for layer in range(n_layers):
+                        r_RPK = torch.cat([c.reshape(len(rows), -1, c.shape[-1]) for c in r_chunks[layer]], dim=1)
+                        width = min(r_RPK.shape[1], input_ids.shape[1] + steps - 1)
+                        routes[rows, :width, layer] = r_RPK[:, :width].to("cpu", torch.int16)
+                done += steps
+                if not interrupted or done >= max_new:
+                    break
+                going = ~is_eos.any(1)  # rows without a stop token continue from their prefix
+                rows = rows[going]
+                input_ids = torch.cat([input_ids, new_RT.to(self.device)], dim=1)[going.to(self.device)]
+        prompt_ids = [list(p) for p in prompts for _ in range(n)]
+        return RolloutOutput(prompt_ids, response_RL, mask_RL, logp_RL, routes, version_RL)
+
+    def _decode(self, input_ids: torch.Tensor, max_new: int, sampling: SamplingParams, processors,
+                switch: Optional[WeightSwitch], record: bool):
+        """One `generate` call over rows of equal length: -> (new tokens [R, T] on the CPU, their log-probs
+        [R, T], the routes recorded per MoE layer, whether `switch` stopped it part-way)."""
+        from transformers import GenerationConfig
+
+        tok = self.tokenizer
+        sample = not sampling.greedy and processors is None
         gen_cfg = GenerationConfig(
             max_new_tokens=max_new, do_sample=sample,
             temperature=sampling.temperature if sample else None,
@@ -225,39 +286,20 @@ class HFRolloutEngine(RolloutEngine):
             pad_token_id=tok.pad_id, eos_token_id=list(tok.eos_ids), bos_token_id=tok.bos_id,
             return_dict_in_generate=True,
         )
-        processors = _seeded_sampling(sampling) if seeded else None
-        by_len: Dict[int, list] = defaultdict(list)
-        for i, p in enumerate(prompts):
-            by_len[len(p)].append(i)
-        for plen, idx in by_len.items():
-            rows = torch.tensor([r for i in idx for r in range(i * n, i * n + n)])
-            input_ids = torch.tensor([list(prompts[i]) for i in idx for _ in range(n)], dtype=torch.long,
-                                     device=self.device)
-            self._routes.clear()
-            self._recording = routes is not None
-            self._logp.start(len(rows), max_new, self.device)
-            try:
-                out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                          generation_config=gen_cfg, stopping_criteria=self._logp.criteria(),
-                                          logits_processor=processors)
-            finally:
-                self._recording = False
-                self._logp.stop()
-            new_RT = out.sequences[:, plen:]
-            steps = new_RT.shape[1]
-            lp_RT = self._logp.logp_RT(steps)
-            new_RT = new_RT.cpu()  # the rollout's tensors go back to the trainer on the CPU
-            is_eos = torch.isin(new_RT, torch.tensor(tok.eos_ids, dtype=new_RT.dtype))
-            # a token is part of the response up to and including the first eos (any of the stop tokens)
-            before_eos = (torch.cumsum(is_eos.long(), dim=1) - is_eos.long()) == 0
-            response_RL[rows, :steps] = torch.where(before_eos, new_RT, torch.full_like(new_RT, tok.pad_id))
-            mask_RL[rows, :steps] = before_eos
-            logp_RL[rows, :steps] = torch.where(before_eos, lp_RT, torch.zeros_like(lp_RT))
-            if routes is not None:
-                for layer in range(n_layers):
-                    chunks = [c.reshape(len(rows), -1, c.shape[-1]) for c in self._routes[layer]]
-                    r_RPK = torch.cat(chunks, dim=1)
-                    width = min(r_RPK.shape[1], plen + steps - 1)
-                    routes[rows, :width, layer] = r_RPK[:, :width].to("cpu", torch.int16)
-        prompt_ids = [list(p) for p in prompts for _ in range(n)]
-        return RolloutOutput(prompt_ids, response_RL, mask_RL, logp_RL, routes)
+        criteria = self._logp.criteria()
+        stop = _StopForWeights(switch)
+        if switch is not None:
+            criteria.append(stop)
+        self._routes.clear()
+        self._recording = record
+        self._logp.start(input_ids.shape[0], max_new, self.device)
+        try:
+            out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                      generation_config=gen_cfg, stopping_criteria=criteria,
+                                      logits_processor=processors)
+        finally:
+            self._recording = False
+            self._logp.stop()
+        new_RT = out.sequences[:, input_ids.shape[1]:]
+        lp_RT = self._logp.logp_RT(new_RT.shape[1])
+        return new_RT.cpu(), lp_RT, dict(self._routes), stop.fired

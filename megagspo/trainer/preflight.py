@@ -54,8 +54,9 @@ def check_components(cfg: Config) -> None:
         check_loss_impl(cfg.rl)
     except LossOptionError as exc:
         raise ConfigError(str(exc)) from None
-    source_class(cfg.rollout.staleness, cfg.rl.filter.enabled,  # which rollout source; what combines with what
-                 cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel, cfg.rollout.producer, cfg.rollout.engine)
+    # which rollout source; what combines with what
+    source_class(cfg.rollout.staleness, cfg.rl.filter.enabled, cfg.parallel.tensor_parallel *
+                 cfg.parallel.pipeline_parallel, cfg.rollout.producer, cfg.rollout.engine, cfg.rollout.partial)
 
 
 def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bool = True) -> Preflight:
