@@ -62,9 +62,10 @@ from moe.collective import run_on_rank0
 from moe.hf_checkpoint import PER_EXPERT, HFFolderWriter, hf_tensor_shapes
 from moe.parallel import free_port
 
-from .base import RolloutEngine, RolloutOutput, SamplingParams, drain, register_engine
-from .sglang_schema import (SGLangResponseError, destroy_weights_update_group_json, generate_request_json,
-                            init_weights_update_group_json, parse_generate_item, sampling_params_json,
+from .base import RolloutEngine, RolloutOutput, SamplingParams, WeightSwitch, drain, register_engine
+from .sglang_schema import (ParsedSample, SGLangResponseError, abort_request_json, destroy_weights_update_group_json,
+                            generate_request_json, init_weights_update_group_json, parse_generate_item,
+                            sampling_params_json,
                             update_weights_from_distributed_json, update_weights_from_tensor_json,
                             weight_update_result)
 from .weight_sync import (broadcast_bucket, bucket_metadata, hf_named_tensors_of_bucket, init_weight_update_group,
@@ -149,6 +150,9 @@ class SGLangEngineConfig:
     max_batch: int = 256                            # sequences per /generate request
     original_logprob: bool = True                   # servers run with SGLANG_RETURN_ORIGINAL_LOGPROB=1
     health_check: bool = True                       # GET /health of every server when attaching
+    partial_poll_s: float = 0.02                    # partial rollouts: how often the watcher asks switch.pending()
+    partial_max_stalls: int = 8                     # partial rollouts: aborts in a row without a new token that
+                                                    #   make a sample fail (instead of resuming forever)
 
     def __post_init__(self) -> None:
         if isinstance(self.launch, dict):
@@ -189,6 +193,12 @@ class SGLangEngineConfig:
             _fail("group_name", f"must be a non-empty string, got {self.group_name!r}")
         if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) or self.max_batch < 1:
             _fail("max_batch", f"must be a positive integer, got {self.max_batch!r}")
+        if isinstance(self.partial_poll_s, bool) or not isinstance(self.partial_poll_s, (int, float)) \
+                or not 0 < self.partial_poll_s <= 1:
+            _fail("partial_poll_s", f"must be in (0, 1] seconds, got {self.partial_poll_s!r}")
+        if not isinstance(self.partial_max_stalls, int) or isinstance(self.partial_max_stalls, bool) \
+                or self.partial_max_stalls < 1:
+            _fail("partial_max_stalls", f"must be a positive integer, got {self.partial_max_stalls!r}")
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
@@ -768,7 +778,10 @@ class SGLangEngine(RolloutEngine):
         return path
 
     # ------------------------------------------------------------------------------------------ rollout
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams,
+                 switch: Optional[WeightSwitch] = None) -> RolloutOutput:
+        """switch None: one pass of /generate requests. A WeightSwitch: partial rollouts by abort and resume
+        (`_generate_partial`), every token tagged with the version that sampled it (version_RL)."""
         if n < 1 or not prompts:
             raise ValueError(f"generate needs prompts and n >= 1 (got {len(prompts)} prompts, n={n})")
         if not self.config.original_logprob and not sampling.greedy and sampling.temperature != 1.0:
@@ -777,55 +790,186 @@ class SGLangEngine(RolloutEngine):
                 "SGLANG_RETURN_ORIGINAL_LOGPROB=1 and set sglang.original_logprob = true (logp_RL must be the "
                 "temperature-1 log-softmax)")
         self.resume_memory()
-        tok = self.tokenizer
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
-        num, max_new = len(rows), sampling.max_new_tokens
-        sp = sampling_params_json(max_new, sampling.temperature, sampling.top_p, sampling.greedy, list(tok.eos_ids))
-        chunks = [(s, rows[s:s + self.config.max_batch]) for s in range(0, num, self.config.max_batch)]
+        if switch is not None:
+            return self._generate_partial(rows, n, sampling, switch)
+        sp = self._sampling_json(sampling, sampling.max_new_tokens)
+        parsed = self._generate_round(list(range(len(rows))), rows, sp, sampling.max_new_tokens, n)
+        return self._rollout_output(rows, parsed, sampling.max_new_tokens, n)
+
+    def _sampling_json(self, sampling: SamplingParams, max_new: int) -> dict:
+        return sampling_params_json(max_new, sampling.temperature, sampling.top_p, sampling.greedy,
+                                    list(self.tokenizer.eos_ids))
+
+    def _generate_round(self, samples: List[int], inputs: List[List[int]], sp, max_new: int, n: int,
+                        aborting: Optional[threading.Event] = None) -> List[ParsedSample]:
+        """One /generate pass: inputs[i] (the input of sample samples[i]) in chunks of max_batch spread over the
+        servers; sp one sampling_params dict, or one per input. aborting (partial rollouts): once set, chunks not
+        yet sent are not sent (they come back as aborted, empty), and aborted items are partial responses."""
+        chunks = [(s, inputs[s:s + self.config.max_batch]) for s in range(0, len(inputs), self.config.max_batch)]
+        partial = aborting is not None
 
         def run(job):
             k, (start, ids) = job
+            if partial and aborting.is_set():  # the weights change before these would start: send them after
+                return [ParsedSample([], [], "abort") for _ in ids]
             url = self.urls[k % len(self.urls)]
-            status, payload = self._post(url, "/generate", generate_request_json(ids, sp, self.want_routes))
+            chunk_sp = sp[start:start + len(ids)] if isinstance(sp, list) else sp
+            first, last = samples[start], samples[start + len(ids) - 1]
+            status, payload = self._post(url, "/generate", generate_request_json(ids, chunk_sp, self.want_routes))
             if status != 200:
-                raise SGLangServerError(f"/generate failed on {url} for samples {start}..{start + len(ids) - 1} "
+                raise SGLangServerError(f"/generate failed on {url} for samples {first}..{last} "
                                         f"(HTTP {status}): {_server_message(payload)}")
             if not isinstance(payload, list) or len(payload) != len(ids):
                 got = len(payload) if isinstance(payload, list) else type(payload).__name__
                 raise SGLangResponseError(f"/generate on {url} answered {got} items for {len(ids)} inputs "
-                                          f"(samples {start}..{start + len(ids) - 1})")
-            return [parse_generate_item(item, len(ids[j]), max_new, self.want_routes, self.top_k,
-                                        self._where(start + j, n))
+                                          f"(samples {first}..{last})")
+            return [parse_generate_item(item, len(ids[j]), chunk_sp[j]["max_new_tokens"] if partial else max_new,
+                                        self.want_routes, self.top_k, self._where(samples[start + j], n),
+                                        allow_abort=partial)
                     for j, item in enumerate(payload)]
 
         workers = min(len(chunks), 4 * len(self.urls))
         if workers == 1:
-            parsed = run((0, chunks[0]))
-        else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                parsed = [s for part in pool.map(run, enumerate(chunks)) for s in part]
+            return run((0, chunks[0]))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return [s for part in pool.map(run, enumerate(chunks)) for s in part]
 
+    def _rollout_output(self, rows: List[List[int]], parsed: List[ParsedSample], max_new: int, n: int,
+                        versions: Optional[List[List[int]]] = None) -> RolloutOutput:
+        """The samples laid out as RolloutOutput (each cut at its first eos); versions[r] (partial rollouts): the
+        version of each of sample r's tokens, as version_RL."""
+        tok = self.tokenizer
+        num = len(rows)
         response_RL = torch.full((num, max_new), tok.pad_id, dtype=torch.long)
         mask_RL = torch.zeros((num, max_new), dtype=torch.bool)
         logp_RL = torch.zeros((num, max_new), dtype=torch.float32)
+        version_RL = None if versions is None else torch.zeros((num, max_new), dtype=torch.long)
         routes = None
         if self.want_routes:
             max_prompt = max(len(r) for r in rows)
             routes = torch.full((num, max_prompt + max_new - 1, len(self.moe_layers), self.top_k), -1,
                                 dtype=torch.int16)
         for r, s in enumerate(parsed):
-            tokens = s.tokens
-            ends = [tokens.index(e) for e in tok.eos_ids if e in tokens]
-            if ends:  # a response ends at (and includes) its first eos (any of the stop tokens)
-                tokens = tokens[:min(ends) + 1]
-            length = len(tokens)
+            length = self._response_length(s.tokens)
+            tokens = s.tokens[:length]
             response_RL[r, :length] = torch.tensor(tokens, dtype=torch.long)
             mask_RL[r, :length] = True
             logp_RL[r, :length] = torch.tensor(s.logps[:length], dtype=torch.float32)
+            if version_RL is not None:
+                version_RL[r, :length] = torch.tensor(versions[r][:length], dtype=torch.long)
             if routes is not None:
                 routes[r, :len(rows[r]) + length - 1] = self._moe_routes(s.routes, r, n)[:len(rows[r]) + length - 1]
         prompt_ids = [list(r) for r in rows]
-        return RolloutOutput(prompt_ids, response_RL, mask_RL, logp_RL, routes)
+        return RolloutOutput(prompt_ids, response_RL, mask_RL, logp_RL, routes, version_RL)
+
+    def _response_length(self, tokens: List[int]) -> int:
+        """A response ends at (and includes) its first eos (any of the stop tokens)."""
+        ends = [tokens.index(e) for e in self.tokenizer.eos_ids if e in tokens]
+        return min(ends) + 1 if ends else len(tokens)
+
+    # ------------------------------------------------------------------------------------------ partial rollouts
+    def _generate_partial(self, rows: List[List[int]], n: int, sampling: SamplingParams,
+                          switch: WeightSwitch) -> RolloutOutput:
+        """Abort and resume, as SGLang does partial rollouts. Each round sends every unfinished sample (prompt +
+        its tokens so far, max_new_tokens = what is left) while a watcher asks switch.pending(); when newer
+        weights are pending it POSTs /abort_request {abort_all} to every server, so the in-flight requests return
+        at their next step with what they have. Once all of the round's requests have returned (nothing is in
+        flight), switch.apply(self) loads the new weights and the aborted samples go out again. Tokens and
+        log-probs are kept from every round, tagged with the version of that round; routes (R3) come from each
+        sample's last request, whose prefill re-read its whole prefix under the weights that finished it."""
+        max_new = sampling.max_new_tokens
+        tokens: List[List[int]] = [[] for _ in rows]
+        logps: List[List[float]] = [[] for _ in rows]
+        versions: List[List[int]] = [[] for _ in rows]
+        last: List[Optional[ParsedSample]] = [None] * len(rows)
+        stalls = [0] * len(rows)
+        active = list(range(len(rows)))
+        version = int(switch.version)
+        while active:
+            if switch.pending():  # nothing in flight: load the newest weights before sending
+                version = int(switch.apply(self))
+            inputs = [rows[r] + tokens[r] for r in active]
+            sps = [self._sampling_json(sampling, max_new - len(tokens[r])) for r in active]
+            parsed = self._watched_round(active, inputs, sps, max_new, n, switch)
+            for r, s in zip(active, parsed):
+                tokens[r] += s.tokens
+                logps[r] += s.logps
+                versions[r] += [version] * len(s.tokens)
+                last[r] = s
+                stalls[r] = stalls[r] + 1 if s.finish_type == "abort" and not s.tokens else 0
+            active = [r for r in active if not self._finished(last[r], tokens[r], max_new)]
+            for r in active:
+                if stalls[r] >= self.config.partial_max_stalls:
+                    raise SGLangResponseError(
+                        f"{self._where(r, n)}: aborted {stalls[r]} times in a row without a new token "
+                        f"({len(tokens[r])} of {max_new} generated); the servers abort it before it runs "
+                        f"(sglang.partial_max_stalls = {self.config.partial_max_stalls})")
+            if active:
+                version = int(switch.apply(self))
+        parsed = [ParsedSample(tokens[r], logps[r], last[r].finish_type, last[r].routes) for r in range(len(rows))]
+        if self.want_routes:
+            for r, s in enumerate(parsed):
+                if s.routes is None:  # only an aborted item may lack routes; it finished the response here
+                    raise SGLangResponseError(f"{self._where(r, n)}: routing replay (R3) is on but the request "
+                                              "that finished it was aborted without routed_experts")
+        return self._rollout_output(rows, parsed, max_new, n, versions)
+
+    def _finished(self, s: ParsedSample, tokens: List[int], max_new: int) -> bool:
+        """A response that stopped (eos) or reached max_new_tokens is done, also when the abort raced with its
+        last step (SGLang checks the abort first, so such an item reports abort)."""
+        return s.finish_type != "abort" or len(tokens) >= max_new or any(t in self.tokenizer.eos_ids for t in tokens)
+
+    def _watched_round(self, samples: List[int], inputs: List[List[int]], sps: List[dict], max_new: int, n: int,
+                       switch: WeightSwitch) -> List[ParsedSample]:
+        """_generate_round with the abort watcher running; a refused abort (or a failing switch) raises once the
+        round's requests have returned (they ran on to their end under the old weights)."""
+        aborting, done = threading.Event(), threading.Event()
+        errors: List[BaseException] = []
+        servers = self._servers_of(samples, len(inputs))
+
+        def watch():
+            try:
+                while not done.wait(self.config.partial_poll_s):
+                    if switch.pending():
+                        aborting.set()
+                        self._abort_all(servers, n)
+                        return
+            except BaseException as exc:  # noqa: BLE001 (raised by the generating thread)
+                errors.append(exc)
+
+        watcher = threading.Thread(target=watch, name="sglang-abort-watcher", daemon=True)
+        watcher.start()
+        try:
+            parsed = self._generate_round(samples, inputs, sps, max_new, n, aborting)
+        finally:
+            done.set()
+            watcher.join()
+        if errors:
+            raise errors[0]
+        return parsed
+
+    def _servers_of(self, samples: List[int], count: int) -> Dict[str, List[int]]:
+        """url -> the samples of this round that _generate_round sends there (chunk k goes to server k % S)."""
+        out: Dict[str, List[int]] = {url: [] for url in self.urls}
+        for k, start in enumerate(range(0, count, self.config.max_batch)):
+            out[self.urls[k % len(self.urls)]] += samples[start:start + self.config.max_batch]
+        return out
+
+    def _abort_all(self, servers: Dict[str, List[int]], n: int) -> None:
+        """POST /abort_request {abort_all} to every server; SGLangServerError naming the samples a server kept
+        generating when it refuses (or cannot be reached)."""
+        for url, samples in servers.items():
+            try:
+                status, payload = self._post(url, "/abort_request", abort_request_json())
+                message = _server_message(payload)
+            except SGLangServerError as exc:
+                status, message = None, str(exc)
+            if status != 200:
+                named = ", ".join(self._where(r, n) for r in samples[:3]) + (" ..." if len(samples) > 3 else "")
+                raise SGLangServerError(
+                    f"/abort_request (abort_all) failed on {url} (HTTP {status}): {message}; newer weights are "
+                    f"pending but {len(samples)} sample(s) generating there were not stopped: {named or 'none'}")
 
     @staticmethod
     def _where(r: int, n: int) -> str:

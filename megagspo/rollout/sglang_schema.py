@@ -19,6 +19,11 @@ Checked against SGLang's source (sgl-project/sglang, 2025-2026 snapshots):
       /flush_cache (GET|POST, 200 or 400), /update_weights_from_disk (200 {"success", "message",
       "num_paused_requests"}, 400 with success false), /release_memory_occupation and
       /resume_memory_occupation (GET|POST; errors as 400 {"error": {"message"}})
+  http_server.py /abort_request takes AbortReq {rid, abort_all = False, finished_reason, abort_message} and
+      answers 200 (empty body) or an error response; tokenizer_manager.abort_request(abort_all=True) aborts every
+      request in flight: a running one returns at its next step with finish_reason {"type": "abort", "message",
+      ...} and the output_ids / output_token_logprobs / completion_tokens (and, when captured, routed_experts) so
+      far; one still in the waiting queue returns with no tokens (and no prompt_tokens)
   sampler: output log-probs are log_softmax(logits / temperature) unless the server runs with
       SGLANG_RETURN_ORIGINAL_LOGPROB=1 (then the temperature-1 log-softmax RolloutOutput wants); greedy
       (temperature 0) returns log_softmax(logits) either way.
@@ -76,7 +81,11 @@ def sampling_params_json(max_new_tokens: int, temperature: float, top_p: float, 
     }
 
 
-def generate_request_json(input_ids: Sequence[Sequence[int]], sampling_params: dict, return_routes: bool) -> dict:
+def generate_request_json(input_ids: Sequence[Sequence[int]], sampling_params, return_routes: bool) -> dict:
+    """sampling_params: one dict for every item, or a list of one dict per item (GenerateReqInput takes both;
+    resumed partial rollouts each have their own remaining budget)."""
+    if isinstance(sampling_params, list) and len(sampling_params) != len(input_ids):
+        raise ValueError(f"{len(sampling_params)} sampling_params for {len(input_ids)} inputs")
     body = {
         "input_ids": [[int(t) for t in ids] for ids in input_ids],
         "sampling_params": sampling_params,
@@ -125,9 +134,18 @@ def decode_routed_experts(value, positions: int, top_k: int, where: str) -> np.n
     return flat.reshape(positions, per_position // top_k, top_k)
 
 
+def abort_request_json() -> dict:
+    """/abort_request for every request the server holds (AbortReq.abort_all; rid is then not needed)."""
+    return {"abort_all": True}
+
+
 def parse_generate_item(item, prompt_len: int, max_new_tokens: int, want_routes: bool, top_k: int,
-                        where: str) -> ParsedSample:
-    """One element of a /generate response -> tokens, log-probs, finish type and (if asked) routes."""
+                        where: str, allow_abort: bool = False) -> ParsedSample:
+    """One element of a /generate response -> tokens, log-probs, finish type and (if asked) routes.
+
+    allow_abort (partial rollouts): an aborted item is a partial response, finish_type "abort", with the tokens
+    and log-probs generated so far (none, and no log-prob list, when it was aborted in the waiting queue) and
+    its routes only when the server sent them (it is resumed, and the resume's routes replace them)."""
     if not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict):
         raise SGLangResponseError(f"{where}: response item has no meta_info object: {str(item)[:200]}")
     meta = item["meta_info"]
@@ -135,11 +153,14 @@ def parse_generate_item(item, prompt_len: int, max_new_tokens: int, want_routes:
     if finish is None:
         raise SGLangResponseError(f"{where}: finish_reason is null (the request did not finish)")
     finish_type = finish.get("type") if isinstance(finish, dict) else str(finish)
-    if finish_type == "abort":
+    aborted = finish_type == "abort"
+    if aborted and not allow_abort:
         raise SGLangResponseError(f"{where}: the server aborted the request: {finish.get('message', finish)}")
-    if finish_type not in ("stop", "length"):
+    if finish_type not in ("stop", "length", "abort"):
         raise SGLangResponseError(f"{where}: unknown finish_reason {finish!r}")
     lp = meta.get("output_token_logprobs")
+    if lp is None and aborted and not item.get("output_ids"):
+        lp = []  # aborted before its first step: nothing generated, nothing to log
     if not isinstance(lp, list):
         raise SGLangResponseError(f"{where}: meta_info.output_token_logprobs missing (was return_logprob sent?)")
     tokens, logps = [], []
@@ -165,7 +186,7 @@ def parse_generate_item(item, prompt_len: int, max_new_tokens: int, want_routes:
     if prompt_tokens is not None and prompt_tokens != prompt_len:
         raise SGLangResponseError(f"{where}: prompt_tokens = {prompt_tokens}, the prompt sent has {prompt_len}")
     routes = None
-    if want_routes:
+    if want_routes and not (aborted and meta.get("routed_experts") is None):
         value = meta.get("routed_experts")
         if value is None:
             raise SGLangResponseError(
