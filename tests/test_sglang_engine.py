@@ -81,6 +81,9 @@ IO_STRUCT = {
         "abort_all_requests": (lambda v: isinstance(v, bool), False), "weight_version": (_opt_str, False),
         "load_format": (_opt_str, False), "torch_empty_cache": (lambda v: isinstance(v, bool), False)},
     "/destroy_weights_update_group": {"group_name": (lambda v: isinstance(v, str), False)},
+    "/abort_request": {  # AbortReq (BaseReq.rid; http_worker_ipc is internal)
+        "rid": (_opt_str, False), "abort_all": (lambda v: isinstance(v, bool), False),
+        "finished_reason": (lambda v: v is None or isinstance(v, dict), False), "abort_message": (_opt_str, False)},
 }
 
 
@@ -245,6 +248,8 @@ class FakeSGLang:
                     errors = schema_errors(self.path, body)
                     if errors:  # FastAPI's answer to a body that does not validate
                         return self._send(422, {"detail": errors})
+                    if self.path == "/abort_request":
+                        return self._send(*fake.abort_request(body))
                     return self._send(*fake.weight_update(self.path, body))
                 self._send(404, {"detail": "Not Found"})
 
@@ -325,6 +330,9 @@ class FakeSGLang:
                 proc.join(30)
             self.ranks = []
             return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def abort_request(self, body):
+        return 200, None  # SGLang: Response(status_code=200), no body; nothing is in flight here
 
     def posted(self, path):
         return [b for m, p, b in self.requests if m == "POST" and p == path]
