@@ -11,6 +11,17 @@ out as RolloutOutput.routes_RPLyK (positions prompt + response[:-1], MoE layers 
 With R3 on, a response without routes, or with routes of the wrong size, raises SGLangResponseError naming the
 sample: training never goes on without replay.
 
+generate(..., switch=WeightSwitch) (partial rollouts) aborts and resumes, as SGLang-based RL trainers do: while a
+round of /generate requests is in flight, a watcher thread asks switch.pending() every `partial_poll_s` (from
+that thread: pending must be thread-safe and cheap); when newer weights are pending it POSTs /abort_request
+{"abort_all": true} to every server, whose in-flight requests then return at their next step with finish_reason
+abort and the tokens so far. Once the round has returned (nothing in flight), switch.apply(engine) loads the new
+weights and the unfinished samples go out again as prompt + tokens so far with max_new_tokens = what is left,
+until none is aborted. version_RL tags every token with the version of its round; routes come from each
+sample's last request (its prefill re-read the whole prefix). A refused abort, or a sample aborted
+`partial_max_stalls` times in a row without a new token, raises naming the samples. switch None: one round, no
+watcher, version_RL None.
+
 update_weights_from_buckets(stream of Megatron buckets; update_weights(full state) is a stream of one) sends
 HF-named tensors (per-expert layout, what SGLang's Qwen3-MoE loader maps; each bucket converted on its own,
 weight_sync.hf_named_tensors_of_bucket) in one of three ways (`weight_sync`):
