@@ -161,13 +161,17 @@ class ScriptedSwitch:
     def __init__(self, fire, version=OLD):
         self.version = version
         self.fire = fire
+        self.arrived = False  # newer weights stay pending until applied
         self.applied = 0
         self.state = random_megatron_state(7)
 
     def pending(self):
-        return self.fire(self)
+        self.arrived = self.arrived or bool(self.fire(self))
+        return self.arrived
 
     def apply(self, engine):
+        assert self.arrived, "apply without newer weights pending"
+        self.arrived = False
         engine.update_weights_from_buckets([self.state])
         self.version += 1
         self.applied += 1
@@ -261,6 +265,26 @@ def test_r3_routes_come_from_each_samples_last_request(fakes, tmp_path):
         assert torch.equal(routes[r, :fed], want), r
         assert (routes[r, fed:] == -1).all()
     assert not torch.equal(torch.from_numpy(fake_routes(5, 0)), torch.from_numpy(fake_routes(5, 1)))
+
+
+@pytest.mark.parametrize("fakes", [{"hold_after": 3}], indirect=True)
+def test_abort_from_elsewhere_resumes_under_the_same_weights(fakes, tmp_path):
+    eng = engine_for(fakes[:1], tmp_path)
+    switch = ScriptedSwitch(lambda sw: False)
+
+    def other_client():  # e.g. another trainer's abort_all on a shared server
+        assert fakes[0].holding.wait(5)
+        fakes[0].abort_request({"abort_all": True})
+
+    t = threading.Thread(target=other_client)
+    t.start()
+    out = eng.generate(PROMPTS[1:3], 1, SamplingParams(max_new_tokens=MAX_NEW), switch=switch)
+    t.join()
+    assert switch.applied == 0 and fakes[0].version == 0 and len(fakes[0].posted("/generate")) == 2
+    for r, p in enumerate(PROMPTS[1:3]):
+        tokens = uninterrupted(p, MAX_NEW)
+        assert out.response_ids_RL[r, :len(tokens)].tolist() == tokens
+        assert out.version_RL[r].tolist() == [OLD] * len(tokens) + [0] * (MAX_NEW - len(tokens))
 
 
 @pytest.mark.parametrize("fakes", [{"hold_after": 2, "abort_wins_last_step": True}], indirect=True)

@@ -898,7 +898,9 @@ class SGLangEngine(RolloutEngine):
         active = list(range(len(rows)))
         version = int(switch.version)
         while active:
-            if switch.pending():  # nothing in flight: load the newest weights before sending
+            # nothing in flight: load newer weights before sending (after an abort the watcher made, they are
+            # pending; an abort from elsewhere resumes under the same weights)
+            if switch.pending():
                 version = int(switch.apply(self))
             inputs = [rows[r] + tokens[r] for r in active]
             sps = [self._sampling_json(sampling, max_new - len(tokens[r])) for r in active]
@@ -916,8 +918,6 @@ class SGLangEngine(RolloutEngine):
                         f"{self._where(r, n)}: aborted {stalls[r]} times in a row without a new token "
                         f"({len(tokens[r])} of {max_new} generated); the servers abort it before it runs "
                         f"(sglang.partial_max_stalls = {self.config.partial_max_stalls})")
-            if active:
-                version = int(switch.apply(self))
         parsed = [ParsedSample(tokens[r], logps[r], last[r].finish_type, last[r].routes) for r in range(len(rows))]
         if self.want_routes:
             for r, s in enumerate(parsed):
