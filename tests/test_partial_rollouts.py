@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megagspo.rl.producer import ArrivingWeights
+from megagspo.rl.rollouts_ahead import HandedWeights
 from megagspo.rollout import HFRolloutEngine, SamplingParams
 
 
@@ -71,6 +72,24 @@ class _ArrivingAt(ArrivingWeights):
         return super().pending()
 
 
+class _HandedAt(HandedWeights):
+    """The one-step-ahead thread's switch, with the training thread's hand-overs scripted the same way."""
+
+    def __init__(self, engine, states: dict, at: dict) -> None:
+        super().__init__(version=0)
+        engine.update_weights(states[0])
+        self.states, self.at, self.asks = states, at, 0
+
+    def pending(self) -> bool:
+        self.asks += 1
+        for version, ask in self.at.items():
+            if ask == self.asks:
+                self.hand(version, [self.states[version]])
+        return super().pending()
+
+
+SWITCHES = {"producer process": _ArrivingAt, "one-step-ahead thread": _HandedAt}
+
 PROMPTS = [[5, 6, 7], [8, 9, 10], [11, 12], [13, 14, 15, 16]]
 SAMPLING = dict(max_new_tokens=12, temperature=0.8, top_p=0.95)
 
@@ -96,10 +115,11 @@ def states():
     return arch, {v: _megatron_state(arch, seed=10 + v) for v in range(3)}
 
 
-def test_each_token_has_the_log_prob_and_version_of_the_weights_that_sampled_it(on_cpu, states):
+@pytest.mark.parametrize("where", list(SWITCHES))
+def test_each_token_has_the_log_prob_and_version_of_the_weights_that_sampled_it(on_cpu, states, where):
     arch, by_version = states
     engine = HFRolloutEngine(arch, _Tok(), record_routes=False)
-    switch = _ArrivingAt(engine, by_version, at={1: 4, 2: 9})  # mid-way through the first prompt-length class
+    switch = SWITCHES[where](engine, by_version, at={1: 4, 2: 9})  # mid-way through the first prompt-length class
     out = _generate(engine, switch)
     mask_RL, version_RL = out.response_mask_RL, out.version_RL
     assert switch.version == 2 and version_RL.dtype == torch.long
@@ -190,10 +210,8 @@ def test_routes_of_a_continued_response_come_from_the_forward_of_its_last_token(
     assert checked
 
 
-def test_produced_staleness_metrics_read_per_token_versions():
-    from megagspo.rl.producer import ProducedBatch, ProducerSpec
-    from megagspo.rl.sources import Produced
-    from megagspo.rewards import RewardStats
+def test_staleness_metrics_read_per_token_versions():
+    from megagspo.rl.sources import token_staleness
     from megagspo.rollout import RolloutOutput
 
     class OneRank:  # the data-parallel reductions of a single rank
@@ -206,18 +224,16 @@ def test_produced_staleness_metrics_read_per_token_versions():
     mask_RL = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
     version_RL = torch.tensor([[3, 3, 4, 5], [5, 5, 0, 0], [4, 4, 4, 0]])
     out = RolloutOutput([[1]] * 3, torch.ones(3, 4, dtype=torch.long), mask_RL, torch.zeros(3, 4), None, version_RL)
-    batch = ProducedBatch(7, 3, [], out, torch.zeros(3), RewardStats(), {}, {}, {})
-    source = Produced.__new__(Produced)
-    source.dims = OneRank()
-    source.spec = ProducerSpec(None, None, SamplingParams(max_new_tokens=4), 0, 3, 10, 1, 3, 0, 1, False, 1, 0,
-                               partial=True)
-    m = source._staleness_metrics(batch, step=6)
+    m = token_staleness(OneRank(), out, version=3, step=6, partial=True)
     stale = [3, 3, 2, 1, 1, 1, 2, 2, 2]  # 6 - version of each of the 9 tokens
     assert m["rollout/staleness_mean"] == pytest.approx(sum(stale) / 9)
     assert m["rollout/staleness_max"] == 3.0
     assert m["rollout/stale_token_frac"] == 1.0
     assert m["rollout/older_version_token_frac"] == pytest.approx(3 / 9)  # row 0: 3, 3, 4 are older than its 5
     assert m["rollout/continued_response_frac"] == pytest.approx(1 / 3)
+    out.version_RL = None  # one version for the whole batch: the batch's
+    assert token_staleness(OneRank(), out, version=5, step=6, partial=False) == {
+        "rollout/staleness_mean": 1.0, "rollout/staleness_max": 1.0, "rollout/stale_token_frac": 1.0}
 
 
 class _Prompts:
@@ -274,16 +290,58 @@ def _stopped_early(text: str, answer: str) -> float:
     return float(len(text.split()) < SAMPLING["max_new_tokens"])
 
 
-def test_partial_rollouts_need_a_producer_process():
+def test_partial_rollouts_need_a_source_that_generates_ahead():
     from megagspo.config import ConfigError
-    from megagspo.rl.sources import Produced, source_class
+    from megagspo.rl.sources import OneStepAhead, Produced, source_class
 
     assert source_class(2, True, 1, "process", "hf", partial=True) is Produced
     with pytest.raises(ConfigError, match=r"rollout.partial = true .* needs rollout.staleness >= 1"):
         source_class(0, False, 1, "auto", "hf", partial=True)
-    with pytest.raises(ConfigError, match=r"rollout.partial = true needs rollout.producer = process"):
-        source_class(1, False, 1, "thread", "hf", partial=True)
+    assert source_class(1, False, 1, "thread", "hf", partial=True) is OneStepAhead
+    assert source_class(1, False, 1, "auto", "sglang", partial=True) is OneStepAhead
+    with pytest.raises(ConfigError, match=r"rollout.partial = true with rollout.engine = sglang runs in one trainer "
+                                          r"process .* under 2 processes"):
+        source_class(1, False, 1, "auto", "sglang", partial=True, world=2)
     with pytest.raises(ConfigError, match=r"rollout.partial must be true or false, got 'yes'"):
         from megagspo.config import RolloutConfig
 
         RolloutConfig(partial="yes")
+
+
+def test_the_batch_keeps_each_target_tokens_version_and_the_mismatch_splits_by_it():
+    """SequenceBatch.from_rollouts puts each response token's version at its target position (0 at the prompt's),
+    `select` keeps it; mismatch_by_version averages |log pi_old - log pi_rollout| apart for the tokens of the
+    version the update starts from and for older ones."""
+    from megagspo.rl.batch import SequenceBatch
+    from megagspo.rl.step_metrics import mismatch_by_version
+    from megagspo.rollout import RolloutOutput
+
+    mask_RL = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    version_RL = torch.tensor([[4, 4, 5], [5, 5, 0]])
+    logp_RL = torch.tensor([[-0.1, -0.2, -0.3], [-0.4, -0.5, 0.0]])
+    out = RolloutOutput([[7, 8], [9]], torch.tensor([[11, 12, 13], [14, 15, 0]]), mask_RL, logp_RL, None, version_RL)
+    seqs = SequenceBatch.from_rollouts(out, torch.zeros(2), pad_id=0, row_len=8)
+    # sequence 0: inputs 7 8 11 12 (targets 8 11 12 13), sequence 1: inputs 9 14 (targets 14 15)
+    assert seqs.version_T.tolist() == [0, 4, 4, 5, 5, 5]
+    assert seqs.loss_mask_T.tolist() == [False, True, True, True, True, True]
+    assert seqs.select([1]).version_T.tolist() == [5, 5]
+
+    class Micro:  # a micro-batch whose model output is already in sequence order
+        def __init__(self, seqs, old_logp):
+            self.seqs, self.old_logp = seqs, old_logp
+
+        def tokens_of(self, x):
+            return x
+
+    class OneRank:
+        def dp_sum(self, values):
+            return list(values)
+
+        pp_sum = dp_sum
+
+    old_T = seqs.rollout_logp_T + torch.tensor([0.0, 0.01, 0.03, 0.2, -0.4, 0.6])
+    m = mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5)
+    assert m["mismatch/abs_log_ratio_older_version"] == pytest.approx((0.01 + 0.03) / 2)
+    assert m["mismatch/abs_log_ratio_current_version"] == pytest.approx((0.2 + 0.4 + 0.6) / 3)
+    seqs.version_T = None  # one version for the whole batch: nothing to split
+    assert mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5) == {}

@@ -98,6 +98,26 @@ def test_partial_rollouts_run_in_the_producer_and_log_their_versions(tmp_path):
         assert 0.0 <= r["rollout/continued_response_frac"] <= 1.0
 
 
+def test_partial_rollouts_on_the_thread_hand_the_weights_over(tmp_path):
+    """rollout.partial with the one-step-ahead thread (SGLang's path): the weights after each update go to the
+    generating thread, or load after it when its batch was done first, so the engine enters every step holding
+    them. Until a response is continued (timing: here generation is far shorter than the update), the run logs
+    the metrics of the thread without partial rollouts, plus the version metrics."""
+    one = ["rollout.staleness=1", "checkpoint.every_steps=0", "rl.steps=3", "rollout.producer=thread"]
+    _run(_cmd(tmp_path, "plain", *one))
+    _run(_cmd(tmp_path, "partial", *one, "rollout.partial=true"))
+    plain, partial = _rl(tmp_path / "plain"), _rl(tmp_path / "partial")
+    assert len(partial) == 3
+    added = ("rollout/", "mismatch/abs_log_ratio_current_version", "mismatch/abs_log_ratio_older_version")
+    for r, p in zip(plain, partial):
+        assert 0.0 <= p["rollout/staleness_max"] <= min(p["step"], 1)
+        assert p["rollout/older_version_token_frac"] <= p["rollout/stale_token_frac"]
+        if p["rollout/continued_response_frac"] > 0:
+            break  # later batches come from other weights
+        assert p["rollout/staleness_mean"] == p["rollout/staleness_max"] == min(p["step"], 1)
+        assert {k: v for k, v in p.items() if not k.startswith(added)} == r
+
+
 def test_staleness_one_equals_the_one_step_ahead_thread(tmp_path):
     one = ["rollout.staleness=1", "checkpoint.every_steps=0", "rl.steps=3"]
     _run(_cmd(tmp_path, "thread", *one, "rollout.producer=thread"))

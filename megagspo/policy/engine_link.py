@@ -43,11 +43,14 @@ class EngineLink:
         generation beside the training thread draws from (megagspo.rl.rollouts_ahead)."""
         return self.engine.seeded_generator(seed)
 
-    def generate(self, prompt_ids: list, n: int, sampling: SamplingParams) -> RolloutOutput:
+    def generate(self, prompt_ids: list, n: int, sampling: SamplingParams, switch=None) -> RolloutOutput:
         """The engine's samples; under TP / PP only rank 0 of each model-parallel group (the TP x PP ranks of
         one data-parallel rank) generates and broadcasts to its peers, so that they all train on the same
-        rollouts."""
-        return self.dims.on_mp_rank0("rollout generation", lambda: self.engine.generate(prompt_ids, n, sampling))
+        rollouts. `switch`: partial rollouts (RolloutEngine.generate)."""
+        if switch is None:
+            return self.dims.on_mp_rank0("rollout generation", lambda: self.engine.generate(prompt_ids, n, sampling))
+        return self.dims.on_mp_rank0("rollout generation",
+                                     lambda: self.engine.generate(prompt_ids, n, sampling, switch=switch))
 
 
 def build_engine(engine_cls: type, arch, tokenizer, cfg: Config) -> RolloutEngine:

@@ -57,6 +57,8 @@ class SequenceBatch:
     row_len: int                           # S of the padded layout (rl.batch.packing = false)
     routes_TLy: Optional[torch.Tensor] = None   # the engine's routes [T, Ly, K] of this stage (R3, rollout pi_old)
     route_spec: Optional[RouteSpec] = None      # the policy's, with routes_TLy
+    version_T: Optional[torch.Tensor] = None    # int64: the policy version that sampled the target (0 elsewhere);
+    #                                             partial rollouts only (RolloutOutput.version_RL)
     cu_seqlens_S1: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -81,7 +83,7 @@ class SequenceBatch:
         log-probs at the response targets; its routes packed per sequence for this stage (`route_spec`: the
         policy's, when the step uses the engine's routes)."""
         lengths = sequence_lengths(out.prompt_ids, out.response_mask_RL)
-        pieces = {"tokens": [], "targets": [], "mask": [], "logp": []}
+        pieces = {"tokens": [], "targets": [], "mask": [], "logp": [], "version": []}
         for r, (prompt, n) in enumerate(zip(out.prompt_ids, lengths)):
             p = len(prompt)
             full = torch.cat([torch.tensor(prompt, dtype=torch.long), out.response_ids_RL[r].long()])
@@ -91,14 +93,18 @@ class SequenceBatch:
             pieces["targets"].append(full[1:n + 1])
             pieces["mask"].append(mask[1:n + 1])
             pieces["logp"].append(logp[1:n + 1].float())
+            if out.version_RL is not None:
+                version = torch.cat([torch.zeros(p, dtype=torch.long),
+                                     torch.where(out.response_mask_RL[r].bool(), out.version_RL[r].long(), 0)])
+                pieces["version"].append(version[1:n + 1])
         routes = None
         if out.routes_RPLyK is not None and route_spec is not None:
             samples = [out.routes_RPLyK[r, :n].long() for r, n in enumerate(lengths)]
             samples = [torch.where(s < 0, torch.arange(s.shape[-1]).expand_as(s), s) for s in samples]
             routes = pack_sample_routes(samples, lengths, route_spec)
-        cat = {k: torch.cat(v) for k, v in pieces.items()}
+        cat = {k: torch.cat(v) for k, v in pieces.items() if v}
         return cls(cat["tokens"], cat["targets"], cat["mask"], cat["logp"], advantages_R.float(), lengths, pad_id,
-                   row_len, routes, route_spec if routes is not None else None)
+                   row_len, routes, route_spec if routes is not None else None, cat.get("version"))
 
     @classmethod
     def from_demonstrations(cls, prompt_ids: list, answer_ids: list, pad_id: int, row_len: int) -> "SequenceBatch":
@@ -130,14 +136,16 @@ class SequenceBatch:
         return dataclasses.replace(self, tokens_T=self.tokens_T[take], targets_T=self.targets_T[take],
                                    loss_mask_T=self.loss_mask_T[take], rollout_logp_T=self.rollout_logp_T[take],
                                    advantages_S=self.advantages_S[seq_idx], lengths=[self.lengths[i] for i in idx],
-                                   routes_TLy=routes)
+                                   routes_TLy=routes,
+                                   version_T=None if self.version_T is None else self.version_T[take])
 
     def to(self, device) -> "SequenceBatch":
         """The per-token tensors on `device` (the routes stay where they are: they go per micro-batch)."""
         return dataclasses.replace(self, tokens_T=self.tokens_T.to(device), targets_T=self.targets_T.to(device),
                                    loss_mask_T=self.loss_mask_T.to(device),
                                    rollout_logp_T=self.rollout_logp_T.to(device),
-                                   advantages_S=self.advantages_S.to(device))
+                                   advantages_S=self.advantages_S.to(device),
+                                   version_T=None if self.version_T is None else self.version_T.to(device))
 
     # ---- the views of one micro-batch -------------------------------------------------------------------
     def model_input(self, packed: bool, dims: ParallelDims, *, aux_len: Optional[int] = None) -> "ModelView":

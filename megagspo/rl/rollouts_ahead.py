@@ -24,6 +24,13 @@ batch; the run stays a function of the seed. Only where generation needs no coll
 without tensor / pipeline parallelism (under TP x PP the generating rank broadcasts to its peers, a
 collective that must not run beside the training thread's).
 
+Partial rollouts (`rollout.partial: true`, any engine, SGLang's path to them): the weights after update n no
+longer wait for batch n+1. The step streams them (the collective, on the training thread) into `HandedWeights`,
+which the generating thread's engine asks between decoding steps (SGLang: between abort and resume); the
+responses still unfinished continue under them, each token tagged with its version. If the batch was done first,
+the training thread loads them itself after the wait, so the engine always enters step n+1 with the weights after
+update n, as without partial rollouts.
+
 Checkpoints stay exact: a checkpoint after step n holds batch n+1, complete (the step waited for it), in
 `rollouts_ahead.safetensors` and the trainer state; a resume takes it as its first batch, with the weights
 after update n streamed to the engine for batch n+2, as the uninterrupted run did.
@@ -41,6 +48,31 @@ from megagspo.data.datasets import Example
 from megagspo.rollout.base import RolloutOutput
 
 TENSORS = ("response_ids_RL", "response_mask_RL", "logp_RL", "routes_RPLyK", "version_RL")
+
+
+class HandedWeights:
+    """The WeightSwitch of partial rollouts on the one-step-ahead thread: the training thread hands over the weights
+    after its update (`hand`, buckets it owns), the generating thread's engine loads them at its next check."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version            # the version the engine holds
+        self._handed: Optional[tuple] = None
+        self._lock = threading.Lock()
+
+    def hand(self, version: int, buckets: list) -> None:
+        with self._lock:
+            self._handed = (version, buckets)
+
+    def pending(self) -> bool:
+        return self._handed is not None
+
+    def apply(self, engine) -> int:
+        with self._lock:
+            version, buckets = self._handed
+            self._handed = None
+            engine.update_weights_from_buckets(buckets)
+            self.version = version
+        return version
 
 
 class RolloutsAhead:
@@ -114,6 +146,7 @@ class RolloutsAhead:
         self._prompts = [Example(prompt=p["prompt"] if isinstance(p["prompt"], str) else tuple(p["prompt"]),
                                  answer=p["answer"], prompt_ids=tuple(p["prompt_ids"])) for p in meta["prompts"]]
         self._out = RolloutOutput(prompt_ids=meta["prompt_ids"], routes_RPLyK=tensors.get("routes_RPLyK"),
+                                  version_RL=tensors.get("version_RL"),
                                   **{name: tensors[name] for name in TENSORS[:3]})
         self._thread, self._error = None, None
         if self.generator is not None and "generator" in tensors:

@@ -47,7 +47,7 @@ from megagspo.rl.dp_balance import balance_over_dp
 from megagspo.rl.micro_batches import micro_slices, token_budget_split
 from megagspo.rl.schedule import lr_at
 from megagspo.rl.sources import Rollouts, RolloutSource, Scores
-from megagspo.rl.step_metrics import metrics_row
+from megagspo.rl.step_metrics import metrics_row, mismatch_by_version
 from moe.optimizer import set_lr
 from moe.parallel import ParallelDims
 from moe.volatility import VolatilityTally
@@ -123,9 +123,11 @@ class RLStep:
         updates = self.update(batch, step, optimizer)
         times["time/train_s"] = time.perf_counter() - t3
         times.update(self.source.after_update())  # one step ahead: the next batch, generated before this update
-        times["time/sync_s"] = self.engine.sync_weights()
+        if not self.source.syncs_engine:  # partial rollouts on the thread: the engine took them mid-batch already
+            times["time/sync_s"] = self.engine.sync_weights()
         row = self.summarize(rollouts, scores, batch, updates)
         row.update(sourced.metrics)
+        row.update(mismatch_by_version(self.dims, batch.micro_batches, step))
         row.update(times)
         step_time = time.perf_counter() - t0
         row["time/step_s"] = step_time

@@ -30,3 +30,25 @@ def metrics_row(total: dict, union: dict, grad_norms: list, lr: float, with_refe
         row["kl/ref"], row["loss/kl"] = union["kl/ref"], union["loss/kl"]
     row.update({k: v for k, v in union.items() if k.startswith(DIAGNOSTIC_PREFIXES)})
     return row
+
+
+def mismatch_by_version(dims, micro_batches: list, step: int) -> dict:
+    """Partial rollouts: |log pi_old - log pi_rollout| per response token, apart for the tokens sampled by the
+    weights this update starts from (version `step`: the engine-vs-trainer numerics only) and for those sampled by
+    older versions (staleness on top), summed over the data-parallel ranks and the pipeline stages (pi_old lives
+    on the LM-head stage). {} unless the batch carries per-token versions and pi_old is recomputed."""
+    if not micro_batches or micro_batches[0].seqs.version_T is None:
+        return {}
+    sums = [0.0, 0.0, 0.0, 0.0]
+    for mb in micro_batches:
+        if mb.old_logp is None:
+            continue
+        seqs = mb.seqs
+        gap_T = (mb.tokens_of(mb.old_logp).float() - seqs.rollout_logp_T).abs().double()
+        for i, tokens_T in enumerate((seqs.loss_mask_T & (seqs.version_T == step),
+                                      seqs.loss_mask_T & (seqs.version_T < step))):
+            sums[2 * i] += float(gap_T[tokens_T].sum())
+            sums[2 * i + 1] += float(tokens_T.sum())
+    current, n_current, older, n_older = dims.pp_sum(dims.dp_sum(sums))
+    return {"mismatch/abs_log_ratio_current_version": current / max(n_current, 1.0),
+            "mismatch/abs_log_ratio_older_version": older / max(n_older, 1.0)}

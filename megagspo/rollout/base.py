@@ -61,7 +61,8 @@ class WeightSwitch(Protocol):
     version: int                       # the version of the engine's weights now
 
     def pending(self) -> bool:
-        """Whether newer weights have arrived (cheap, never blocks)."""
+        """Whether newer weights have arrived (cheap, never blocks; an engine may ask from a thread of its own, as
+        SGLang's abort watcher does, while `apply` runs on the generating thread)."""
         ...
 
     def apply(self, engine: "RolloutEngine") -> int:

@@ -30,10 +30,11 @@ class Preflight:
     init_source: Optional[InitSource]  # None when model.init_from is not on this machine (dry run only)
 
 
-def check_components(cfg: Config) -> None:
+def check_components(cfg: Config, world: int = 1) -> None:
     """The registry names and sections that need a component's own code to check, each raised as a ConfigError
     naming its key: the reward, the rollout engine and its sglang section, the fused loss kernel, the rollout
-    source. megagspo.config validates everything else on load without importing these components."""
+    source (for `world` processes). megagspo.config validates everything else on load without importing these
+    components."""
     def choice(key: str, value, valid) -> None:
         if value not in valid:
             raise ConfigError(f"{key} = {value!r} is not valid; valid values: {', '.join(valid)}")
@@ -56,13 +57,14 @@ def check_components(cfg: Config) -> None:
         raise ConfigError(str(exc)) from None
     # which rollout source; what combines with what
     source_class(cfg.rollout.staleness, cfg.rl.filter.enabled, cfg.parallel.tensor_parallel *
-                 cfg.parallel.pipeline_parallel, cfg.rollout.producer, cfg.rollout.engine, cfg.rollout.partial)
+                 cfg.parallel.pipeline_parallel, cfg.rollout.producer, cfg.rollout.engine, cfg.rollout.partial,
+                 world)
 
 
 def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bool = True) -> Preflight:
     """Raise ConfigError (naming the key) for the first thing that cannot work; `vocab_size` is the
     tokenizer's (0 when it is not on this machine)."""
-    check_components(cfg)
+    check_components(cfg, world)
     arch = cfg.model.architecture(vocab_size)
     # batch sizes over the ranks, and the sizes the model is built from (arch_file / init_from's config.json /
     # the recipe) over TP / EP / PP
