@@ -328,3 +328,72 @@ def test_partial_config_is_validated(tmp_path):
                        ("partial_max_stalls", 0), ("partial_max_stalls", 1.5)):
         with pytest.raises(SGLangConfigError, match=f"sglang.{field}"):
             SGLangEngineConfig(urls=["http://127.0.0.1:1"], sync_dir=str(tmp_path), **{field: bad})
+
+
+# ------------------------------------------------------------------------------------------ in a training run
+class HoldTheBatchAhead(SlowSGLang):
+    """Holds the batch generated ahead of RL step 1 (the second RL /generate) after its first decode step, until
+    an abort: the update's weights then reach the generating thread mid-batch, as they do when generation is
+    slower than the update."""
+
+    def __init__(self):
+        super().__init__(hold_timeout=120.0)
+        self.fresh_rl = 0
+
+    def _generate(self, body):
+        ids = body["input_ids"]
+        if len(ids) == 4 and self.abort_epoch == 0:
+            self.fresh_rl += 1
+            if self.fresh_rl == 2:
+                self.hold_after = self.steps + 1
+        return super()._generate(body)
+
+
+def _partial_trainer_body(rank, world_size, url, out_dir):
+    from megagspo.config import load_config
+    from megagspo.trainer.trainer import Trainer
+
+    cfg = load_config("configs/tiny_cpu.yaml", [
+        "sft.steps=0", "rl.steps=3", "rl.batch.prompts_per_step=2", "rl.batch.group_size=2",
+        "rl.batch.mini_batches=1", "rl.eval.every=100", "rl.eval.samples=0", "data.train_size=20",
+        "data.eval_size=3", "threads=1", "log.progress=false", "log.plots=false", "log.tensorboard=false",
+        "log.save_checkpoint=false", "checkpoint.every_steps=0", "rollout.engine=sglang", "rollout.staleness=1",
+        "rollout.partial=true", f"log.out_dir={out_dir}", "name=partial",
+        "rollout.sglang={urls: [" + url + "], sync_dir: " + out_dir + "/sync}"])
+    Trainer(cfg, quiet=True).train()
+    return True
+
+
+def test_a_training_run_aborts_and_resumes_the_batch_ahead_under_the_new_weights(tmp_path):
+    """rollout.engine = sglang, rollout.staleness = 1, rollout.partial: the step hands the weights after update 0 to
+    the thread generating batch 1, whose engine aborts the held request, loads them into the server and resumes
+    the samples from their prefix; the step itself sends no weights (no update while a /generate runs), and step 1
+    logs its tokens' versions: the first token of every response one update old, the rest fresh."""
+    import json
+
+    from multiprocess import run_distributed
+
+    fake = HoldTheBatchAhead()
+    try:
+        run_distributed(_partial_trainer_body, world_size=1, args=(fake.url, str(tmp_path)), timeout_s=300)
+        events, prompt_len = [], None
+        for method, path, body in fake.requests:
+            if method == "POST" and path == "/generate" and len(body["input_ids"]) == 4:
+                prompt_len = prompt_len or len(body["input_ids"][0])  # a + b = prompts are all alike
+                events.append("rl" if len(body["input_ids"][0]) == prompt_len else "resume")
+            elif method == "POST" and path in ("/abort_request", "/update_weights_from_disk"):
+                events.append(path.strip("/").split("_")[0])
+        assert fake.updates_in_flight == 0
+    finally:
+        fake.close()
+    # the sync at start; batch 0; batch 1 held, aborted, the weights after update 0, resumed; batch 2 (done before
+    # update 1 ends), then update 1's weights, loaded after it; update 2's weights at the end
+    assert events == ["update", "rl", "rl", "abort", "update", "resume", "rl", "update", "update"], events
+    with open(tmp_path / "partial" / "metrics.jsonl") as f:
+        rows = [r for r in map(json.loads, f) if r.get("phase") == "rl"]
+    step1 = rows[1]
+    assert step1["rollout/continued_response_frac"] == 1.0
+    lengths = step1["response/length_mean"]
+    assert step1["rollout/older_version_token_frac"] == pytest.approx(1.0 / lengths)
+    assert step1["rollout/staleness_max"] == 1.0 and step1["rollout/staleness_mean"] == pytest.approx(1.0 / lengths)
+    assert rows[2]["rollout/continued_response_frac"] == 0.0 and rows[2]["rollout/staleness_mean"] == 1.0
