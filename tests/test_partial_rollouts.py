@@ -24,17 +24,24 @@ from megagspo.rl.rollouts_ahead import HandedWeights
 from megagspo.rollout import HFRolloutEngine, SamplingParams
 
 
-class _Tok:
-    pad_id, eos_id, bos_id = 0, 1, 2
-    eos_ids = (1, 3)
+from test_rollout_engine_memory import _arch as _arch_of_vocab
+from test_rollout_engine_memory import _Tok, on_cpu  # noqa: F401 (a fixture)
 
 
 def _arch():
-    from moe.architecture import Qwen3MoeArchitecture
+    return _arch_of_vocab(40)
 
-    return Qwen3MoeArchitecture(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
-                                num_experts_per_tok=2, max_position_embeddings=128, intermediate_size=24)
+
+class OneRank:
+    """The data-parallel and pipeline reductions of a single rank."""
+
+    def dp_sum(self, values):
+        return list(values)
+
+    pp_sum = dp_sum
+
+    def dp_gather(self, values):
+        return [list(values)]
 
 
 def _megatron_state(arch, seed: int) -> dict:
@@ -43,15 +50,6 @@ def _megatron_state(arch, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     hf = {k: torch.randn(shape, generator=g) * 0.3 for k, shape in hf_tensor_shapes(arch, FUSED).items()}
     return megatron_state_dict_from_hf(hf, arch)
-
-
-@pytest.fixture
-def on_cpu(monkeypatch):
-    monkeypatch.setenv("MEGAGSPO_DEVICE", "cpu")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class _ArrivingAt(ArrivingWeights):
@@ -214,13 +212,6 @@ def test_staleness_metrics_read_per_token_versions():
     from megagspo.rl.sources import token_staleness
     from megagspo.rollout import RolloutOutput
 
-    class OneRank:  # the data-parallel reductions of a single rank
-        def dp_sum(self, values):
-            return list(values)
-
-        def dp_gather(self, values):
-            return [list(values)]
-
     mask_RL = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
     version_RL = torch.tensor([[3, 3, 4, 5], [5, 5, 0, 0], [4, 4, 4, 0]])
     out = RolloutOutput([[1]] * 3, torch.ones(3, 4, dtype=torch.long), mask_RL, torch.zeros(3, 4), None, version_RL)
@@ -332,12 +323,6 @@ def test_the_batch_keeps_each_target_tokens_version_and_the_mismatch_splits_by_i
 
         def tokens_of(self, x):
             return x
-
-    class OneRank:
-        def dp_sum(self, values):
-            return list(values)
-
-        pp_sum = dp_sum
 
     old_T = seqs.rollout_logp_T + torch.tensor([0.0, 0.01, 0.03, 0.2, -0.4, 0.6])
     m = mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5)
