@@ -13,6 +13,7 @@ waits for an abort, and the test's switch turns pending exactly then.
 from __future__ import annotations
 
 import base64
+import os
 import threading
 import time
 
@@ -23,7 +24,7 @@ import torch
 from megagspo.rollout.base import SamplingParams
 from megagspo.rollout.sglang_engine import SGLangConfigError, SGLangEngine, SGLangEngineConfig, SGLangServerError
 from megagspo.rollout.sglang_schema import SGLangResponseError, abort_request_json
-from tests.test_sglang_engine import ARCH, EOS, TOK, FakeSGLang, random_megatron_state, schema_errors
+from test_sglang_engine import ARCH, EOS, TOK, FakeSGLang, random_megatron_state, schema_errors
 
 STEP_S = 0.003
 OLD, NEW = 5, 6  # the switch's versions before and after the update
@@ -353,7 +354,8 @@ def _partial_trainer_body(rank, world_size, url, out_dir):
     from megagspo.config import load_config
     from megagspo.trainer.trainer import Trainer
 
-    cfg = load_config("configs/tiny_cpu.yaml", [
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(repo, "configs/tiny_cpu.yaml"), [
         "sft.steps=0", "rl.steps=3", "rl.batch.prompts_per_step=2", "rl.batch.group_size=2",
         "rl.batch.mini_batches=1", "rl.eval.every=100", "rl.eval.samples=0", "data.train_size=20",
         "data.eval_size=3", "threads=1", "log.progress=false", "log.plots=false", "log.tensorboard=false",
