@@ -274,7 +274,7 @@ class RolloutConfig:
     producer: str = "auto"
     producer_threads: int = 1       # the producer process's intra-op threads
     producer_cpus: list = field(default_factory=list)  # cores the producer process is pinned to ([]: not pinned)
-    # Partial rollouts (producer = process): weights that arrive while a batch is generated load at once, and the
+    # Partial rollouts (staleness >= 1; the producer process, or the thread at N = 1): weights that arrive while a batch is generated load at once, and the
     # unfinished responses continue from their prefix under them; each token keeps the version that sampled it.
     # The switch points follow the weights' arrival: such a run depends on timing, not only on the seed.
     partial: bool = False

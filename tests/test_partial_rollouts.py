@@ -325,8 +325,9 @@ def test_the_batch_keeps_each_target_tokens_version_and_the_mismatch_splits_by_i
             return x
 
     old_T = seqs.rollout_logp_T + torch.tensor([0.0, 0.01, 0.03, 0.2, -0.4, 0.6])
-    m = mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5)
+    m = mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5, recomputed=True)
+    assert mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5, recomputed=False) == {}  # pi_old = rollout
     assert m["mismatch/abs_log_ratio_older_version"] == pytest.approx((0.01 + 0.03) / 2)
     assert m["mismatch/abs_log_ratio_current_version"] == pytest.approx((0.2 + 0.4 + 0.6) / 3)
     seqs.version_T = None  # one version for the whole batch: nothing to split
-    assert mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5) == {}
+    assert mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5, recomputed=True) == {}

@@ -37,9 +37,9 @@ def _versions_body(rank, world_size, out_dir, staleness):
             super().update_weights_from_buckets(buckets)
             type(self).version += 1
 
-        def generate(self, prompts, n, sampling):
+        def generate(self, prompts, n, sampling, switch=None):
             calls.append((threading.current_thread().name, n, type(self).version))
-            return super().generate(prompts, n, sampling)
+            return super().generate(prompts, n, sampling, switch=switch)
 
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
                       RUN + [f"log.out_dir={out_dir}", f"name=s{staleness}", f"rollout.staleness={staleness}"])

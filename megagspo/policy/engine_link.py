@@ -47,8 +47,6 @@ class EngineLink:
         """The engine's samples; under TP / PP only rank 0 of each model-parallel group (the TP x PP ranks of
         one data-parallel rank) generates and broadcasts to its peers, so that they all train on the same
         rollouts. `switch`: partial rollouts (RolloutEngine.generate)."""
-        if switch is None:
-            return self.dims.on_mp_rank0("rollout generation", lambda: self.engine.generate(prompt_ids, n, sampling))
         return self.dims.on_mp_rank0("rollout generation",
                                      lambda: self.engine.generate(prompt_ids, n, sampling, switch=switch))
 

@@ -13,7 +13,7 @@ not consumed (the queue bound), and every token of batch k is at most N versions
 N = 1 is the one-step-off order of megagspo.rl.rollouts_ahead (the same draws, the same generator).
 
 Partial rollouts (`rollout.partial: true`). Batch k still starts with version max(k - N, floor), or a newer one that
-has already arrived, but the weights that arrive while it is generated no longer wait for it: the engine stops its
+has already arrived (the engine takes it before its first token), but the weights that arrive while it is generated no longer wait for it: the engine stops its
 unfinished responses, loads them and continues the responses from their prefix (`RolloutEngine.generate`'s
 `switch`), so later tokens come from fresher weights; every token carries the version that sampled it
 (RolloutOutput.version_RL) and its behaviour log-prob is that version's. The oldest token is still at most N
@@ -119,11 +119,6 @@ class ProducedBatch:
     post: dict                        # {"next": k + 1, "floor", "dataset": JSON state, "generator": ByteTensor}
     times: dict                       # rollout_s, reward_s, idle_s (waiting for weights since the last batch)
 
-    @property
-    def version_RL(self) -> torch.Tensor:
-        """The policy version that sampled each token (one version for the whole batch unless partial)."""
-        return self.out.versions_RL(self.version)
-
 
 def local_share(items: list, dp_rank: int, dp_size: int) -> list:
     """This data-parallel rank's contiguous share (moe.parallel.ParallelDims.local_slice, without the groups)."""
@@ -146,11 +141,8 @@ class BatchMaker:
         s = self.spec
         prompts = local_share(self.dataset.sample(s.prompts_per_step), s.dp_rank, s.dp_size)
         t0 = time.perf_counter()
-        if self.switch is None:
-            out = self.engine.generate([ex.prompt_ids for ex in prompts], s.group_size, self.sampling)
-        else:
-            out = self.engine.generate([ex.prompt_ids for ex in prompts], s.group_size, self.sampling,
-                                       switch=self.switch)
+        out = self.engine.generate([ex.prompt_ids for ex in prompts], s.group_size, self.sampling,
+                                   switch=self.switch)
         t1 = time.perf_counter()
         tok = self.spec.engine.tokenizer
         texts = [tok.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
@@ -266,8 +258,6 @@ def producer_main(spec: ProducerSpec, dataset: PromptDataset, start: dict, comma
         # the weights of batch k (in version order; older ones replayed after a restart); partial: or newer
         if not weights.wait_for(spec.version_for(k, floor)):
             return
-        if spec.partial and weights.pending():
-            weights.apply(engine)
         idle += weights.idle_s
         weights.idle_s = 0.0
         version = weights.version

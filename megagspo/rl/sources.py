@@ -156,8 +156,6 @@ class OneStepAhead:
         self.switch = HandedWeights() if partial else None
         self.syncs_engine = partial
         self.step: Optional[int] = None
-        # the version whose weights the batch ahead started with (a batch restored from a checkpoint: the step before)
-        self.launched_version: Optional[int] = None
         self.holder = RolloutsAhead(functools.partial(collector.generate, switch=self.switch), generator)
 
     def next(self, step: int) -> SourcedBatch:
@@ -166,11 +164,10 @@ class OneStepAhead:
         self.step = step
         held = ahead.holds_batch
         rollouts = Rollouts(*ahead.take()) if held else self.collector.collect()
-        version = (step - 1 if self.launched_version is None else self.launched_version) if held else step
+        version = step - 1 if held else step  # a held batch was launched by the step before (or restored)
         if step + 1 < self.steps:
             if self.switch is not None:
                 self.switch.version = step  # the engine holds the weights after `step` updates
-            self.launched_version = step
             ahead.launch(self.collector.draw_prompts())
         sourced = self.collector.scored(rollouts, time.perf_counter() - t0)
         if self.switch is not None:
@@ -182,33 +179,13 @@ class OneStepAhead:
             return {"time/rollout_wait_s": self.holder.wait()}
         t0 = time.perf_counter()
         link = self.collector.engine
-        link.stream_weights(_ToSwitch(self.switch, self.step + 1, link.engine))
+        link.stream_weights(_CopiedWeights(self.step + 1, link.engine.weights_needed, self.switch.hand))
         t1 = time.perf_counter()
         wait_s = self.holder.wait()
         t2 = time.perf_counter()
         if self.switch.pending():  # the batch ahead was done first (or none runs): load them here
             self.switch.apply(link.engine)
         return {"time/rollout_wait_s": wait_s, "time/sync_s": (t1 - t0) + (time.perf_counter() - t2)}
-
-
-class _ToSwitch:
-    """The weight stream's consumer for HandedWeights: the ranks whose engine takes weights keep a copy of each
-    bucket (the trainer's next update overwrites the parameters) and hand the lot over as one version."""
-
-    def __init__(self, switch: HandedWeights, version: int, engine) -> None:
-        self.switch, self.version, self.engine = switch, version, engine
-
-    def weights_needed(self, generates: bool) -> bool:
-        return self.engine.weights_needed(generates)
-
-    def update_weights_from_buckets(self, buckets) -> None:
-        it = iter(buckets)
-        if not getattr(buckets, "receive", True):  # nothing to load on this rank: its engine is fed elsewhere
-            drain(it)
-            return
-        # in host memory: the whole model once more, which a GPU beside the running generation may not have
-        kept = [{name: t.detach().to("cpu", copy=True) for name, t in bucket.items()} for bucket in it]
-        self.switch.hand(self.version, kept)
 
 
 class GroupFiltered:
@@ -337,7 +314,8 @@ class Produced:
         self._send_weights()
 
     def _send_weights(self) -> None:
-        self.collector.engine.stream_weights(_ToProducer(self.producer, self.version))
+        deliver = None if self.producer is None else self.producer.send_weights
+        self.collector.engine.stream_weights(_CopiedWeights(self.version, lambda generates: generates, deliver))
 
     def _receive(self) -> None:
         self.held.append(self.producer.take(self.next_index))
@@ -411,23 +389,27 @@ class Produced:
         self.resume_state = dict(meta["state"], generator=tensors.get("generator"))
 
 
-class _ToProducer:
-    """The weight stream's consumer on the producer's side (EngineLink.stream_weights): each bucket cloned off the
-    trainer's parameters (which the next update overwrites) and sent to the producer as one version."""
+class _CopiedWeights:
+    """The weight stream's consumer for a receiver that loads the weights later, elsewhere (EngineLink.stream_weights):
+    the producer process (Produced) or the generating thread (OneStepAhead with partial rollouts). The ranks that
+    `needed(generates)` names keep each bucket as a host copy (the trainer's next update overwrites the parameters;
+    a GPU beside a running generation may not hold the model twice) and `deliver(version, buckets)` the lot; the
+    others, and a rank with nothing to deliver to, only iterate the stream."""
 
-    def __init__(self, producer: Optional[ProducerProcess], version: int) -> None:
-        self.producer, self.version = producer, version
+    def __init__(self, version: int, needed: Callable[[bool], bool],
+                 deliver: Optional[Callable[[int, list], None]]) -> None:
+        self.version, self.needed, self.deliver = version, needed, deliver
 
     def weights_needed(self, generates: bool) -> bool:
-        return generates and self.producer is not None
+        return self.deliver is not None and self.needed(generates)
 
     def update_weights_from_buckets(self, buckets) -> None:
         it = iter(buckets)
-        if not getattr(buckets, "receive", True) or self.producer is None:
+        if not getattr(buckets, "receive", True) or self.deliver is None:
             drain(it)
             return
         kept = [{name: t.detach().to("cpu", copy=True) for name, t in bucket.items()} for bucket in it]
-        self.producer.send_weights(self.version, kept)
+        self.deliver(self.version, kept)
 
 
 PRODUCERS = ("auto", "process", "thread")

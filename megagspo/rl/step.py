@@ -127,7 +127,8 @@ class RLStep:
             times["time/sync_s"] = self.engine.sync_weights()
         row = self.summarize(rollouts, scores, batch, updates)
         row.update(sourced.metrics)
-        row.update(mismatch_by_version(self.dims, batch.micro_batches, step))
+        row.update(mismatch_by_version(self.dims, batch.micro_batches, step,
+                                       recomputed=self.rl.old_policy.source == "recompute"))
         row.update(times)
         step_time = time.perf_counter() - t0
         row["time/step_s"] = step_time

@@ -32,12 +32,12 @@ def metrics_row(total: dict, union: dict, grad_norms: list, lr: float, with_refe
     return row
 
 
-def mismatch_by_version(dims, micro_batches: list, step: int) -> dict:
+def mismatch_by_version(dims, micro_batches: list, step: int, recomputed: bool) -> dict:
     """Partial rollouts: |log pi_old - log pi_rollout| per response token, apart for the tokens sampled by the
     weights this update starts from (version `step`: the engine-vs-trainer numerics only) and for those sampled by
     older versions (staleness on top), summed over the data-parallel ranks and the pipeline stages (pi_old lives
-    on the LM-head stage). {} unless the batch carries per-token versions and pi_old is recomputed."""
-    if not micro_batches or micro_batches[0].seqs.version_T is None:
+    on the LM-head stage). {} unless the batch carries per-token versions and pi_old is `recomputed`."""
+    if not recomputed or not micro_batches or micro_batches[0].seqs.version_T is None:
         return {}
     sums = [0.0, 0.0, 0.0, 0.0]
     for mb in micro_batches:
