@@ -42,8 +42,8 @@ def spy(monkeypatch):
     seen = {"engine": [], "replayed": []}
     generate, replaying = HFRolloutEngine.generate, RoutingReplay.replaying
 
-    def marked_generate(self, prompts, n, sampling):
-        out = generate(self, prompts, n, sampling)
+    def marked_generate(self, prompts, n, sampling, switch=None):
+        out = generate(self, prompts, n, sampling, switch=switch)
         if out.routes_RPLyK is not None:
             k, experts = out.routes_RPLyK.shape[-1], self.arch.num_experts
             marker = torch.arange(experts - k, experts, dtype=out.routes_RPLyK.dtype)
