@@ -18,6 +18,7 @@ from megagspo.rewards import available_rewards
 from megagspo.rollout import available_engines
 from megagspo.rollout.sglang_engine import SGLangEngineConfig
 from megagspo.rl.sources import source_class
+from megagspo.trainer.host_checks import check_host
 from megagspo.trainer.layout import check_layout
 from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import ParallelShape
@@ -65,6 +66,7 @@ def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bo
     """Raise ConfigError (naming the key) for the first thing that cannot work; `vocab_size` is the
     tokenizer's (0 when it is not on this machine)."""
     check_components(cfg, world)
+    check_host(cfg)  # what depends on this machine: cores, the verifier's library, the output folder
     arch = cfg.model.architecture(vocab_size)
     # batch sizes over the ranks, and the sizes the model is built from (arch_file / init_from's config.json /
     # the recipe) over TP / EP / PP
