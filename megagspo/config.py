@@ -615,7 +615,7 @@ def config_from_dict(raw: dict, overrides=None, where: str = "the config") -> Co
         moved.update(old_keys_in(tree))
         merged = _merge(merged, move_old_keys(tree, "the overrides", warn=False))
     if moved:
-        warn_moved(moved, "the overrides")
+        warn_moved(moved, "the overrides", plural=True)
     return _build(Config, merged, "")
 
 

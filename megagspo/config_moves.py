@@ -99,8 +99,10 @@ def move_old_keys(tree: dict, where: str, warn: bool = True) -> dict:
     return nest_keys(flat)
 
 
-def warn_moved(moved: Dict[str, str], where: str) -> None:
-    """The one warning of a source that used earlier keys: which, and their names now."""
+def warn_moved(moved: Dict[str, str], where: str, plural: bool = False) -> None:
+    """The one warning of a source that used earlier keys: which, and their names now. plural: `where` names
+    several things ("the overrides"), so the sentence says "use" / "they"."""
     listed = ", ".join(f"{old} -> {new}" for old, new in moved.items())
-    warnings.warn(f"{where} uses {len(moved)} config key(s) from before the rl sections; they still work under "
-                  f"their new names, which it should use: {listed}", MovedKeyWarning, stacklevel=4)
+    verb, they = ("use", "they") if plural else ("uses", "it")
+    warnings.warn(f"{where} {verb} {len(moved)} config key(s) from before the rl sections; they still work under "
+                  f"their new names, which {they} should use: {listed}", MovedKeyWarning, stacklevel=4)

@@ -78,8 +78,9 @@ class MetricsLogger:
 # ------------------------------------------------------------------------- what the run prints at the end
 def eval_record(prefix: str, row: dict, eval_samples: int) -> dict:
     """summary.json entries of one held-out evaluation: sampled accuracy only where it was measured
-    (rl.eval.samples > 0), so that an absent value is never recorded as 0."""
-    out = {f"{prefix}/accuracy": row["eval/accuracy"]}
+    (rl.eval.samples > 0), so that an absent value is never recorded as 0; the verifier calls cut off at
+    reward.timeout_s (each scored 0), so that an accuracy they lowered is not read as the model's."""
+    out = {f"{prefix}/accuracy": row["eval/accuracy"], f"{prefix}/timeouts": int(row.get("eval/timeouts", 0))}
     if eval_samples:
         out[f"{prefix}/sampled_accuracy"] = row["eval/sampled_accuracy"]
     return out

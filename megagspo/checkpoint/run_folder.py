@@ -99,7 +99,7 @@ def nothing_to_resume(run_dir: str, root: str) -> str:
     if holds_no_checkpoint(run_dir):
         return (f"--resume: the run in {run_dir} stopped before its first checkpoint (during start-up or cold-start "
                 f"SFT): nothing to continue; {start_over_hint(run_dir)}")
-    return (f"--resume: no checkpoint under {root} to continue (the folder holds {_shown(run_dir, names)}); "
+    return (f"--resume: no checkpoint under {root} to continue (the folder holds {listing(run_dir, names)}); "
             f"--overwrite moves that aside to {os.path.basename(os.path.normpath(run_dir))}.replaced-<time>/ and "
             "starts fresh, or pass name=OTHER to run beside it")
 
@@ -116,7 +116,8 @@ def check_resume_reaches(point: dict, rl_steps: int) -> None:
                               "it (or start a fresh run: --overwrite, or name=OTHER)")
 
 
-def _shown(run_dir: str, names: List[str]) -> str:
+def listing(run_dir: str, names: List[str]) -> str:
+    """'metrics.jsonl, checkpoints/, ...': names in run_dir as a line shows them (folders with a slash, at most 8)."""
     shown = ", ".join(n + ("/" if os.path.isdir(os.path.join(run_dir, n)) else "") for n in names[:8])
     return shown + (", ..." if len(names) > 8 else "")
 
@@ -157,7 +158,7 @@ def check_fresh_start(run_dir: str, asked: dict) -> None:
     if summary is not None and not diff:
         raise RunAlreadyFinished(f"{run_dir} already holds a finished run of this config: not starting over "
                                  "(--overwrite moves it aside and runs again; name=OTHER runs beside it)", summary)
-    shown = _shown(run_dir, names)
+    shown = listing(run_dir, names)
     state = "a finished run" if summary is not None else "an unfinished run (no summary.json)"
     if diff:
         state += f" of a different config ({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})"
@@ -204,5 +205,5 @@ def summary_lines(summary: dict) -> List[str]:
 
 
 __all__ = ["BEFORE_FIRST_CHECKPOINT", "FolderHoldsRun", "RunAlreadyFinished", "aside_path", "check_fresh_start",
-           "check_resume_reaches", "config_differences", "earlier_run", "holds_no_checkpoint",
+           "check_resume_reaches", "config_differences", "earlier_run", "holds_no_checkpoint", "listing",
            "move_earlier_run_aside", "nothing_to_resume", "start_over_hint", "summary_lines"]

@@ -59,7 +59,8 @@ from moe.json_files import JsonFileError, loads_bounded, read_json
 from . import store
 from .guards import load_safetensors
 from .parts import CheckpointParts, Shared
-from .run_folder import RunAlreadyFinished, check_fresh_start, earlier_run, move_earlier_run_aside, nothing_to_resume
+from .run_folder import (RunAlreadyFinished, check_fresh_start, earlier_run, listing, move_earlier_run_aside,
+                         nothing_to_resume)
 from .store import CheckpointError
 
 MODEL_DIR = "model"
@@ -346,11 +347,12 @@ class CheckpointManager:
         def move():
             if not self._retire_pending:
                 return None
+            moved = earlier_run(self.cfg.run_dir())  # named as they are: a run stopped early has no summary
             aside = move_earlier_run_aside(self.cfg.run_dir())
             self._retire_pending = False
             if aside:
-                self.say(f"a fresh run: the earlier run in {self.cfg.run_dir()} (metrics, summary, plots, TensorBoard "
-                         f"events, checkpoints) moved whole to {aside}; nothing was deleted")
+                self.say(f"a fresh run: the earlier run in {self.cfg.run_dir()} ({listing(aside, moved)}) moved whole "
+                         f"to {aside}; nothing was deleted")
             return None
 
         run_on_rank0("moving the earlier run aside", move)

@@ -209,7 +209,7 @@ class Trainer:
         if self.resume and rl and self.cfg.rl.steps:
             return self._train_resumed(t0)
         base = self.evaluator()
-        self.summary["init/accuracy"] = base["eval/accuracy"]
+        self.summary.update({"init/accuracy": base["eval/accuracy"], "init/timeouts": int(base["eval/timeouts"])})
         self.summary.update(self.run_sft())
         self._stop_if_metrics_unwritable()
         if self.cfg.sft.steps and self.cfg.log.save_checkpoint and rl and self.cfg.rl.steps:
