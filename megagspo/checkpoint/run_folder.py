@@ -26,7 +26,7 @@ from megagspo.config_moves import move_old_keys
 from moe.json_files import JsonFileError, read_json
 
 from .run_lock import LOCK_FILE
-from .store import CheckpointError
+from .store import MANIFEST, CheckpointError
 
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"
@@ -114,6 +114,26 @@ def check_resume_reaches(point: dict, rl_steps: int) -> None:
         raise CheckpointError(f"--resume: {point['path']} is after RL step {step}, past rl.steps = {rl_steps}: a "
                               f"resume cannot take steps back; rl.steps={step + 1} is the smallest that continues "
                               "it (or start a fresh run: --overwrite, or name=OTHER)")
+
+
+def check_not_finished(run_dir: str, path: str, step: int, rl_steps: int) -> None:
+    """--resume of a run that has finished: its newest checkpoint is after RL step rl.steps (its last) and its
+    summary.json was written after that checkpoint (at the run's end; a summary from before it belongs to the
+    shorter run this one continued). Raises RunAlreadyFinished, whose summary the CLI prints as for a plain rerun:
+    continuing would rewrite config.yaml, metrics.jsonl, summary.json (its times measured anew, over nothing) and
+    checkpoint.pt for steps that ran before."""
+    if not rl_steps or step != rl_steps:
+        return
+    summary = _read_summary(run_dir)
+    try:
+        finished = summary is not None and os.path.getmtime(os.path.join(run_dir, SUMMARY)) >= \
+            os.path.getmtime(os.path.join(path, MANIFEST))
+    except OSError:
+        finished = False
+    if finished:
+        raise RunAlreadyFinished(f"--resume: {run_dir} holds a finished run: {os.path.basename(path)} is after RL "
+                                 f"step {step}, the last of rl.steps = {rl_steps}; nothing to continue, nothing "
+                                 f"rewritten (--resume rl.steps={step + 1} or more continues it)", summary)
 
 
 def listing(run_dir: str, names: List[str]) -> str:
@@ -205,5 +225,5 @@ def summary_lines(summary: dict) -> List[str]:
 
 
 __all__ = ["BEFORE_FIRST_CHECKPOINT", "FolderHoldsRun", "RunAlreadyFinished", "aside_path", "check_fresh_start",
-           "check_resume_reaches", "config_differences", "earlier_run", "holds_no_checkpoint", "listing",
+           "check_not_finished", "check_resume_reaches", "config_differences", "earlier_run", "holds_no_checkpoint", "listing",
            "move_earlier_run_aside", "nothing_to_resume", "start_over_hint", "summary_lines"]

@@ -59,8 +59,8 @@ from moe.json_files import JsonFileError, loads_bounded, read_json
 from . import store
 from .guards import load_safetensors
 from .parts import CheckpointParts, Shared
-from .run_folder import (RunAlreadyFinished, check_fresh_start, earlier_run, listing, move_earlier_run_aside,
-                         nothing_to_resume)
+from .run_folder import (RunAlreadyFinished, check_fresh_start, check_not_finished, earlier_run, listing,
+                         move_earlier_run_aside, nothing_to_resume)
 from .store import CheckpointError
 
 MODEL_DIR = "model"
@@ -324,6 +324,7 @@ class CheckpointManager:
                     return None
                 state = read_trainer_state(path)
                 self._check_compatible(path, state, arch, dataset_size)
+                check_not_finished(self.cfg.run_dir(), path, int(state["step"]), self.cfg.rl.steps)
                 return {"path": path, "state": state}
             except RunAlreadyFinished as exc:  # not an error: every rank gets it and stops the same way
                 return {"finished": str(exc), "summary": exc.summary}

@@ -1,0 +1,92 @@
+"""Issue 49, items 4 and 5: a resume says what it does.
+
+5. --resume of a finished run (rl.steps equal to its last step) prints its summary, as a plain rerun does, and
+   rewrites nothing (summary.json kept its total_time_s: before, 21.4 s became 0.0045 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from multiprocess import cpu_pinned_env
+
+TINY = ["sft.steps=1", "sft.batch_size=4", "rl.batch.prompts_per_step=2", "rl.batch.group_size=2",
+        "rl.batch.mini_batches=1", "rl.eval.every=1", "rl.eval.samples=0", "data.train_size=50", "data.eval_size=5",
+        "log.progress=false", "log.plots=false", "log.tensorboard=false", "threads=1", "checkpoint.every_steps=1"]
+CONFIG = os.path.join(REPO, "configs", "tiny_cpu.yaml")
+
+
+def _args(out_dir, *extra):
+    return ["train", "--config", CONFIG, *TINY, f"log.out_dir={out_dir}", "name=r", *extra]
+
+
+def _cli(*args):
+    env = cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _snapshot(root):
+    """sha256 of every file under root but the lock file (it names the folder's owner, not run data)."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if name != ".megagspo.lock":
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    out[os.path.relpath(os.path.join(dirpath, name), root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _lines(text):
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 2-step run (synchronous rollouts), a checkpoint after each step."""
+    out = tmp_path_factory.mktemp("finished")
+    proc = _cli(*_args(out, "rl.steps=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+# ------------------------------------------------------------------------------------- 5. a finished run
+def test_a_resume_of_a_finished_run_prints_its_summary_and_rewrites_nothing(finished, tmp_path):
+    shutil.copytree(finished / "r", tmp_path / "r", symlinks=True)
+    before = _snapshot(tmp_path)
+    summary = json.load(open(tmp_path / "r" / "summary.json"))
+    assert {"init/timeouts", "cold_start/timeouts", "final/timeouts"} <= set(summary)  # item 8
+    proc = _cli(*_args(tmp_path, "--resume", "rl.steps=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"megagspo train: --resume: {tmp_path / 'r'} holds a finished run: step_000002 is after RL step 2, the " \
+           "last of rl.steps = 2; nothing to continue, nothing rewritten" in proc.stdout, proc.stdout
+    assert f"total_time_s                   {summary['total_time_s']:.3f}" in proc.stdout, proc.stdout
+    assert "held-out accuracy" not in proc.stdout
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_the_resume(tmp_path):
+    """The rule's other side, on the files alone: a summary from before the newest checkpoint (of the shorter run
+    this one continued) or none at all means the run has not finished; the resume finishes it."""
+    from megagspo.checkpoint.run_folder import RunAlreadyFinished, check_not_finished
+
+    step = tmp_path / "r" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    check_not_finished(str(tmp_path / "r"), str(step), 4, 4)  # no summary.json: the run stopped before it
+    (tmp_path / "r" / "summary.json").write_text('{"final/accuracy": 0.5}')
+    os.utime(tmp_path / "r" / "summary.json", (1_000_000, 1_000_000))  # written before the checkpoint
+    check_not_finished(str(tmp_path / "r"), str(step), 4, 4)
+    os.utime(tmp_path / "r" / "summary.json")  # now: after it
+    check_not_finished(str(tmp_path / "r"), str(step), 4, 5)  # more steps asked: continues
+    with pytest.raises(RunAlreadyFinished) as caught:
+        check_not_finished(str(tmp_path / "r"), str(step), 4, 4)
+    assert caught.value.summary == {"final/accuracy": 0.5}
