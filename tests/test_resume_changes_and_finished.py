@@ -1,5 +1,8 @@
 """Issue 49, items 4 and 5: a resume says what it does.
 
+4. --resume with another rollout.staleness, rollout.producer or rollout.partial is refused naming the key, as the
+   other run-defining settings are; with checkpoint.allow_config_change=true it continues, and the run's record
+   keeps which steps ran with which value (summary.json config_changes, the first lines of config.yaml).
 5. --resume of a finished run (rl.steps equal to its last step) prints its summary, as a plain rerun does, and
    rewrites nothing (summary.json kept its total_time_s: before, 21.4 s became 0.0045 s).
 """
@@ -14,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from helpers import REPO
 from multiprocess import cpu_pinned_env
@@ -56,6 +60,57 @@ def finished(tmp_path_factory):
     proc = _cli(*_args(out, "rl.steps=2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+# ------------------------------------------------------------------------------- 4. changed rollout settings
+def test_a_resume_with_another_rollout_setting_is_refused_naming_it(finished, tmp_path, capsys):
+    from megagspo.cli import main
+
+    shutil.copytree(finished / "r", tmp_path / "r", symlinks=True)
+    before = _snapshot(tmp_path)
+    rc = main(_args(tmp_path, "--resume", "rl.steps=3", "rollout.staleness=1"))
+    err = capsys.readouterr().err
+    assert rc == 2 and len(_lines(err)) == 1 and "Traceback" not in err, err
+    assert "rollout.staleness: 0 in the checkpoint, 1 now" in err and "checkpoint.allow_config_change=true" in err, err
+    assert _snapshot(tmp_path) == before
+
+
+def test_the_rollout_keys_define_the_run():
+    """Compared as what they do: rollout.producer = auto is the process for the embedded engine, and without
+    staleness nobody generates ahead (rollout.staleness names that change)."""
+    from megagspo.checkpoint.state import defining_changes
+    from megagspo.config import load_config
+
+    def changes(before, after):
+        return [(k, o, n) for k, o, n, _ in defining_changes(load_config(CONFIG, before).to_dict(),
+                                                             load_config(CONFIG, after).to_dict())]
+
+    two = ["rollout.staleness=2"]
+    assert changes(two, two + ["rollout.producer=process"]) == []  # auto = process with rollout.engine = hf
+    assert changes(["rollout.staleness=1"], ["rollout.staleness=1", "rollout.producer=thread"]) == \
+        [("rollout.producer", "auto", "thread")]
+    assert changes(two, two + ["rollout.partial=true"]) == [("rollout.partial", False, True)]
+    assert changes([], two) == [("rollout.staleness", 0, 2)]
+    assert changes([], ["rollout.producer=thread"]) == []  # staleness 0: no producer either way
+
+
+def test_allowed_changes_are_kept_in_the_runs_record(finished, tmp_path):
+    """checkpoint.allow_config_change=true: the run continues; summary.json says that steps 1-2 ran at
+    staleness 0 and step 3 at 1, and so do the first lines of config.yaml, which holds the values in force now."""
+    shutil.copytree(finished / "r", tmp_path / "r", symlinks=True)
+    proc = _cli(*_args(tmp_path, "--resume", "rl.steps=3", "rollout.staleness=1", "rollout.producer=thread",
+                       "checkpoint.allow_config_change=true"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "continuing with changed settings (checkpoint.allow_config_change): rollout.staleness: 0 in the " \
+           "checkpoint, 1 now" in proc.stdout, proc.stdout
+    summary = json.load(open(tmp_path / "r" / "summary.json"))
+    assert summary["config_changes"] == [{"step": 2, "key": "rollout.staleness", "old": 0, "new": 1}], summary
+    text = open(tmp_path / "r" / "config.yaml").read()
+    assert text.startswith("# This run's settings changed on a resume (checkpoint.allow_config_change=true)"), text
+    assert "#   rollout.staleness: 0 up to RL step 2, 1 after it\n" in text, text
+    assert yaml.safe_load(text)["rollout"]["staleness"] == 1
+    state = json.load(open(tmp_path / "r" / "checkpoints" / "step_000003" / "trainer_state.json"))
+    assert state["summary"]["config_changes"] == summary["config_changes"]  # a later resume keeps the record
 
 
 # ------------------------------------------------------------------------------------- 5. a finished run

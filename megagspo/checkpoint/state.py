@@ -220,8 +220,11 @@ def gather_optimizer_state(policy, optimizer) -> Dict[str, torch.Tensor]:
 
 # What defines a run: a resume that changes any of these continues another experiment than the one its
 # checkpoint, metrics and config.yaml describe. Section names cover every key of the section.
+# The rollout keys too: how stale the batches are, who generates them and whether a batch mixes versions decide
+# which policy the updates learn from.
 DEFINING_KEYS = ("seed", "model", "data", "reward", "rl.loss", "rl.kl", "rl.old_policy", "rl.advantage", "rl.filter",
-                 "rl.routing_replay", "rl.batch.group_size")
+                 "rl.routing_replay", "rl.batch.group_size", "rollout.staleness", "rollout.producer",
+                 "rollout.partial")
 # How the same model is computed (kernels, attention and expert implementations, recompute, the loss's input
 # checks) may change.
 IMPLEMENTATION_KEYS = ("model.experts", "model.attention", "model.recompute", "model.logprob_path",
@@ -230,6 +233,24 @@ IMPLEMENTATION_KEYS = ("model.experts", "model.attention", "model.recompute", "m
 
 def defining_differences(saved: dict, now: dict) -> list:
     """['rl.loss.name: gspo in the checkpoint, grpo now', ...] over DEFINING_KEYS (dotted, flattened)."""
+    return [line for _, _, _, line in defining_changes(saved, now)]
+
+
+def _producer(values: dict) -> Optional[str]:
+    """Who generates ahead in a flattened config: None at rollout.staleness 0 (nobody), else rollout.producer with
+    auto resolved as megagspo.rl.sources resolves it (a process for the embedded engine, the thread for sglang)."""
+    if not values.get("rollout.staleness"):
+        return None
+    producer = values.get("rollout.producer")
+    if producer == "auto":
+        return "process" if values.get("rollout.engine") == "hf" else "thread"
+    return producer
+
+
+def defining_changes(saved: dict, now: dict) -> list:
+    """[(key, value in the checkpoint, value now, the line that says it), ...] over DEFINING_KEYS (dotted,
+    flattened). rollout.producer counts where it changes who generates (auto is the process for the embedded
+    engine; at rollout.staleness 0 nobody does, and rollout.staleness names that change)."""
     # a checkpoint saved before the rl sections holds the flat keys: compared under their new paths
     before, after = flatten_keys(move_old_keys(saved, "the checkpoint's config")), flatten_keys(now)
     # A key the checkpoint predates ran at its default then: a value other than the default now is a change.
@@ -240,8 +261,22 @@ def defining_differences(saved: dict, now: dict) -> list:
     def shown(values: dict, k: str) -> str:
         return repr(values[k]) if k in values else f"unset (default {defaults.get(k)!r})"
 
-    return [f"{k}: {shown(before, k)} in the checkpoint, {shown(after, k)} now"
-            for k in keys if before.get(k, defaults.get(k)) != after.get(k, defaults.get(k))]
+    old, new = {**defaults, **before}, {**defaults, **after}
+    changed = [k for k in keys if old.get(k) != new.get(k)]
+    if "rollout.producer" in changed and (_producer(old) == _producer(new) or None in (_producer(old), _producer(new))):
+        changed.remove("rollout.producer")
+    return [(k, old.get(k), new.get(k), f"{k}: {shown(before, k)} in the checkpoint, {shown(after, k)} now")
+            for k in changed]
+
+
+def changes_record(state: dict, changes: list) -> list:
+    """The run's record of its defining settings changed on a resume (checkpoint.allow_config_change): the
+    checkpoint's record (its summary's config_changes) plus one entry per key changed now, {step, key, old, new}:
+    the RL steps up to `step` ran with `old`, the ones after it with `new` (until a later entry). Kept in the
+    summary (checkpoints, summary.json) and said atop config.yaml, which holds the values in force now."""
+    earlier = list((state.get("summary") or {}).get("config_changes") or [])
+    step = int(state.get("step", 0))
+    return earlier + [{"step": step, "key": key, "old": old, "new": new} for key, old, new, _ in changes]
 
 
 # ---------------------------------------------------------------------------- the parts a checkpoint holds
@@ -323,9 +358,9 @@ class CheckpointManager:
                 if path is None:
                     return None
                 state = read_trainer_state(path)
-                self._check_compatible(path, state, arch, dataset_size)
+                changed = self._check_compatible(path, state, arch, dataset_size)
                 check_not_finished(self.cfg.run_dir(), path, int(state["step"]), self.cfg.rl.steps)
-                return {"path": path, "state": state}
+                return {"path": path, "state": state, "config_changes": changes_record(state, changed)}
             except RunAlreadyFinished as exc:  # not an error: every rank gets it and stops the same way
                 return {"finished": str(exc), "summary": exc.summary}
             except (OSError, ValueError) as exc:
@@ -358,7 +393,9 @@ class CheckpointManager:
 
         run_on_rank0("moving the earlier run aside", move)
 
-    def _check_compatible(self, path: str, state: dict, arch, dataset_size: int) -> None:
+    def _check_compatible(self, path: str, state: dict, arch, dataset_size: int) -> list:
+        """Raise CheckpointError where the checkpoint is not this run's. -> the defining changes
+        checkpoint.allow_config_change lets through (defining_changes), [] without."""
         saved, now = state.get("arch", {}), arch_dict(arch)
         diff = [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
                 for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
@@ -371,7 +408,8 @@ class CheckpointManager:
         if state.get("dataset_size") != dataset_size:
             raise CheckpointError(f"{path} was trained on {state.get('dataset_size')} training prompts, this run "
                                   f"has {dataset_size}: the data-loader position would not carry over")
-        changed = defining_differences(state.get("config") or {}, _jsonable(self.cfg.to_dict()))
+        changes = defining_changes(state.get("config") or {}, _jsonable(self.cfg.to_dict()))
+        changed = [line for _, _, _, line in changes]
         if changed and not self.ck.allow_config_change:
             raise CheckpointError(f"{path} belongs to a run with other settings than these: " + "; ".join(changed)
                                   + ". Resume with the run's own settings, start a fresh run (another name= or no "
@@ -379,6 +417,7 @@ class CheckpointManager:
                                   "values")
         if changed:
             self.say("continuing with changed settings (checkpoint.allow_config_change): " + "; ".join(changed))
+        return changes
 
     # ---- restore ----------------------------------------------------------------------------------
     def load_model(self, policy, point: dict) -> None:

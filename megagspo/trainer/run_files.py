@@ -28,10 +28,23 @@ def open_run_files(cfg: Config, dims: ParallelDims, ckpt: CheckpointManager, res
             logger[0].log(row, tensorboard=False)
         logger[0].raise_write_error()
         with open(os.path.join(cfg.run_dir(), "config.yaml"), "w") as f:
+            f.write(changes_header((resume or {}).get("config_changes") or []))
             yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
 
     dims.on_rank0("writing metrics.jsonl and config.yaml", write)
     return logger[0]
+
+
+def changes_header(changes: list) -> str:
+    """config.yaml holds the settings in force now; where a resume changed defining ones
+    (checkpoint.allow_config_change; megagspo.checkpoint.state.changes_record) its first lines say since when, so
+    the file never reads as if the whole run had had them. A YAML comment: readers of the file are unaffected."""
+    if not changes:
+        return ""
+    lines = ["# This run's settings changed on a resume (checkpoint.allow_config_change=true). The values below hold",
+             "# since the step named; the RL steps up to it ran with the old value (summary.json: config_changes):"]
+    lines += [f"#   {c['key']}: {c['old']!r} up to RL step {c['step']}, {c['new']!r} after it" for c in changes]
+    return "\n".join(lines) + "\n"
 
 
 def write_summary(cfg: Config, summary: dict, rows: list) -> None:

@@ -206,6 +206,8 @@ class Trainer:
             raise self._preempted(f"stopped by {signal.Signals(signum).name} during start-up, before the first "
                                   "training step" + (f"; {self.resume['path']} is as it was: continue with --resume"
                                                      if self.resume else ""), signum)
+        if self.resume and self.resume.get("config_changes"):  # which steps ran with which values (allow_config_change)
+            self.summary["config_changes"] = list(self.resume["config_changes"])
         if self.resume and rl and self.cfg.rl.steps:
             return self._train_resumed(t0)
         base = self.evaluator()
