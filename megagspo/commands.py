@@ -10,11 +10,13 @@ signal guard and quiets the libraries first, then imports this module: it loads 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from typing import Callable
 
 from megagspo import interrupts
 from megagspo.ablation import AblationRunner, load_ablation, plan_runs, shell_command, write_report
+from megagspo.ablation.runner import AblationStopped
 from megagspo.checkpoint import CheckpointError, Preempted
 from megagspo.checkpoint.full_state import load_checkpoint
 from megagspo.checkpoint.run_folder import RunAlreadyFinished, summary_lines
@@ -115,9 +117,25 @@ def _is_run_folder(path: str) -> bool:
     return os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(os.path.join(path, "metrics.jsonl"))
 
 
+def _ablate_command(args) -> str:
+    """The command as given (the subsets and --jobs included): what a rerun runs to resume an interrupted ablation."""
+    words = ["megagspo", "ablate", "--config", args.config]
+    for flag, value in (("--out", args.out), ("--seeds", args.seeds), ("--arms", args.arms),
+                        ("--settings", args.settings)):
+        if value:
+            words += [flag, value]
+    if args.jobs != 1:
+        words += ["--jobs", str(args.jobs)]
+    return " ".join(shlex.quote(w) for w in words + list(args.overrides))
+
+
 def ablate(args) -> int:
-    """`megagspo ablate`: run the arms x seeds of an ablation recipe (or print their commands), then report."""
-    interrupts.disarm()  # the runner answers Ctrl-C itself (its cells checkpoint), below
+    """`megagspo ablate`: run the arms x seeds of an ablation recipe (or print their commands), then report.
+    The start-up guard (megagspo.interrupts) stays armed while the recipe is read and the runs are planned:
+    nothing is written yet, so a stop there is its one line. While the runs run, the runner takes SIGINT /
+    SIGTERM itself: it passes the stop on to the running runs, waits for their checkpoints and raises
+    AblationStopped (one line, exit 128 + signal, naming what to rerun). The guard is disarmed before the report
+    is written."""
 
     def _ints(text):
         try:
@@ -149,14 +167,14 @@ def ablate(args) -> int:
     except ConfigError as exc:
         print(f"megagspo ablate: error: {bounded_message(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("megagspo ablate: interrupted; running cells were asked to checkpoint; rerun the same command to "
-              "resume", file=sys.stderr)
-        return 130
+    except AblationStopped as exc:
+        print(f"megagspo ablate: {exc.line(_ablate_command(args))}", file=sys.stderr)
+        return exc.exit_code
+    interrupts.disarm()  # the report is written from here: a stop is Python's own again
     reproduce = "megagspo ablate --config " + args.config + (f" --out {args.out}" if args.out else "") + \
         "".join(f" {o}" for o in args.overrides)
     try:
-        path = write_report(spec, command=reproduce)
+        path = write_report(spec, command=reproduce, failed=[r.run_dir for r in failed])
     except (FileNotFoundError, ValueError) as exc:  # ValueError: a cell's summary / config file is not trusted
         print(f"megagspo ablate: error: {bounded_message(exc)}", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megagspo.ablation.claims import Comparison, claims, compare  # noqa: F401  (the report's public names)
 from megagspo.ablation.results import (ArmResult, CellResult, arm_table, load_results,  # noqa: F401
@@ -263,15 +263,33 @@ def _volatility_section(arms: Dict[str, ArmResult]) -> List[str]:
 
 
 # Over 60 lines: report.md written top to bottom, one section after another.
-def write_report(spec: AblationSpec, command: str = "") -> str:
+def _incomplete(spec: AblationSpec, missing: List[str], failed: List[str]) -> List[str]:
+    """The report's first lines when cells are missing: which, and which of them failed in this ablation's
+    run (their logs are in <out>/logs/), so that numbers over fewer seeds or arms are not read as the whole."""
+    if not missing:
+        return []
+    total = len(spec.cells()) * len(spec.seeds)
+    failed_here = [m for m in missing if m in set(failed)]
+    lines = [f"**Incomplete: {len(missing)} of {total} cell runs are not in the numbers below.**"]
+    if failed_here:
+        lines.append("Failed: " + ", ".join(f"`{m}`" for m in failed_here) + f" (logs in `{spec.out_dir}/logs/`).")
+    rest = [m for m in missing if m not in set(failed_here)]
+    if rest:
+        lines.append("Missing or unfinished runs (not run yet, interrupted, or failed before): "
+                     + ", ".join(f"`{m}`" for m in rest) + ". Rerunning the ablation runs or resumes them.")
+    return lines + [""]
+
+
+def write_report(spec: AblationSpec, command: str = "", failed: Optional[List[str]] = None) -> str:
     """Writes <out>/report.md and the PNGs next to it. -> path of report.md. Raises FileNotFoundError when no
-    arm has a finished run."""
+    arm has a finished run. failed: run folders whose run failed in this invocation (named as failed)."""
     arms, missing = load_results(spec)
     if not arms:
         raise FileNotFoundError(f"no finished runs under {spec.out_dir} (looked for {', '.join(missing[:3])} ...)")
     os.makedirs(spec.out_dir, exist_ok=True)
     plots = _all_plots(spec, arms)
     lines = [f"# Ablation report: {spec.name}", ""]
+    lines += _incomplete(spec, missing, failed or [])
     if command:
         lines += [f"Reproduce: `{command}`", ""]
     cfg0 = next(iter(arms.values())).config
@@ -286,8 +304,6 @@ def write_report(spec: AblationSpec, command: str = "") -> str:
               f"lr {rl0['optim']['lr']:g}. Held-out accuracy: greedy decoding on {cfg0['data']['eval_size']} "
               "problems never trained on.", ""]
     lines += _arms_section(spec, arms)
-    if missing:
-        lines += ["Missing or unfinished runs (not in the numbers below): " + ", ".join(f"`{m}`" for m in missing), ""]
     spread = "mean ± std over seeds" if len(seeds) > 1 else "one seed"
     cell_word = "arm" if not spec.settings else "setting / arm"
     lines += [f"## Final numbers ({spread})", "",

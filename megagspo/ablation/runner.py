@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -112,6 +113,30 @@ def shell_command(spec: AblationSpec, run: Run, launcher: str = "") -> str:
     return f"megagspo {run.command} --config {shlex.quote(spec.base)} {args}"
 
 
+class AblationStopped(Exception):
+    """SIGINT / SIGTERM stopped the ablation after the running runs had checkpointed and exited (a rerun of the
+    same command resumes them: cells from their checkpoints, an interrupted cold start anew)."""
+
+    def __init__(self, signum: int, stopped: list, failed: list, not_started: list) -> None:
+        self.signum, self.name, self.exit_code = signum, signal.Signals(signum).name, 128 + signum
+        self.stopped = [run for run, _ in stopped]  # the runs that were running
+        self.failed = list(failed)
+        self.not_started = list(not_started)
+        super().__init__(self.line())
+
+    def line(self, command: str = "the same command") -> str:
+        """The one line the CLI prints: what stopped, what to rerun."""
+        said = f"stopped by {self.name}"
+        if self.stopped:
+            said += (f": {len(self.stopped)} running run(s) stopped at a checkpoint "
+                     f"({', '.join(r.label for r in self.stopped)})")
+        if self.not_started:
+            said += f"; {len(self.not_started)} not started"
+        if self.failed:
+            said += f"; {len(self.failed)} failed ({', '.join(r.label for r in self.failed)})"
+        return f"{said}; no report written; rerun {command} to resume them"
+
+
 class AblationRunner:
     def __init__(self, spec: AblationSpec, extra: List[str], jobs: int = 1, say=print) -> None:
         if jobs < 1:
@@ -121,6 +146,7 @@ class AblationRunner:
         self.jobs = jobs
         self.say = say
         self.log_dir = os.path.join(spec.out_dir, "logs")
+        self.signals: List[int] = []  # SIGINT / SIGTERM received while the runs ran (_take_signals)
 
     def _start(self, run: Run, overwrite: bool = False) -> subprocess.Popen:
         os.makedirs(self.log_dir, exist_ok=True)
@@ -135,7 +161,10 @@ class AblationRunner:
         log = open(log_path, "a")
         log.write(f"\n$ {' '.join(shlex.quote(c) for c in cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        start = os.path.getsize(log_path)  # where this attempt's part of the log begins (_has_stop reads it)
+        # its own session: a terminal's Ctrl-C reaches the runner alone, which passes the stop on once (_stop_running)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc.log_start = start  # type: ignore[attr-defined]
         proc.log_path = log_path  # type: ignore[attr-defined]
         proc.log_file = log       # type: ignore[attr-defined]
         return proc
@@ -165,10 +194,38 @@ class AblationRunner:
         pending = list(todo)
         t0 = time.perf_counter()
         done_count = len(runs) - len(todo)
+        stopped: list = []  # (run, exit code) of the runs a signal stopped
+
+        def reap() -> None:
+            nonlocal done_count
+            for item in list(running):
+                run, proc, started = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                proc.log_file.close()
+                took = time.perf_counter() - started
+                if self.signals and proc.returncode in [128 + s for s in self.signals] + [-s for s in self.signals]:
+                    stopped.append((run, proc.returncode))  # its trainer checkpointed and exited: a rerun resumes it
+                    self.say(f"[ablation] {run.label}: stopped (exit {proc.returncode}) after {took:.0f} s; see "
+                             f"{proc.log_path}")
+                    continue
+                done_count += 1
+                if proc.returncode == 0:
+                    self.say(f"[ablation] {run.label}: done in {took:.0f} s "
+                             f"[{done_count}/{len(runs)}]{self._result(run)}")
+                else:
+                    failed.append(run)
+                    if run.kind == "cold_start":
+                        cold_failed.add(run.seed)
+                    self.say(f"[ablation] {run.label}: FAILED (exit {proc.returncode}) after {took:.0f} s; "
+                             f"see {proc.log_path}")
+
+        previous = self._take_signals()
         try:
-            while pending or running:
+            while (pending or running) and not self.signals:
                 # start what may start: a cell waits for its seed's cold start
-                while pending and len(running) < self.jobs:
+                while pending and len(running) < self.jobs and not self.signals:
                     nxt = self._next_ready(pending, running, cold_failed)
                     if nxt is None:
                         break
@@ -181,36 +238,75 @@ class AblationRunner:
                     running.append((nxt, proc, time.perf_counter()))
                     self.say(f"[ablation] {nxt.label}: started ({nxt.run_dir}; log {proc.log_path})")
                 time.sleep(0.5)
-                for item in list(running):
-                    run, proc, started = item
-                    if proc.poll() is None:
-                        continue
-                    running.remove(item)
-                    proc.log_file.close()
-                    done_count += 1
-                    took = time.perf_counter() - started
-                    if proc.returncode == 0:
-                        self.say(f"[ablation] {run.label}: done in {took:.0f} s "
-                                 f"[{done_count}/{len(runs)}]{self._result(run)}")
-                    else:
-                        failed.append(run)
-                        if run.kind == "cold_start":
-                            cold_failed.add(run.seed)
-                        self.say(f"[ablation] {run.label}: FAILED (exit {proc.returncode}) after {took:.0f} s; "
-                                 f"see {proc.log_path}")
-        except KeyboardInterrupt:
-            # SIGTERM lets each trainer finish its step and checkpoint; rerunning the ablation resumes them.
-            for _, proc, _ in running:
-                proc.send_signal(signal.SIGTERM)
-            for _, proc, _ in running:
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            raise
+                reap()
+            if self.signals:
+                self._stop_running(running, reap)
+        finally:
+            self._give_back_signals(previous)
+        if self.signals:
+            raise AblationStopped(self.signals[0], stopped, failed, pending)
         self.say(f"[ablation] {len(todo) - len(failed)} run(s) finished, {len(failed)} failed, "
                  f"{len(runs) - len(todo)} were already done; {time.perf_counter() - t0:.0f} s")
         return failed
+
+    # ---- a stop: SIGINT / SIGTERM to the runner --------------------------------------------------------
+    def _take_signals(self) -> dict:
+        """From here SIGINT and SIGTERM are recorded (self.signals) for the loop to act on, not raised mid-step
+        (a KeyboardInterrupt inside Popen or a log write left half-done state). -> the handlers before."""
+        self.signals = []
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def _give_back_signals(previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    # A run that already has the stop says so in its log at once: the trainer's "received SIGTERM" line, or the
+    # start-up guard's "stopped by SIGTERM" (megagspo.checkpoint.signals, megagspo.interrupts).
+    ACKNOWLEDGED = ("megagspo: received SIG", "stopped by SIG")
+    GRACE_S = 1.0  # how long a run that got the signal itself (a scheduler signals every process) has to say so
+
+    def _stop_running(self, running: list, reap) -> None:
+        """The stop reaches every running run exactly once: the run finishes its step, checkpoints and exits
+        128 + signal (a trainer's second signal exits at once, without its checkpoint). The runs have their own
+        sessions, so a terminal's Ctrl-C or a `kill` of the runner reaches the runner alone and is passed on; a
+        scheduler that signals every process of the job (Slurm at its time limit) reaches the runs itself, which
+        their logs show within GRACE_S: those are not signalled again. The runner waits for every run, so that a
+        rerun finds no run folder still in use. A second signal to the runner is passed on to all: they exit
+        at once."""
+        deadline = time.perf_counter() + self.GRACE_S
+        while running and time.perf_counter() < deadline:
+            time.sleep(0.1)
+            reap()
+        first = self.signals[0]
+        told = [proc for _, proc, _ in running if not self._has_stop(proc)]
+        for proc in told:
+            proc.send_signal(first)
+        if running:
+            self.say(f"[ablation] {signal.Signals(first).name}: {len(running)} running run(s) finish their step and "
+                     f"checkpoint ({len(told)} told by the runner, {len(running) - len(told)} signalled themselves)")
+        forwarded = 1
+        while running:
+            time.sleep(0.2)
+            while forwarded < len(self.signals):  # another signal: the trainers exit at once
+                for _, proc, _ in running:
+                    if proc.poll() is None:
+                        proc.send_signal(self.signals[forwarded])
+                forwarded += 1
+            reap()
+
+    def _has_stop(self, proc) -> bool:
+        """Whether this attempt's log (from where it started) shows that the run got the stop already."""
+        try:
+            with open(proc.log_path, "rb") as f:
+                f.seek(proc.log_start)
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return False
+        return any(mark in text for mark in self.ACKNOWLEDGED)
 
     @staticmethod
     def _next_ready(pending: List[Run], running: list, cold_failed: set) -> Optional[Run]:
