@@ -72,7 +72,7 @@ def run_mode(args, mode: str) -> dict:
     import torch
 
     from megagspo.config import load_config
-    from megagspo.rl.sources import Rollouts, Scores
+    from megagspo.rl.batch_maker import Rollouts, Scores
     from megagspo.trainer.trainer import Trainer
 
     overrides = [

@@ -261,7 +261,7 @@ class RolloutConfig:
     # Weight sync after each update: the full model streams to the engine in buckets of at most this many
     # bytes, gathered one bucket at a time over TP / EP / PP (no rank ever holds the whole model).
     sync_bucket_mib: int = 512
-    # engine = sglang: the fields of megagspo.rollout.sglang_engine.SGLangEngineConfig (urls of running
+    # engine = sglang: the fields of megagspo.rollout.sglang.SGLangEngineConfig (urls of running
     # servers or launch settings, sync_dir, colocate, ...), validated by the preflight before any compute.
     sglang: dict = field(default_factory=dict)
     # N >= 1: asynchronous rollouts, batch k generated with the policy N versions older than the update that
@@ -420,9 +420,7 @@ class Config:
         from rl.old_policy.source). A recipe may still spell them out (a run's saved config.yaml does), but a value that
         contradicts the derivation is refused naming both keys."""
         rl = self.rl
-        # The engine's routes are read by R3 (replayed in training) and, with old_policy.source = rollout, by the
-        # expert-volatility metric (pi_old is the engine, so its routes are pi_old's); otherwise nobody reads them.
-        routes = rl.routing_replay == "r3" or rl.old_policy.source == "rollout"
+        routes = rl.reads_engine_routes
         given = self.rollout.record_routes
         if given is not None and given != routes:
             raise ConfigError(f"rollout.record_routes = {given} contradicts rl.routing_replay = "

@@ -215,6 +215,13 @@ class RLConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    @property
+    def reads_engine_routes(self) -> bool:
+        """Whether the engine's routes are read: by R3 (replayed in training) and, with old_policy.source = rollout,
+        by the expert-volatility metric (pi_old is the engine, so its routes are pi_old's). The one place this is
+        decided: the engine is asked for them (rollout.record_routes) and the step packs them exactly then."""
+        return self.routing_replay == "r3" or self.old_policy.source == "rollout"
+
     def __post_init__(self) -> None:
         nonneg_int("rl", "steps", self.steps)
         choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)

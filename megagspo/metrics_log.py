@@ -86,6 +86,12 @@ def eval_record(prefix: str, row: dict, eval_samples: int) -> dict:
     return out
 
 
+def rl_start_accuracy(summary: dict) -> float:
+    """Held-out accuracy where RL started: after the cold-start SFT (cold_start/accuracy), or the initial one when
+    no SFT ran (sft.steps = 0: summary.json then names no cold start, only init/accuracy)."""
+    return float(summary.get("cold_start/accuracy", summary.get("init/accuracy", float("nan"))))
+
+
 def timeouts_note(*measured) -> str:
     """'' when no verifier call of these held-out evaluations was cut off at reward.timeout_s; else what a line
     adds, so that an accuracy lowered by time-outs (each scores 0) is not read as the model's own.

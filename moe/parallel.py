@@ -121,6 +121,20 @@ class ParallelShape:
 
 
 @dataclass(frozen=True)
+class DPShare:
+    """This data-parallel rank's share of a list drawn identically on every rank: rank `rank` of `size` keeps the
+    contiguous slice [rank * n, (rank + 1) * n), n = len // size. Plain values, no process group: a process without
+    one (the rollout producer) draws the same share as the trainer rank it serves."""
+
+    rank: int
+    size: int
+
+    def of(self, items: list) -> list:
+        n = len(items) // self.size
+        return items[self.rank * n:(self.rank + 1) * n]
+
+
+@dataclass(frozen=True)
 class ParallelDims:
     """The process layout of a started run, built once by `setup_process_groups` (or `from_process_groups`
     after `initialize_model_parallel`) and passed to whatever needs sizes, ranks or groups. Groups are
@@ -230,6 +244,19 @@ class ParallelDims:
         total = self.dp_sum(slot)
         return [total[r * len(values):(r + 1) * len(values)] for r in range(self.dp_size)]
 
+    def dp_all_to_all(self, x: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+        """x's rows [n, ...] sent in rank order over the data-parallel group (send_counts[r] rows to rank r) -> the
+        rows received, in rank order. Any dtype and device: bool travels as uint8 and integers narrower than 32 bits
+        as int32 (what every backend takes), each on `x`'s device; the result has x's dtype."""
+        wire = x.to(torch.uint8) if x.dtype == torch.bool else x
+        if wire.dtype in (torch.int8, torch.int16):
+            wire = wire.to(torch.int32)
+        wire = wire.contiguous()
+        out = wire.new_empty((sum(recv_counts), *wire.shape[1:]))
+        torch.distributed.all_to_all_single(out, wire, output_split_sizes=list(recv_counts),
+                                            input_split_sizes=list(send_counts), group=self.dp_group)
+        return out.to(x.dtype)
+
     def pp_sum(self, values: List[float]) -> List[float]:
         """Per-stage counts (each stage holds its own layers) summed over the pipeline."""
         return sum_over(values, self.pp_group)
@@ -245,10 +272,13 @@ class ParallelDims:
             return fn()
         return run_on_rank0(what, fn, self.mp_group)
 
+    @property
+    def dp_share(self) -> DPShare:
+        return DPShare(self.dp_rank, self.dp_size)
+
     def local_slice(self, items: list) -> list:
-        """This data-parallel rank's contiguous share of a list drawn identically on every rank."""
-        n = len(items) // self.dp_size
-        return items[self.dp_rank * n:(self.dp_rank + 1) * n]
+        """This data-parallel rank's contiguous share of a list drawn identically on every rank (DPShare)."""
+        return self.dp_share.of(items)
 
     def from_last_stage(self, obj):
         """A picklable object made on the last pipeline stage (metrics), on every stage of the pipeline."""

@@ -292,6 +292,9 @@ def test_megagspo_export_starts_rl_from_exactly_its_weights(tmp_path):
         assert torch.equal(tensor, second["state"][name]), name
     assert json.load(open(tmp_path / "second" / "summary.json"))["init/accuracy"] == \
         json.load(open(tmp_path / "first" / "summary.json"))["final/accuracy"]
+    # a summary names only the stages that ran: no cold start with sft.steps = 0
+    assert "cold_start/accuracy" in json.load(open(tmp_path / "first" / "summary.json"))
+    assert not any(k.startswith("cold_start/") for k in json.load(open(tmp_path / "second" / "summary.json")))
 
 
 def test_init_from_casts_to_the_runs_precision(kit, tmp_path):

@@ -43,7 +43,8 @@ def test_sampled_accuracy_is_absent_when_not_measured():
             return SimpleNamespace(response_ids_RL=ids, response_mask_RL=torch.ones_like(ids, dtype=torch.bool))
 
     def evaluator(samples):
-        return Evaluator(_Dims(), Engine(), tok, lambda r, a: float(r.strip() == a), held_out, 5, samples, 1.0, 1.0)
+        engine = Engine()
+        return Evaluator(_Dims(), lambda: engine, tok, lambda r, a: float(r.strip() == a), held_out, 5, samples, 1.0, 1.0)
 
     greedy_only = evaluator(0)()
     assert "eval/sampled_accuracy" not in greedy_only and calls == [(1, True)]

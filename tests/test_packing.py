@@ -274,9 +274,10 @@ def test_planner_sizes_token_budget_micro_batches():
     assert (short.micro_batch_tokens, short.num_micro_batches) == (13, 2 * 16)  # one sequence per micro-batch
 
 
-def _balance_body(rank, world_size, seed):
+def _balance_body(rank, world_size, seed, versions=False):
     """Rank 0 generated long sequences, rank 1 short ones; after balance_over_dp each rank holds half of every
-    mini-batch with nearly equal tokens, and every sequence's data arrived intact."""
+    mini-batch with nearly equal tokens, and every sequence's data arrived intact (`versions`: with the per-token
+    policy versions of partial rollouts)."""
     from megagspo.rl.batch import SequenceBatch
     from megagspo.rl.dp_balance import balance_over_dp
     from moe.cpu_shim import apply_cpu_shim
@@ -291,7 +292,8 @@ def _balance_body(rank, world_size, seed):
     tokens_T = torch.cat([rank * 1000 + r * 100 + torch.arange(n) for r, n in enumerate(lengths)])
     routes = (tokens_T[:, None, None] % 4).expand(len(tokens_T), 2, 2).to(torch.int16)
     seqs = SequenceBatch(tokens_T, tokens_T + 1, torch.ones(len(tokens_T), dtype=torch.bool), tokens_T.float() / 7,
-                         rank * 10.0 + torch.arange(rows, dtype=torch.float32), lengths, -1, width, routes)
+                         rank * 10.0 + torch.arange(rows, dtype=torch.float32), lengths, -1, width, routes,
+                         version_T=tokens_T % 3 + 5 if versions else None)
     minis = [torch.tensor([3, 0, 5, 6]), torch.tensor([1, 2, 4, 7])]
     out, mini_rows = balance_over_dp(dims, seqs, minis)
     return {"lengths": lengths, "out": out, "mini_rows": mini_rows}
@@ -326,3 +328,41 @@ def test_balance_over_dp_spreads_each_mini_batch_by_tokens_and_moves_data_intact
     # each mini-batch holds exactly the rows both ranks put in it
     minis = [[3, 0, 5, 6], [1, 2, 4, 7]]
     assert sorted(seen) == sorted((k, r, i) for k in range(2) for r in range(2) for i in minis[k])
+
+
+def _balance_versions_body(rank, world_size, seed):
+    return _balance_body(rank, world_size, seed, versions=True)
+
+
+def test_balance_over_dp_moves_the_token_versions_of_partial_rollouts():
+    """Partial rollouts + a token budget at DP = 2: each token's policy version (SequenceBatch.version_T) travels
+    with it, as every declared per-token field does (ec55d2c kept the sender's versions and indexed them with the
+    received positions: an index error, or versions of other tokens)."""
+    seed = fresh_seed()
+    res = run_distributed(_balance_versions_body, world_size=2, args=(seed,), timeout_s=120)
+    for r in range(2):
+        out = res[r]["out"]
+        assert out.version_T is not None and out.version_T.shape == out.tokens_T.shape
+        assert torch.equal(out.version_T, out.tokens_T % 3 + 5)
+        for rows in res[r]["mini_rows"]:
+            part = out.select(rows.tolist())
+            assert torch.equal(part.version_T, part.tokens_T % 3 + 5)
+
+
+def test_every_per_token_field_is_declared_once_and_travels():
+    """select, to and the DP exchange iterate SequenceBatch's declaration: every [T]-long tensor field is declared
+    per token (a new one cannot be forgotten by a hand-kept list)."""
+    import dataclasses
+
+    from megagspo.rl.batch import SequenceBatch
+
+    n = 5
+    seqs = SequenceBatch(torch.arange(n), torch.arange(n) + 1, torch.ones(n, dtype=torch.bool), torch.zeros(n),
+                         torch.zeros(2), [2, 3], 0, 4, torch.zeros(n, 1, 2, dtype=torch.int16), None,
+                         torch.arange(n) % 2)
+    token_long = {f.name for f in dataclasses.fields(seqs)
+                  if isinstance(getattr(seqs, f.name), torch.Tensor) and getattr(seqs, f.name).shape[:1] == (n,)}
+    assert token_long == set(SequenceBatch.per_token_fields())
+    one = seqs.select([1])
+    assert all(getattr(one, name).shape[0] == 3 for name in SequenceBatch.per_token_fields())
+    assert torch.equal(one.version_T, torch.tensor([0, 1, 0])) and one.advantages_S.shape == (1,)

@@ -250,19 +250,26 @@ def test_the_producers_batches_keep_the_versions_through_dynamic_sampling_rounds
     """BatchMaker (what the producer process runs per batch) with partial rollouts and dynamic sampling: the rounds'
     rows keep their tokens' versions, whichever rounds they come from, and the weights arriving in the second round
     tag its later tokens."""
-    from megagspo.rl.producer import BatchMaker, EngineRecipe, ProducerSpec, RewardRecipe
+    from megagspo.config_training import FilterConfig, RLBatchConfig
+    from megagspo.rewards import score_batch
+    from megagspo.rl.batch_maker import BatchMaker
+    from megagspo.rl.producer import RewardRecipe
+    from moe.parallel import DPShare
 
     arch, by_version = states
     tok = _DecodingTok()
     engine = HFRolloutEngine(arch, tok, record_routes=False)
     # 1 for a response that stopped before the budget: a group whose samples all ran to it is uninformative
     reward = RewardRecipe("stopped_early", 1.0, fn=_stopped_early)
-    spec = ProducerSpec(EngineRecipe("hf", arch, tok), reward, SamplingParams(**SAMPLING), seed=0, staleness=1,
-                        steps=4, prompts_per_step=2, group_size=3, dp_rank=0, dp_size=1, filter_groups=True,
-                        filter_max_rounds=4, pad_id=tok.pad_id, partial=True)
+    reward_fn = reward.build()
+    # as the producer process builds it (megagspo.rl.producer.producer_main): its own share, engine and verifier
+    maker = BatchMaker(RLBatchConfig(prompts_per_step=2, group_size=3, mini_batches=1),
+                       FilterConfig(enabled=True, max_rounds=4), DPShare(0, 1), _Prompts(), tok, engine.generate,
+                       SamplingParams(**SAMPLING, generator=engine.seeded_generator(4)),
+                       lambda texts, answers, stats: score_batch(reward_fn, texts, answers, stats))
     switch = _ArrivingAt(engine, by_version, at={1: 16})  # the first round asks 1 + 12 times at most: in the second
-    maker = BatchMaker(spec, engine, _Prompts(), reward.build(), engine.seeded_generator(4), switch=switch)
-    prompts, out, rewards_R, stats, info, _, _ = maker.make()
+    made = maker.make(switch)
+    out, info = made.rollouts.out, made.filter
     assert info["rounds"] >= 2 and out.version_RL is not None
     mask_RL = out.response_mask_RL
     assert out.version_RL.shape == out.response_ids_RL.shape
@@ -325,9 +332,9 @@ def test_the_batch_keeps_each_target_tokens_version_and_the_mismatch_splits_by_i
             return x
 
     old_T = seqs.rollout_logp_T + torch.tensor([0.0, 0.01, 0.03, 0.2, -0.4, 0.6])
-    m = mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5, recomputed=True)
-    assert mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5, recomputed=False) == {}  # pi_old = rollout
+    m = mismatch_by_version(OneRank(), [Micro(seqs, old_T)], [old_T], step=5, recomputed=True)
+    assert mismatch_by_version(OneRank(), [Micro(seqs, old_T)], [old_T], step=5, recomputed=False) == {}  # pi_old = rollout
     assert m["mismatch/abs_log_ratio_older_version"] == pytest.approx((0.01 + 0.03) / 2)
     assert m["mismatch/abs_log_ratio_current_version"] == pytest.approx((0.2 + 0.4 + 0.6) / 3)
     seqs.version_T = None  # one version for the whole batch: nothing to split
-    assert mismatch_by_version(OneRank(), [Micro(seqs, old_T)], step=5, recomputed=True) == {}
+    assert mismatch_by_version(OneRank(), [Micro(seqs, old_T)], [old_T], step=5, recomputed=True) == {}

@@ -195,12 +195,16 @@ def test_a_producer_that_fails_by_itself_is_an_error_not_a_restart_loop():
     """A producer that dies on its own (here: its engine cannot be built) is restarted MAX_RESTARTS times, then the
     trainer's wait raises, naming the batch and the exit code."""
     from megagspo.data.datasets import PromptDataset
+    from megagspo.config import RolloutConfig
+    from megagspo.config_training import FilterConfig, RLBatchConfig
     from megagspo.rl.producer import EngineRecipe, ProducerProcess, ProducerSpec, RewardRecipe
     from megagspo.rollout import SamplingParams
+    from moe.parallel import DPShare
 
     spec = ProducerSpec(engine=EngineRecipe("no_such_engine", None, None), reward=RewardRecipe("exact_match", 0),
-                        sampling=SamplingParams(4), seed=0, staleness=1, steps=2, prompts_per_step=2, group_size=2,
-                        dp_rank=0, dp_size=1, filter_groups=False, filter_max_rounds=1, pad_id=0)
+                        batch=RLBatchConfig(prompts_per_step=2, group_size=2, mini_batches=1),
+                        filter=FilterConfig(), rollout=RolloutConfig(staleness=1), sampling=SamplingParams(4),
+                        seed=0, steps=2, share=DPShare(0, 1))
     said = []
     producer = ProducerProcess(spec, PromptDataset([]), say=said.append)
     producer.MAX_RESTARTS = 1
@@ -211,3 +215,85 @@ def test_a_producer_that_fails_by_itself_is_an_error_not_a_restart_loop():
     finally:
         producer.close()
     assert len(said) == 1 and "restarted at batch 0" in said[0]
+
+
+def _as_filed_by_ec55d2c(step_dir) -> None:
+    """Rewrite a checkpoint's producer state the way ec55d2c filed it: under trainer_state.json["rollouts_ahead"]
+    and rollouts_ahead.safetensors (the same metas and tensors: the format did not change, only its key), with the
+    manifest's sizes and checksums to match."""
+    import json
+
+    from megagspo.checkpoint.store import sha256_file
+
+    state_path = step_dir / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    assert "rollouts_ahead" not in state and state["producer"][0]["kind"] == "producer"
+    state["rollouts_ahead"] = state.pop("producer")
+    state_path.write_text(json.dumps(state))
+    os.rename(step_dir / "producer.safetensors", step_dir / "rollouts_ahead.safetensors")
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    files = manifest["files"]
+    del files["producer.safetensors"]
+    for name in ("rollouts_ahead.safetensors", "trainer_state.json"):
+        files[name] = {"bytes": os.path.getsize(step_dir / name), "sha256": sha256_file(step_dir / name)}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_producer_checkpoint_filed_by_ec55d2c_still_resumes_exactly(tmp_path, stale2):
+    """The producer's state has a key of its own ("producer"); a checkpoint written by ec55d2c, which filed it under
+    the one-step-ahead thread's key, resumes through the part's legacy key and logs the uninterrupted run's
+    metrics."""
+    import shutil
+
+    ref_dir = stale2[0]
+    step_dir = tmp_path / "step_000002"
+    shutil.copytree(ref_dir / "checkpoints" / "step_000002", step_dir)
+    _as_filed_by_ec55d2c(step_dir)
+    out = _run(_cmd(tmp_path, "legacy", *STALE2, f"checkpoint.resume={step_dir}"))
+    assert "resuming from" in out.stdout and "not a bit-for-bit replay" not in out.stdout
+    _assert_same_metrics(ref_dir, tmp_path / "legacy")
+
+
+def test_under_the_producer_a_step_streams_the_model_once(tmp_path, monkeypatch):
+    """With rollout.producer = process the weights after an update go to the producer only; the trainer's own engine
+    is marked behind and gets them when the held-out evaluation reads it. Counted per step, in bytes: ec55d2c also
+    streamed the whole model to the trainer's engine after every update."""
+    from megagspo.config import load_config
+    from megagspo.policy.engine_link import CopiedWeights, EngineLink
+    from megagspo.trainer.trainer import Trainer
+
+    streams = []  # (consumer kind, bytes) of every stream
+    real = EngineLink.stream_weights
+
+    def counted(self, consumer):
+        before = self.streamed_bytes
+        seconds = real(self, consumer)
+        streams.append(("producer" if isinstance(consumer, CopiedWeights) else "engine", self.streamed_bytes - before))
+        return seconds
+
+    monkeypatch.setattr(EngineLink, "stream_weights", counted)
+    overrides = [a for a in ARGS if "=" in a] + [f"log.out_dir={tmp_path}", "name=once", "rl.steps=4",
+                                                 "rollout.staleness=1", "rollout.producer=process", "rl.eval.every=2",
+                                                 "checkpoint.every_steps=0"]
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
+    trainer = Trainer(cfg, quiet=True)
+    per_step, rl_start = [], []
+    real_step = trainer.rl_step
+
+    def step(k):
+        start = len(streams)
+        rl_start.append(start)
+        row = real_step(k)
+        per_step.append(streams[start:])
+        return row
+
+    trainer.rl_step = step
+    trainer.train(rl=True)
+    model_bytes = streams[0][1]
+    assert model_bytes > 0 and all(b == model_bytes for _, b in streams)  # every stream is the whole model
+    # the producer starts at step 0 (version 0) and is sent version k + 1 while a batch still needs it
+    # (batch k needs version max(k - 1, 0): versions 1 and 2 for batches 2 and 3)
+    assert [[kind for kind, _ in s] for s in per_step] == [["producer", "producer"], ["producer"], [], []]
+    assert [sum(b for _, b in s) for s in per_step] == [2 * model_bytes, model_bytes, 0, 0]
+    # the trainer's engine is streamed to only where the held-out evaluation reads it: after steps 2 and 4
+    assert [kind for kind, _ in streams[rl_start[0]:]].count("engine") == 2 and not trainer.link.behind

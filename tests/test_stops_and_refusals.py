@@ -332,7 +332,8 @@ def test_held_out_time_outs_are_counted_and_said():
 
     verifier = with_time_limit(hangs, 0.3)
     try:
-        result = Evaluator(Dims(), Engine(), tok, verifier, held_out, 5, 0, 1.0, 1.0)()
+        engine = Engine()
+        result = Evaluator(Dims(), lambda: engine, tok, verifier, held_out, 5, 0, 1.0, 1.0)()
     finally:
         getattr(verifier, "close", lambda: None)()
     assert result["eval/timeouts"] == 3 and result["eval/accuracy"] == 0.0, result

@@ -13,6 +13,7 @@ from moe.json_files import loads_bounded, read_json
 from megagspo.ablation.spec import AblationSpec
 from megagspo.config import read_yaml_mapping
 from megagspo.config_moves import move_old_keys
+from megagspo.metrics_log import rl_start_accuracy
 
 
 def mean_std(values: List[float]) -> Tuple[float, float]:
@@ -90,7 +91,7 @@ def load_results(spec: AblationSpec) -> Tuple[Dict[str, ArmResult], List[str]]:
             if not rl or "final/accuracy" not in summary:
                 missing.append(run_dir)
                 continue
-            cell = CellResult(name, seed, config, summary, rl, float(summary["cold_start/accuracy"]))
+            cell = CellResult(name, seed, config, summary, rl, rl_start_accuracy(summary))
             arms.setdefault(name, ArmResult(name, config, arm=arm, setting=setting)).cells.append(cell)
     return arms, missing
 

@@ -14,7 +14,9 @@ resume unchanged):
 A part the checkpoint predates (no `key` in it) keeps the state it was built with.
 
 Adding a part is one line where the run builds it (megagspo.trainer.trainer.Trainer._register_parts):
-    parts.register("producer", source.holder, PerRank("producer", "producer.safetensors", note="..."))
+    parts.register("rng", run_rng, PerRank("rng", "rng.safetensors", note="..."))
+A rollout source declares its own part (megagspo.rl.source_protocol.SourceCheckpoint): the one-step-ahead thread
+"rollouts_ahead", the producer process "producer" (which ec55d2c filed under "rollouts_ahead": `legacy`).
 
 Not in the table, on purpose: the weights and the optimizer's state (Megatron sharded checkpointing, collective)
 are read as they are built, since the engine's first weight sync, the KL reference and the optimizer's fp32
@@ -51,6 +53,7 @@ class PerRank:
     key: str                 # trainer_state.json[key]: the metas, by rank
     file: str                # the tensors, rank<r>/<name>
     note: str = ""           # what a resume on another process layout means for this part (said once)
+    legacy: tuple = ()       # (key, file) pairs an earlier version stored the part under, read when `key` is absent
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ Files in `step_X/` (see store.py for the atomic protocol; the manifest lists eve
                            (sampler RNG + epoch order), Python / NumPy RNG per rank, last eval, summary so far,
                            metrics (row count + tail), whether optimizer/ exists, and `model_index` (full
                            parameter name -> checkpoint key and expert index) for single-process readers
-    rollouts_ahead.safetensors  per rank (rollout.staleness = 1, where a batch is held): the batch generated ahead
+    rollouts_ahead.safetensors  per rank (rollout.producer = thread, where a batch is held): the batch generated ahead
+    producer.safetensors   per rank (rollout.producer = process): the batches produced and not consumed (until
+                           ec55d2c filed under rollouts_ahead; read there by the `legacy` of its part)
     manifest.json          sizes and sha256 of all of the above, written last
 
 The data position, RNGs, batch generated ahead and summary are the run's table of state-dict parts
@@ -66,7 +68,8 @@ from .store import CheckpointError
 MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
 RNG = "rng.safetensors"
-AHEAD = "rollouts_ahead.safetensors"  # rollout.staleness = 1: the batch generated ahead, per rank
+AHEAD = "rollouts_ahead.safetensors"  # rollout.producer = thread: the batch generated ahead, per rank
+PRODUCED = "producer.safetensors"    # rollout.producer = process: the batches produced ahead, per rank
 STATE = "trainer_state.json"
 REQUIRED = (f"{MODEL_DIR}/.metadata", f"{MODEL_DIR}/metadata.json", f"{MODEL_DIR}/common.pt", RNG, STATE)
 MAX_STATE_BYTES = 256 << 20
@@ -452,16 +455,19 @@ class CheckpointManager:
         same_layout = self._written_by_this_layout(state)
         for part in table:
             storage = part.storage
-            if storage.key not in state:
-                continue
             if isinstance(storage, Shared):
-                part.obj.load_state_dict(state[storage.key])
+                if storage.key in state:
+                    part.obj.load_state_dict(state[storage.key])
                 continue
-            metas = state[storage.key] or []
+            # its key, else where an earlier version filed it
+            stored = next(((k, f) for k, f in ((storage.key, storage.file), *storage.legacy) if k in state), None)
+            if stored is None:
+                continue
+            metas = state[stored[0]] or []
             meta = metas[self.rank] if self.rank < len(metas) else None
             if same_layout and meta is not None:
                 prefix = f"rank{self.rank}/"
-                tensors = load_safetensors(os.path.join(point["path"], storage.file))
+                tensors = load_safetensors(os.path.join(point["path"], stored[1]))
                 part.obj.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
                                          meta)
             elif not same_layout and any(m is not None for m in metas):

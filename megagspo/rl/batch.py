@@ -45,21 +45,40 @@ def sequence_lengths(prompt_ids: list, response_mask_RL: torch.Tensor) -> List[i
     return lengths.clamp(min=1).tolist()
 
 
+def _per_token(host: bool = False, optional: bool = False):
+    """A per-token field ([T, ...]: select takes its sequences' tokens, the DP exchange moves them); `host`: it stays
+    where it is when the batch moves to the model's device."""
+    return field(default=None, metadata={"per": "token", "host": host}) if optional else \
+        field(metadata={"per": "token", "host": host})
+
+
 @dataclass
 class SequenceBatch:
-    tokens_T: torch.Tensor                 # model input ids, int64
-    targets_T: torch.Tensor                # the token each position predicts, int64
-    loss_mask_T: torch.Tensor              # bool: the target is a generated response token
-    rollout_logp_T: torch.Tensor           # float32: the engine's log-prob of that target (0 elsewhere)
-    advantages_S: torch.Tensor             # float32, per sequence (eq. 7)
-    lengths: List[int]                     # per sequence, on the host
+    """Every per-token and per-sequence tensor is declared once, by its field's metadata: `select`, `to` and the
+    data-parallel exchange (megagspo.rl.dp_balance) iterate the declaration, so a new field travels everywhere."""
+
+    tokens_T: torch.Tensor = _per_token()                  # model input ids, int64
+    targets_T: torch.Tensor = _per_token()                 # the token each position predicts, int64
+    loss_mask_T: torch.Tensor = _per_token()               # bool: the target is a generated response token
+    rollout_logp_T: torch.Tensor = _per_token()            # float32: the engine's log-prob of that target (0 elsewhere)
+    advantages_S: torch.Tensor = field(metadata={"per": "sequence"})  # float32, per sequence (eq. 7)
+    lengths: List[int] = field(metadata={"per": "sequence"})          # per sequence, on the host
     pad_id: int
     row_len: int                           # S of the padded layout (rl.batch.packing = false)
-    routes_TLy: Optional[torch.Tensor] = None   # the engine's routes [T, Ly, K] of this stage (R3, rollout pi_old)
+    # the engine's routes [T, Ly, K] of this stage (R3, rollout pi_old); moved per micro-batch, not with the batch
+    routes_TLy: Optional[torch.Tensor] = _per_token(host=True, optional=True)
     route_spec: Optional[RouteSpec] = None      # the policy's, with routes_TLy
-    version_T: Optional[torch.Tensor] = None    # int64: the policy version that sampled the target (0 elsewhere);
-    #                                             partial rollouts only (RolloutOutput.version_RL)
+    # int64: the policy version that sampled the target (0 elsewhere); partial rollouts only (RolloutOutput.version_RL)
+    version_T: Optional[torch.Tensor] = _per_token(optional=True)
     cu_seqlens_S1: torch.Tensor = field(init=False)
+
+    @classmethod
+    def per_token_fields(cls) -> List[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("per") == "token"]
+
+    @classmethod
+    def per_sequence_tensors(cls) -> List[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("per") == "sequence" and f.name != "lengths"]
 
     def __post_init__(self) -> None:
         offsets = [0]
@@ -130,22 +149,20 @@ class SequenceBatch:
         """The sub-batch of these sequences, in this order."""
         idx = [int(i) for i in indices]
         spans = [torch.arange(self._offsets[i], self._offsets[i + 1]) for i in idx]
-        take = torch.cat(spans).to(self.tokens_T.device) if spans else torch.zeros(0, dtype=torch.long)
-        routes = None if self.routes_TLy is None else self.routes_TLy[take.to(self.routes_TLy.device)]
-        seq_idx = torch.tensor(idx, dtype=torch.long, device=self.advantages_S.device)
-        return dataclasses.replace(self, tokens_T=self.tokens_T[take], targets_T=self.targets_T[take],
-                                   loss_mask_T=self.loss_mask_T[take], rollout_logp_T=self.rollout_logp_T[take],
-                                   advantages_S=self.advantages_S[seq_idx], lengths=[self.lengths[i] for i in idx],
-                                   routes_TLy=routes,
-                                   version_T=None if self.version_T is None else self.version_T[take])
+        take = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+        seq_idx = torch.tensor(idx, dtype=torch.long)
+        picked = {name: x[take.to(x.device)] for name in self.per_token_fields()
+                  if (x := getattr(self, name)) is not None}
+        picked.update({name: getattr(self, name)[seq_idx.to(getattr(self, name).device)]
+                       for name in self.per_sequence_tensors()})
+        return dataclasses.replace(self, **picked, lengths=[self.lengths[i] for i in idx])
 
     def to(self, device) -> "SequenceBatch":
-        """The per-token tensors on `device` (the routes stay where they are: they go per micro-batch)."""
-        return dataclasses.replace(self, tokens_T=self.tokens_T.to(device), targets_T=self.targets_T.to(device),
-                                   loss_mask_T=self.loss_mask_T.to(device),
-                                   rollout_logp_T=self.rollout_logp_T.to(device),
-                                   advantages_S=self.advantages_S.to(device),
-                                   version_T=None if self.version_T is None else self.version_T.to(device))
+        """The tensors on `device`, but those declared `host` (the routes: they go per micro-batch)."""
+        names = [f.name for f in dataclasses.fields(self) if f.metadata.get("per") and not f.metadata.get("host")
+                 and f.name != "lengths"]
+        return dataclasses.replace(self, **{name: x.to(device) for name in names
+                                            if (x := getattr(self, name)) is not None})
 
     # ---- the views of one micro-batch -------------------------------------------------------------------
     def model_input(self, packed: bool, dims: ParallelDims, *, aux_len: Optional[int] = None) -> "ModelView":

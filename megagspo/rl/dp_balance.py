@@ -7,8 +7,8 @@ mini-batch is global: the union of every rank's chunk k. Its sequences are assig
 rank with the fewest tokens that still has room (greedy longest-first with equal counts, as verl's balanced
 partition keeps counts equal: equal counts keep the number of micro-batches a rank can form at least the count
 every rank must run). Then the sequences move: every rank learns every sequence's length (a few numbers per
-sequence), and each sequence's tokens, masks, the engine's log-probs, its advantage and, when the step uses them,
-the engine's routes travel once, from the rank that generated it to the rank that keeps it (one all-to-all per
+sequence), and each sequence's declared per-token and per-sequence tensors (SequenceBatch: tokens, masks, the
+engine's log-probs, its advantage, and where present the engine's routes and the tokens' policy versions) travel once, from the rank that generated it to the rank that keeps it (one all-to-all per
 tensor, split sizes from the lengths); nothing is gathered that a rank does not keep. Losses divide by global
 counts and the step's metrics are unions over the ranks, so which rank computes which sequence changes nothing but
 the time (tests/test_packing.py).
@@ -22,7 +22,6 @@ import dataclasses
 from typing import List
 
 import torch
-import torch.distributed as dist
 
 from megagspo.rl.batch import SequenceBatch
 from megagspo.rl.micro_batches import longest_first_groups
@@ -36,15 +35,6 @@ def equal_count_longest_first(lengths: List[int], parts: int) -> List[List[int]]
     if len(lengths) % parts:
         raise ValueError(f"{len(lengths)} sequences do not split into {parts} equal groups")
     return longest_first_groups(lengths, parts, room=len(lengths) // parts)
-
-
-def _exchange(dims: ParallelDims, x: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
-    """x's rows [n, ...], sent in rank order (send_counts[r] rows to rank r) -> the rows received, in rank order."""
-    wire = x.to(torch.uint8) if x.dtype == torch.bool else x.contiguous()
-    out = wire.new_empty((sum(recv_counts), *wire.shape[1:]))
-    dist.all_to_all_single(out, wire, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
-                           group=dims.dp_group)
-    return out.bool() if x.dtype == torch.bool else out
 
 
 def balance_over_dp(dims: ParallelDims, seqs: SequenceBatch, mini_rows: List[torch.Tensor]):
@@ -70,18 +60,19 @@ def balance_over_dp(dims: ParallelDims, seqs: SequenceBatch, mini_rows: List[tor
     token_send = [sum(seqs.lengths[i] for i in ids) for ids in send]
     token_recv = [sum(lengths_all[g] for g in ids) for ids in recv]
     seq_send, seq_recv = [len(ids) for ids in send], [len(ids) for ids in recv]
-    moved = {name: _exchange(dims, getattr(outgoing, name), token_send, token_recv)
-             for name in ("tokens_T", "targets_T", "loss_mask_T", "rollout_logp_T")}
-    advantages = _exchange(dims, outgoing.advantages_S, seq_send, seq_recv)
-    routes = None
-    if seqs.routes_TLy is not None:  # on the wire from the model's device (NCCL takes no CPU tensors)
-        dev = seqs.tokens_T.device
-        routes = _exchange(dims, outgoing.routes_TLy.to(dev, torch.int32), token_send, token_recv)
-        routes = routes.to("cpu", seqs.routes_TLy.dtype)
+    # every declared per-token and per-sequence tensor, over the wire from the model's device (NCCL takes no CPU
+    # tensors), back where it was
+    dev = seqs.tokens_T.device
+    counts = {"token": (token_send, token_recv), "sequence": (seq_send, seq_recv)}
+    moved = {}
+    for f in dataclasses.fields(seqs):
+        x = getattr(seqs, f.name)
+        if f.metadata.get("per") in counts and isinstance(x, torch.Tensor):
+            sent, received = counts[f.metadata["per"]]
+            moved[f.name] = dims.dp_all_to_all(getattr(outgoing, f.name).to(dev), sent, received).to(x.device)
     arrived = [g for ids in recv for g in ids]
     row_len = max(int(r[0]) for r in dims.dp_gather([float(seqs.row_len)]))  # padded rows hold any rank's longest
-    received = dataclasses.replace(seqs, **moved, advantages_S=advantages, lengths=[lengths_all[g] for g in arrived],
-                                   row_len=row_len, routes_TLy=routes)
+    received = dataclasses.replace(seqs, **moved, lengths=[lengths_all[g] for g in arrived], row_len=row_len)
     # in the order of the assignment: mini-batch by mini-batch, each group's members in order
     position = {g: i for i, g in enumerate(arrived)}
     ordered = received.select([position[g] for chunk in mine for g in chunk])

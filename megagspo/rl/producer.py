@@ -4,6 +4,9 @@ ahead, and hands them over through a bounded queue.
 
 Legend: B prompts of this data-parallel rank's share, G samples per prompt, R = B G responses, L response length.
 
+Each batch is made by the one batch maker (megagspo.rl.batch_maker), as in the trainer, with this process's
+engine and verifier.
+
 Versions. Version v is the policy after v RL updates (the run's step count). Batch k (the batch update k consumes)
 is generated with exactly version `max(k - N, floor)` (floor: the version the producer stream started from), never
 a newer one, although a newer one may already have arrived: the run is a function of the seed, not of timing,
@@ -41,16 +44,18 @@ import queue
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 
-from megagspo.data.datasets import Example, PromptDataset
+from megagspo.config import RolloutConfig
+from megagspo.config_training import FilterConfig, RLBatchConfig
+from megagspo.data.datasets import PromptDataset
 from megagspo.rewards import RewardStats, get_reward, score_batch
 from megagspo.rewards.bounded import with_time_limit
-from megagspo.rl.dynamic_sampling import GroupFilter, merge_stats
+from megagspo.rl.batch_maker import BatchMaker, Rollouts, ScoredRollouts
 from megagspo.rollout import SamplingParams, get_engine_class
-from megagspo.rollout.base import RolloutOutput
+from moe.parallel import DPShare
 
 
 @dataclass(frozen=True)
@@ -80,24 +85,22 @@ class RewardRecipe:
 
 @dataclass(frozen=True)
 class ProducerSpec:
-    """Everything the producer process needs, as plain picklable values (no config object, no process group)."""
+    """Everything the producer process needs, picklable: the config sections it reads (no Config object, no
+    process group) and how to build its engine and verifier."""
 
     engine: EngineRecipe
     reward: RewardRecipe
+    batch: RLBatchConfig              # rl.batch: prompts per step (the global draw per round), G
+    filter: FilterConfig              # rl.filter: dynamic sampling (DAPO)
+    rollout: RolloutConfig            # rollout.staleness (N), .partial, .producer_threads, .producer_cpus
     sampling: SamplingParams          # without a generator: the producer makes its own from `seed`
     seed: int                         # the engine's sampling generator (megagspo.rl.rollouts_ahead's ahead seed)
-    staleness: int                    # N
     steps: int                        # rl.steps: no batch k >= steps is produced
-    prompts_per_step: int             # the global draw per round
-    group_size: int                   # G
-    dp_rank: int
-    dp_size: int
-    filter_groups: bool               # dynamic sampling (DAPO)
-    filter_max_rounds: int
-    pad_id: int
-    threads: int = 1                  # the producer's intra-op threads
-    cpus: tuple = ()                  # cores it is pinned to (empty: not pinned)
-    partial: bool = False             # partial rollouts: newer weights replace the engine's mid-batch
+    share: DPShare                    # the data-parallel rank it serves
+
+    @property
+    def staleness(self) -> int:
+        return self.rollout.staleness
 
     def version_for(self, k: int, floor: int) -> int:
         """The policy version that generates batch k: the oldest the staleness bound allows."""
@@ -107,70 +110,29 @@ class ProducerSpec:
 @dataclass
 class ProducedBatch:
     """Batch `index`, started with weights `version` (partial rollouts: later tokens may be newer, out.version_RL),
-    scored; `post` is the producer's state after it."""
+    scored; `post` is the producer's state after it; `idle_s` its wait for weights since the batch before."""
 
     index: int
     version: int
-    prompts: List[Example]
-    out: RolloutOutput
-    rewards_R: torch.Tensor
-    stats: RewardStats
-    filter: dict                      # rounds / generated / informative / filled (dynamic sampling), else {}
+    scored: ScoredRollouts
     post: dict                        # {"next": k + 1, "floor", "dataset": JSON state, "generator": ByteTensor}
-    times: dict                       # rollout_s, reward_s, idle_s (waiting for weights since the last batch)
+    idle_s: float = 0.0
 
+    def state_dict(self) -> dict:
+        """The checkpoint form: the rollout batch's (Rollouts.state_dict), its rewards, and what the trainer reads of
+        it besides (index, version, dynamic sampling's counts, the reward stats)."""
+        state = self.scored.rollouts.state_dict()
+        state["tensors"]["rewards_R"] = self.scored.rewards_R
+        state["meta"].update({"index": self.index, "version": self.version, "filter": self.scored.filter,
+                              "stats": dataclasses.asdict(self.scored.stats)})
+        return state
 
-def local_share(items: list, dp_rank: int, dp_size: int) -> list:
-    """This data-parallel rank's contiguous share (moe.parallel.ParallelDims.local_slice, without the groups)."""
-    n = len(items) // dp_size
-    return items[dp_rank * n:(dp_rank + 1) * n]
-
-
-class BatchMaker:
-    """One batch: draw this rank's share of the next global draw, generate G samples each, score them; with dynamic
-    sampling, rounds until the share holds its informative groups (megagspo.rl.dynamic_sampling), at most
-    filter_max_rounds, each rank on its own."""
-
-    def __init__(self, spec: ProducerSpec, engine, dataset: PromptDataset, reward_fn, generator,
-                 switch=None) -> None:
-        self.spec, self.engine, self.dataset, self.reward_fn = spec, engine, dataset, reward_fn
-        self.sampling = dataclasses.replace(spec.sampling, generator=generator)
-        self.switch = switch              # partial rollouts: the weights that may arrive mid-batch
-
-    def _round(self):
-        s = self.spec
-        prompts = local_share(self.dataset.sample(s.prompts_per_step), s.dp_rank, s.dp_size)
-        t0 = time.perf_counter()
-        out = self.engine.generate([ex.prompt_ids for ex in prompts], s.group_size, self.sampling,
-                                   switch=self.switch)
-        t1 = time.perf_counter()
-        tok = self.spec.engine.tokenizer
-        texts = [tok.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
-        answers = [ex.answer for ex in prompts for _ in range(s.group_size)]
-        stats = RewardStats()
-        rewards_R = torch.tensor(score_batch(self.reward_fn, texts, answers, stats), dtype=torch.float32)
-        return prompts, out, rewards_R, stats, t1 - t0, time.perf_counter() - t1
-
-    def make(self) -> tuple:
-        """-> (prompts, out, rewards_R, stats, filter info, rollout_s, reward_s)."""
-        s = self.spec
-        if not s.filter_groups:
-            prompts, out, rewards_R, stats, gen_s, rew_s = self._round()
-            return prompts, out, rewards_R, stats, {}, gen_s, rew_s
-        need = len(local_share(list(range(s.prompts_per_step)), s.dp_rank, s.dp_size))
-        kept = GroupFilter(need, s.group_size)
-        all_stats, gen_total, rew_total = [], 0.0, 0.0
-        while True:
-            prompts, out, rewards_R, stats, gen_s, rew_s = self._round()
-            gen_total, rew_total = gen_total + gen_s, rew_total + rew_s
-            all_stats.append(stats)
-            kept.add_round(prompts, out, rewards_R)
-            if kept.short == 0 or kept.rounds >= s.filter_max_rounds:
-                break
-        prompts, out, rewards_R, filled = kept.result(s.pad_id)
-        info = {"rounds": float(kept.rounds), "generated": float(kept.generated),
-                "informative": float(kept.informative), "filled": float(filled)}
-        return prompts, out, rewards_R, merge_stats(all_stats), info, gen_total, rew_total
+    @classmethod
+    def from_state(cls, tensors: dict, meta: dict) -> "ProducedBatch":
+        """A batch as `state_dict` wrote it (restored: no producer state after it, no times)."""
+        scored = ScoredRollouts(Rollouts.from_state(tensors, meta), tensors["rewards_R"],
+                                RewardStats(**meta["stats"]), meta["filter"])
+        return cls(meta["index"], meta["version"], scored, post={})
 
 
 def _die_with_parent() -> None:
@@ -240,9 +202,9 @@ def producer_main(spec: ProducerSpec, dataset: PromptDataset, start: dict, comma
     its version (read from `commands` in order, never ahead of need), put on `results`."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer decides
-    torch.set_num_threads(spec.threads)
-    if spec.cpus:
-        os.sched_setaffinity(0, spec.cpus)
+    torch.set_num_threads(spec.rollout.producer_threads)
+    if spec.rollout.producer_cpus:
+        os.sched_setaffinity(0, spec.rollout.producer_cpus)
     engine = spec.engine.build()
     generator = engine.seeded_generator(spec.seed)
     if start.get("dataset") is not None:
@@ -250,8 +212,12 @@ def producer_main(spec: ProducerSpec, dataset: PromptDataset, start: dict, comma
     if start.get("generator") is not None and generator is not None:
         generator.set_state(start["generator"])
     weights = ArrivingWeights(commands, engine)
-    maker = BatchMaker(spec, engine, dataset, spec.reward.build(), generator,
-                       switch=weights if spec.partial else None)
+    reward_fn = spec.reward.build()
+    # each rank's producer on its own: rounds until its own share is full, scored here (no process group)
+    maker = BatchMaker(spec.batch, spec.filter, spec.share, dataset, spec.engine.tokenizer, engine.generate,
+                       dataclasses.replace(spec.sampling, generator=generator),
+                       lambda texts, answers, stats: score_batch(reward_fn, texts, answers, stats))
+    switch = weights if spec.rollout.partial else None
     k, floor = start["next"], start["floor"]
     idle = 0.0
     while k < spec.steps:
@@ -261,14 +227,13 @@ def producer_main(spec: ProducerSpec, dataset: PromptDataset, start: dict, comma
         idle += weights.idle_s
         weights.idle_s = 0.0
         version = weights.version
-        prompts, out, rewards_R, stats, info, gen_s, rew_s = maker.make()
+        scored = maker.make(switch)
         post = {"next": k + 1, "floor": floor, "dataset": dataset.state_dict(),
                 "generator": None if generator is None else generator.get_state()}
         t0 = time.perf_counter()
         # by value (plain pickle), not as shared-memory handles: those die with this process, which may end (its
         # last batch made, or killed) before the trainer reads the queue
-        results.put(pickle.dumps(ProducedBatch(k, version, prompts, out, rewards_R, stats, info, post,
-                                               {"rollout_s": gen_s, "reward_s": rew_s, "idle_s": idle})))
+        results.put(pickle.dumps(ProducedBatch(k, version, scored, post, idle)))
         idle = time.perf_counter() - t0  # a full queue blocks the put: idle too
         k += 1
 

@@ -44,10 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megagspo.data.datasets import Example
-from megagspo.rollout.base import RolloutOutput
-
-TENSORS = ("response_ids_RL", "response_mask_RL", "logp_RL", "routes_RPLyK", "version_RL")
+from megagspo.rl.batch_maker import Rollouts
 
 
 class HandedWeights:
@@ -78,12 +75,12 @@ class HandedWeights:
 class RolloutsAhead:
     """The batch being generated (or generated) ahead of the step that trains on it."""
 
-    def __init__(self, generate: Callable[[list], RolloutOutput], generator: Optional[torch.Generator] = None) -> None:
-        self._generate = generate            # prompts -> the engine's RolloutOutput (this rank's share)
+    def __init__(self, generate: Callable[[list], Rollouts], generator: Optional[torch.Generator] = None) -> None:
+        self._generate = generate            # prompts -> Rollouts (this rank's share, the engine's output)
         self.generator = generator           # the engine's sampling generator (None: the engine samples elsewhere)
         self._thread: Optional[threading.Thread] = None
         self._prompts: Optional[list] = None
-        self._out: Optional[RolloutOutput] = None
+        self._rollouts: Optional[Rollouts] = None
         self._error: Optional[BaseException] = None
 
     @property
@@ -94,11 +91,11 @@ class RolloutsAhead:
         """Start generating `prompts` on a background thread with the engine's current weights."""
         if self.holds_batch:
             raise RuntimeError("RolloutsAhead.launch: the previous batch was not taken")
-        self._prompts, self._out, self._error = prompts, None, None
+        self._prompts, self._rollouts, self._error = prompts, None, None
 
         def run():
             try:
-                self._out = self._generate(prompts)
+                self._rollouts = self._generate(prompts)
             except BaseException as exc:  # re-raised in the training thread by wait()
                 self._error = exc
 
@@ -116,39 +113,33 @@ class RolloutsAhead:
             raise error
         return time.perf_counter() - t0
 
-    def take(self) -> tuple:
-        """-> (prompts, RolloutOutput) of the batch, which is then no longer held."""
+    def take(self) -> Rollouts:
+        """The batch, which is then no longer held."""
         self.wait()
-        prompts, out = self._prompts, self._out
-        self._prompts = self._out = None
-        return prompts, out
+        rollouts = self._rollouts
+        self._prompts = self._rollouts = None
+        return rollouts
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> Optional[dict]:
-        """The held batch, complete (waits for it), as {"tensors": {...}, "meta": JSON-able}; None if none."""
+        """The held batch, complete (waits for it), in Rollouts' checkpoint form, and where the next batch's sampling
+        continues (the generator); None if none is held."""
         if not self.holds_batch:
             return None
         self.wait()
-        out = self._out
-        tensors = {name: getattr(out, name) for name in TENSORS if getattr(out, name) is not None}
-        # log-probs only where generated (padding may hold -inf, which a checkpoint's finiteness check refuses;
-        # every reader masks them)
-        tensors["logp_RL"] = out.logp_RL.masked_fill(~out.response_mask_RL, 0.0)
-        if self.generator is not None:  # where the next batch's sampling continues
-            tensors["generator"] = self.generator.get_state()
-        meta = {"prompts": [{"prompt": ex.prompt, "answer": ex.answer, "prompt_ids": list(ex.prompt_ids)}
-                            for ex in self._prompts],
-                "prompt_ids": [list(p) for p in out.prompt_ids]}
-        return {"tensors": tensors, "meta": meta}
+        state = self._rollouts.state_dict()
+        if self.generator is not None:
+            state["tensors"]["generator"] = self.generator.get_state()
+        return state
 
     def load_state_dict(self, tensors: dict, meta: dict) -> None:
         """Hold the checkpoint's batch as generated (the next step takes it)."""
-        self._prompts = [Example(prompt=p["prompt"] if isinstance(p["prompt"], str) else tuple(p["prompt"]),
-                                 answer=p["answer"], prompt_ids=tuple(p["prompt_ids"])) for p in meta["prompts"]]
-        self._out = RolloutOutput(prompt_ids=meta["prompt_ids"], routes_RPLyK=tensors.get("routes_RPLyK"),
-                                  version_RL=tensors.get("version_RL"),
-                                  **{name: tensors[name] for name in TENSORS[:3]})
+        if meta.get("kind") == "producer":  # written by a producer process (filed here before it had its own key)
+            print("the checkpoint's batches generated ahead come from rollout.producer = process: the thread starts "
+                  "from the checkpoint's weights (the run continues; it is not a bit-for-bit replay)", flush=True)
+            return
+        self._rollouts = Rollouts.from_state(tensors, meta)
+        self._prompts = self._rollouts.prompts
         self._thread, self._error = None, None
         if self.generator is not None and "generator" in tensors:
             self.generator.set_state(tensors["generator"])
-

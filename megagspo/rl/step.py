@@ -27,8 +27,6 @@ positions of its model input (the packed stream with its alignment tail, or rows
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -46,7 +44,9 @@ from megagspo.rl.batch import ModelView, SequenceBatch
 from megagspo.rl.dp_balance import balance_over_dp
 from megagspo.rl.micro_batches import micro_slices, token_budget_split
 from megagspo.rl.schedule import lr_at
-from megagspo.rl.sources import Rollouts, RolloutSource, Scores
+from megagspo.rl.batch_maker import Rollouts, Scores
+from megagspo.rl.route_plan import RoutePlan
+from megagspo.rl.source_protocol import RolloutSource
 from megagspo.rl.step_metrics import metrics_row, mismatch_by_version
 from moe.optimizer import set_lr
 from moe.parallel import ParallelDims
@@ -55,20 +55,27 @@ from moe.volatility import VolatilityTally
 
 @dataclass
 class MicroBatch:
-    """Micro-batch j of mini-batch k: its sequences, the model's view of them, and what the old-policy pass adds
-    (in the model input's storage order: [B, S] / [1, T'], routes [T', Ly, K])."""
+    """Micro-batch j of mini-batch k (the step's `index`-th): its sequences and the model's view of them."""
 
     k: int
     j: int
+    index: int
     seqs: SequenceBatch
     view: ModelView
-    old_logp: Optional[torch.Tensor] = None     # pi_old log-probs (LM-head stage; recompute only)
-    old_routes: Optional[torch.Tensor] = None   # pi_old's (or the engine's) routes
-    ref_logp: Optional[torch.Tensor] = None     # KL reference log-probs (kl_coef > 0)
 
     def tokens_of(self, x):
         """A per-position model result at this micro-batch's sequence tokens, [T] in sequence order."""
         return self.view.tokens_of(x, self.seqs.num_tokens)
+
+
+@dataclass
+class OldPolicy:
+    """What the old-policy pass computed, per micro-batch of the step (MicroBatch.index), in the model input's
+    storage order ([B, S] / [1, T'], routes [T', Ly, K])."""
+
+    logp: list                      # pi_old log-probs (LM-head stage; recompute only), else None
+    routes: list                    # pi_old's (or the engine's) routes, else None
+    ref_logp: list                  # KL reference log-probs (kl_coef > 0), else None
 
 
 @dataclass
@@ -101,7 +108,7 @@ class RLStep:
 
     dims: ParallelDims
     policy: MegatronPolicy
-    engine: EngineLink
+    link: EngineLink                 # the trainer's engine, which the source brings up to date after each update
     loss_fn: Callable                # (PackedBatch, loss_cfg) -> (loss, metrics): megagspo.kernels.policy_losses.build_loss
     loss_cfg: LossConfig             # the loss's Config, from rl.loss, rl.kl and rl.old_policy
     reference: Optional[KLReference]  # the frozen KL reference (rl.kl.coef > 0), else None
@@ -110,6 +117,9 @@ class RLStep:
     tokenizer: Tokenizer
     sample_gen: torch.Generator      # the mini-batch permutation
 
+    def __post_init__(self) -> None:
+        self.routes = RoutePlan(self.policy, self.rl)
+
     def __call__(self, step: int, optimizer) -> dict:
         """One rollout batch: every stage in order; returns the step's metrics row (timings included)."""
         t0 = time.perf_counter()
@@ -117,17 +127,15 @@ class RLStep:
         rollouts, scores, times = sourced.rollouts, sourced.scores, dict(sourced.times)
         batch = self.prepare(rollouts, scores)
         t2 = time.perf_counter()
-        self.old_policy(batch)
+        old = self.old_policy(batch)
         times["time/old_logp_s"] = time.perf_counter() - t2
         t3 = time.perf_counter()
-        updates = self.update(batch, step, optimizer)
+        updates = self.update(batch, old, step, optimizer)
         times["time/train_s"] = time.perf_counter() - t3
-        times.update(self.source.after_update())  # one step ahead: the next batch, generated before this update
-        if not self.source.syncs_engine:  # partial rollouts on the thread: the engine took them mid-batch already
-            times["time/sync_s"] = self.engine.sync_weights()
+        times.update(self.source.after_update(self.link))  # the source's engines get the weights after this update
         row = self.summarize(rollouts, scores, batch, updates)
         row.update(sourced.metrics)
-        row.update(mismatch_by_version(self.dims, batch.micro_batches, step,
+        row.update(mismatch_by_version(self.dims, batch.micro_batches, old.logp, step,
                                        recomputed=self.rl.old_policy.source == "recompute"))
         row.update(times)
         step_time = time.perf_counter() - t0
@@ -141,7 +149,7 @@ class RLStep:
         mini-batches (re-partitioned over DP by tokens with a token budget), each split into micro-batches."""
         cfg, out = self.rl, rollouts.out
         natural = max(map(len, out.prompt_ids)) + out.response_ids_RL.shape[1] - 1
-        uses_engine_routes = out.routes_RPLyK is not None and (cfg.routing_replay == "r3" or cfg.old_policy.source == "rollout")
+        uses_engine_routes = out.routes_RPLyK is not None and self.routes.reads_engine_routes
         seqs = SequenceBatch.from_rollouts(out, scores.advantages_R, self.tokenizer.pad_id,
                                            row_len=self.dims.seq_length(natural),
                                            route_spec=self.policy.replay_spec if uses_engine_routes else None)
@@ -158,50 +166,38 @@ class RLStep:
             split = token_budget_split(mini_rows, lengths, sizes.max_tokens_per_micro_batch, self.dims)
         else:
             split = [[rows[sl] for sl in micro_slices(len(rows), sizes.micro_batch_size)] for rows in mini_rows]
-        minis = []
+        minis, index = [], 0
         for k, micro in enumerate(split):
             minis.append([])
             for j, rows in enumerate(micro):
                 part = seqs.select(rows.tolist())
-                minis[-1].append(MicroBatch(k, j, part, part.model_input(sizes.packing, self.dims)))
+                minis[-1].append(MicroBatch(k, j, index, part, part.model_input(sizes.packing, self.dims)))
+                index += 1
         # each mini-batch's response tokens: its micro-batches partition it
         response_tokens = [float(sum(mb.seqs.loss_mask_T.sum() for mb in mini)) for mini in minis]
         return UpdateBatch(minis=minis, tokens_per_mini=self.dims.dp_sum(response_tokens),
                            sequences_per_mini=sizes.samples // sizes.mini_batches)
 
-    def old_policy(self, batch: UpdateBatch) -> None:
-        """Fill each micro-batch's pi_old log-probs and routes (and the reference's log-probs)."""
-        cfg = self.rl
-        policy = self.policy
-        flat = batch.micro_batches
-        if cfg.old_policy.source == "recompute":
-            if cfg.routing_replay == "r3":
-                for mb in flat:
-                    mb.old_routes = mb.seqs.routes_for(mb.view, policy.device)
-                context = lambda i: policy.replaying(flat[i].old_routes)  # noqa: E731
-            else:
-                recorded = [None] * len(flat)
-                context = lambda i: _recording_into(policy, recorded, i)  # noqa: E731
+    def old_policy(self, batch: UpdateBatch) -> OldPolicy:
+        """pi_old's log-probs and routes of each micro-batch (and the reference's log-probs)."""
+        policy, flat = self.policy, batch.micro_batches
+        logp = [None] * len(flat)
+        if self.rl.old_policy.source == "recompute":
+            context, routes = self.routes.for_recompute(flat)
             results = policy.run_micro_batches(batch.inputs(flat), context=context)
-            for i, mb in enumerate(flat):
-                mb.old_logp = results[i][0] if results[i] is not None else None
-                if cfg.routing_replay != "r3":
-                    mb.old_routes = recorded[i]
-        else:
-            for mb in flat:
-                mb.old_routes = mb.seqs.routes_for(mb.view, policy.device)
+            logp = [r[0] if r is not None else None for r in results]
+        else:  # pi_old is the engine: its routes are pi_old's
+            routes = self.routes.engine_routes(flat)
+        ref_logp = [None] * len(flat)
         if self.reference is not None:
             # log pi_ref: the frozen reference always routes with its own router, never replaying (its model has
             # no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the reference
             # must stay the fixed start-of-RL policy, not follow them.
-            results = self.reference.logprobs(batch.inputs(flat))
-            for i, mb in enumerate(flat):
-                mb.ref_logp = results[i][0] if results[i] is not None else None
+            ref_logp = [r[0] if r is not None else None for r in self.reference.logprobs(batch.inputs(flat))]
+        return OldPolicy(logp, routes, ref_logp)
 
-    def update(self, batch: UpdateBatch, step: int, optimizer) -> Updates:
-        cfg = self.rl
-        policy = self.policy
-        replayed = cfg.routing_replay in ("r2", "r3")
+    def update(self, batch: UpdateBatch, old: OldPolicy, step: int, optimizer) -> Updates:
+        cfg, policy = self.rl, self.policy
         opt = cfg.optim
         result = Updates(lr=lr_at(step, cfg.steps, opt.lr, opt.warmup_steps, opt.schedule, opt.min_lr_ratio))
         set_lr(optimizer, result.lr)
@@ -209,29 +205,26 @@ class RLStep:
         for k, micro in enumerate(batch.minis):
             policy.zero_grad()
             policy.set_micro_batches(len(micro))  # a token budget may split mini-batches differently
+            old_routes = [old.routes[mb.index] for mb in micro]
             new_routes = [None] * len(micro)
-            if replayed:
-                context = lambda j, micro=micro: policy.replaying(micro[j].old_routes)  # noqa: E731
-            else:
-                context = lambda j: _recording_into(policy, new_routes, j)  # noqa: E731
             inputs = batch.inputs(micro)
-            results = policy.run_micro_batches(inputs, context=context,
-                                               loss_fn=self._mini_batch_loss(batch, micro, k))
+            results = policy.run_micro_batches(inputs, context=self.routes.for_update(old_routes, new_routes),
+                                               loss_fn=self._mini_batch_loss(batch, old, micro, k))
             result.metric_parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
             result.grad_norms.append(policy.step(optimizer))
             # expert volatility: top-k choices of this forward (under replay: a free forward of the updated
             # policy) vs pi_old's on the same tokens, micro-batch by micro-batch, over this stage's layers
-            if micro[0].old_routes is None:
+            if old_routes[0] is None:
                 continue
-            if replayed:
-                policy.run_micro_batches(inputs, context=lambda j: _recording_into(policy, new_routes, j))
+            if self.routes.replays:
+                policy.run_micro_batches(inputs, context=self.routes.recording_into(new_routes))
             for j, mb in enumerate(micro):
-                tally.add(mb.tokens_of(mb.old_routes).long(), mb.tokens_of(new_routes[j]).long(), mb.seqs.loss_mask_T)
+                tally.add(mb.tokens_of(old_routes[j]).long(), mb.tokens_of(new_routes[j]).long(), mb.seqs.loss_mask_T)
         # over pipeline stages
         result.volatility_changed, result.volatility_total = self.dims.pp_sum(tally.counts())
         return result
 
-    def _mini_batch_loss(self, batch: UpdateBatch, micro: List[MicroBatch], k: int) -> Callable:
+    def _mini_batch_loss(self, batch: UpdateBatch, old: OldPolicy, micro: List[MicroBatch], k: int) -> Callable:
         """(j, logp, entropy) -> the registered loss of micro-batch j of mini-batch k, normalised by GLOBAL
         counts (the whole mini-batch over all DP ranks): micro-batch losses add up to the mini-batch loss, and
         their accumulated gradients to its gradient."""
@@ -243,9 +236,10 @@ class RLStep:
             packed = PackedBatch(
                 logp_T=mb.tokens_of(logp_BS), loss_mask_T=seqs.loss_mask_T, cu_seqlens_S1=seqs.cu_seqlens_S1,
                 num_global_sequences=batch.sequences_per_mini,
-                old_logp_T=mb.tokens_of(mb.old_logp) if recompute else None, rollout_logp_T=seqs.rollout_logp_T,
-                advantages_S=seqs.advantages_S, num_global_tokens=max(batch.tokens_per_mini[k], 1.0),
-                entropy_T=mb.tokens_of(entropy_BS), ref_logp_T=mb.tokens_of(mb.ref_logp))
+                old_logp_T=mb.tokens_of(old.logp[mb.index]) if recompute else None,
+                rollout_logp_T=seqs.rollout_logp_T, advantages_S=seqs.advantages_S,
+                num_global_tokens=max(batch.tokens_per_mini[k], 1.0), entropy_T=mb.tokens_of(entropy_BS),
+                ref_logp_T=mb.tokens_of(old.ref_logp[mb.index]))
             return self.loss_fn(packed, self.loss_cfg)
 
         return policy_loss
@@ -292,15 +286,3 @@ class RLStep:
                 "batch/tokens_per_micro_batch_max": max(r[3] for r in per_rank),
                 # the fullest data-parallel rank's real tokens over the ranks' mean (1 = balanced)
                 "batch/dp_tokens_max_over_mean": max(r[0] for r in per_rank) * len(per_rank) / max(real, 1.0)}
-
-
-# ------------------------------------------------------------------------------------------------- routes
-def _recording_into(policy, store: list, i: int):
-    """A context recording this stage's routes of one forward into store[i] ([T, Ly, K])."""
-    @contextlib.contextmanager
-    def record():
-        with policy.recording() as rec:
-            yield
-        store[i] = rec.routes
-
-    return record()

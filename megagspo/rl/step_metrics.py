@@ -32,19 +32,20 @@ def metrics_row(total: dict, union: dict, grad_norms: list, lr: float, with_refe
     return row
 
 
-def mismatch_by_version(dims, micro_batches: list, step: int, recomputed: bool) -> dict:
+def mismatch_by_version(dims, micro_batches: list, old_logp: list, step: int, recomputed: bool) -> dict:
     """Partial rollouts: |log pi_old - log pi_rollout| per response token, apart for the tokens sampled by the
     weights this update starts from (version `step`: the engine-vs-trainer numerics only) and for those sampled by
     older versions (staleness on top), summed over the data-parallel ranks and the pipeline stages (pi_old lives
-    on the LM-head stage). {} unless the batch carries per-token versions and pi_old is `recomputed`."""
+    on the LM-head stage; old_logp[i]: micro-batch i's, None on the other stages). {} unless the batch carries
+    per-token versions and pi_old is `recomputed`."""
     if not recomputed or not micro_batches or micro_batches[0].seqs.version_T is None:
         return {}
     sums = [0.0, 0.0, 0.0, 0.0]
-    for mb in micro_batches:
-        if mb.old_logp is None:
+    for mb, logp in zip(micro_batches, old_logp):
+        if logp is None:
             continue
         seqs = mb.seqs
-        gap_T = (mb.tokens_of(mb.old_logp).float() - seqs.rollout_logp_T).abs().double()
+        gap_T = (mb.tokens_of(logp).float() - seqs.rollout_logp_T).abs().double()
         for i, tokens_T in enumerate((seqs.loss_mask_T & (seqs.version_T == step),
                                       seqs.loss_mask_T & (seqs.version_T < step))):
             sums[2 * i] += float(gap_T[tokens_T].sum())

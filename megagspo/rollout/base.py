@@ -8,7 +8,7 @@ experts per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import ClassVar, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence
 
 import torch
 
@@ -42,12 +42,32 @@ class RolloutOutput:
     routes_RPLyK: Optional[torch.Tensor] = None
     version_RL: Optional[torch.Tensor] = None
 
+    TENSORS: ClassVar[tuple] = ("response_ids_RL", "response_mask_RL", "logp_RL", "routes_RPLyK", "version_RL")
+
+    def state_dict(self) -> dict:
+        """The checkpoint form, {"tensors": {name: Tensor}, "meta": JSON-able}: the tensors that exist, by their
+        field names, and the prompts' ids. Log-probs are kept only where generated: padding may hold -inf, which a
+        checkpoint's finiteness check refuses, and every reader masks it."""
+        tensors = {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
+        tensors["logp_RL"] = self.logp_RL.masked_fill(~self.response_mask_RL.bool(), 0.0)
+        return {"tensors": tensors, "meta": {"prompt_ids": [list(p) for p in self.prompt_ids]}}
+
+    @classmethod
+    def from_state(cls, tensors: Dict[str, torch.Tensor], meta: dict) -> "RolloutOutput":
+        """The output `state_dict` wrote (missing optional tensors: None)."""
+        return cls(prompt_ids=meta["prompt_ids"], **{name: tensors.get(name) for name in cls.TENSORS})
+
     def versions_RL(self, version: int) -> torch.Tensor:
         """The sampling version of every token: version_RL, or `version` (the one the batch was started with)
         where the generation never switched."""
         if self.version_RL is not None:
             return self.version_RL
         return torch.full(self.response_ids_RL.shape, int(version), dtype=torch.long)
+
+
+def response_texts(out: RolloutOutput, tokenizer) -> List[str]:
+    """Each response's generated tokens decoded (what a verifier reads): the one place responses are decoded."""
+    return [tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
 
 
 class WeightSwitch(Protocol):

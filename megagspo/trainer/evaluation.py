@@ -12,13 +12,15 @@ import torch
 from megagspo.data.tokenizer import Tokenizer
 from megagspo.rewards import RewardStats, score_batch
 from megagspo.rollout import RolloutEngine, SamplingParams
+from megagspo.rollout.base import response_texts
 from moe.parallel import ParallelDims
 
 
 @dataclass
 class Evaluator:
     dims: ParallelDims
-    engine: RolloutEngine
+    engine: Callable[[], RolloutEngine]  # the engine with the policy's latest weights (EngineLink.current_engine:
+    #                                      a collective when it is behind, so every rank calls it first)
     tokenizer: Tokenizer
     reward_fn: Callable              # (response, answer) -> [0, 1]
     held_out: list                   # megagspo.data Examples
@@ -33,7 +35,8 @@ class Evaluator:
         only where rl.eval.samples > 0 (the key is absent otherwise). Under TP only
         model-parallel rank 0 decodes and scores (its TP x PP peers hold the same engine weights); its counts
         are shared."""
-        local = self.dims.on_mp_rank0("held-out evaluation", self._evaluate_local)
+        engine = self.engine()
+        local = self.dims.on_mp_rank0("held-out evaluation", lambda: self._evaluate_local(engine))
         total, correct, lengths, sampled_correct, timeouts = self.dims.dp_sum(local)
         # eval/timeouts: verifier calls cut off at reward.timeout_s (each scored 0): an accuracy they lowered
         # must not read as the model's own
@@ -43,26 +46,22 @@ class Evaluator:
             out["eval/sampled_accuracy"] = sampled_correct / max(total, 1)
         return out
 
-    def _evaluate_local(self) -> list:
+    def _evaluate_local(self, engine: RolloutEngine) -> list:
         """This data-parallel rank's share: [problems, greedy correct, response tokens, sampled correct, verifier
         time-outs (greedy and sampled)]."""
         examples = self.held_out[self.dims.dp_rank::self.dims.dp_size]
-        out = self.engine.generate([ex.prompt_ids for ex in examples], 1,
-                                   SamplingParams(self.max_response_tokens, greedy=True))
+        out = engine.generate([ex.prompt_ids for ex in examples], 1, SamplingParams(self.max_response_tokens, greedy=True))
         stats = RewardStats()
-        scores = score_batch(self.reward_fn, self._texts(out), [ex.answer for ex in examples], stats)
+        scores = score_batch(self.reward_fn, response_texts(out, self.tokenizer), [ex.answer for ex in examples], stats)
         correct = sum(1.0 for s in scores if s >= 1.0)
         n_s = self.samples
         sampled_correct = 0.0
         if n_s:
-            sampled = self.engine.generate([ex.prompt_ids for ex in examples], n_s,
-                                           SamplingParams(self.max_response_tokens, temperature=self.temperature,
-                                                          top_p=self.top_p))
-            scores_s = score_batch(self.reward_fn, self._texts(sampled),
+            sampled = engine.generate([ex.prompt_ids for ex in examples], n_s,
+                                      SamplingParams(self.max_response_tokens, temperature=self.temperature,
+                                                     top_p=self.top_p))
+            scores_s = score_batch(self.reward_fn, response_texts(sampled, self.tokenizer),
                                    [ex.answer for ex in examples for _ in range(n_s)], stats)
             sampled_correct = sum(1.0 for s in scores_s if s >= 1.0) / n_s
         return [float(len(examples)), correct, float(out.response_mask_RL.sum()), sampled_correct,
                 float(stats.timeouts)]
-
-    def _texts(self, out) -> list:
-        return [self.tokenizer.decode(r[m].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]

@@ -10,7 +10,7 @@ import yaml
 
 from megagspo.checkpoint import CheckpointManager
 from megagspo.config import Config
-from megagspo.metrics_log import MetricsLogger, write_plots
+from megagspo.metrics_log import MetricsLogger, rl_start_accuracy, write_plots
 from moe.parallel import ParallelDims
 
 
@@ -50,7 +50,7 @@ def changes_header(changes: list) -> str:
 def write_summary(cfg: Config, summary: dict, rows: list) -> None:
     """Rank 0, at the end: the plots (log.plots) and summary.json."""
     if cfg.log.plots:
-        summary["plots"] = write_plots(rows, cfg.run_dir(), summary["cold_start/accuracy"], loss=cfg.rl.loss.name,
+        summary["plots"] = write_plots(rows, cfg.run_dir(), rl_start_accuracy(summary), loss=cfg.rl.loss.name,
                                        sampled_measured=bool(cfg.rl.eval.samples),
                                        cold_start_label="cold start" if cfg.sft.steps else "before RL")
     with open(os.path.join(cfg.run_dir(), "summary.json"), "w") as f:

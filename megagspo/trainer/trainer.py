@@ -32,7 +32,7 @@ from megagspo.checkpoint.full_state import save_full_weights
 from megagspo.checkpoint.run_folder import check_resume_reaches, start_over_hint
 from megagspo.checkpoint.run_lock import RunFolderBusy, RunFolderLock
 from megagspo.checkpoint.parts import CheckpointParts, DictState, PerRank, Shared
-from megagspo.checkpoint.state import AHEAD, RNG, RunParts, RunRng
+from megagspo.checkpoint.state import RNG, RunParts, RunRng
 from megagspo.config import Config
 from megagspo.data import PromptDataset
 from megagspo.metrics_log import cold_start_line, eval_record, final_line, timeouts_note
@@ -40,7 +40,7 @@ from megagspo.policy.engine_link import EngineLink, build_engine, engine_kwargs
 from megagspo.policy.megatron_policy import setup_parallel
 from megagspo.policy.models import build_models, optimizer_settings
 from megagspo.rl.producer import EngineRecipe, RewardRecipe
-from megagspo.rl.sources import RolloutCollector, build_rollout_source
+from megagspo.rl.sources import build_rollout_source
 from megagspo.rl.step import RLStep
 from megagspo.rollout import SamplingParams
 from megagspo.trainer.console import Console
@@ -118,17 +118,16 @@ class Trainer:
         """Held-out evaluation, cold-start SFT and the RL step, each from the inputs it uses."""
         hooks = RunHooks(log=self.logger.log, say=self.console.say, progress=self.console.progress,
                          stop_requested=self.stop.requested, preempted=self._preempted)
-        self.evaluator = Evaluator(self.dims, self.engine, self.tokenizer, self.reward_fn, inputs.held_out,
-                                   cfg.data.max_response_tokens, cfg.rl.eval.samples, cfg.rollout.temperature,
-                                   cfg.rollout.top_p)
+        self.evaluator = Evaluator(self.dims, self.link.current_engine, self.tokenizer, self.reward_fn,
+                                   inputs.held_out, cfg.data.max_response_tokens, cfg.rl.eval.samples,
+                                   cfg.rollout.temperature, cfg.rollout.top_p)
         self.sft = ColdStartSFT(self.dims, self.policy, self.tokenizer, self.train_ds, cfg.sft, self.link,
                                 self.evaluator, hooks)
         sampling = SamplingParams(cfg.data.max_response_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p)
-        collector = RolloutCollector(self.dims, self.link, cfg.rl, sampling, self.tokenizer, self.train_ds,
-                                     self.reward_fn)
         source = build_rollout_source(
-            collector, cfg.rollout, ahead_seed=cfg.seed * 7919 + 104_729 + self.dims.dp_rank,
+            self.dims, self.link, cfg.rl, cfg.rollout, sampling, self.tokenizer, self.train_ds, self.reward_fn,
+            ahead_seed=cfg.seed * 7919 + 104_729 + self.dims.dp_rank,
             engine=EngineRecipe(cfg.rollout.engine, self.arch, self.tokenizer, engine_kwargs(cfg)),
             reward=RewardRecipe(cfg.reward.name, cfg.reward.timeout_s, self.injected_reward))
         self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reference,
@@ -140,10 +139,10 @@ class Trainer:
         table = CheckpointParts()
         table.register("data", self.train_ds, Shared("data"))  # the sampler's RNG and epoch order
         table.register("rng", self.rng, PerRank("rng", RNG, note="RNG states reseeded"))
-        if self.step.source.holder is not None:  # the batch generated ahead (rollout.staleness = 1)
-            table.register("rollouts_ahead", self.step.source.holder, PerRank(
-                "rollouts_ahead", AHEAD, note="the batch generated ahead is not restored; the first resumed step "
-                                              "generates its batch now"))
+        source = self.step.source.checkpoint  # the batches generated ahead (rollout.staleness >= 1)
+        if source is not None:
+            table.register(source.key, source.state, PerRank(source.key, source.file, note=source.note,
+                                                             legacy=source.legacy))
         table.register("summary", DictState(self.summary), Shared("summary"))
         return table
 
@@ -197,7 +196,7 @@ class Trainer:
             self.run_lock.release()
             getattr(self.reward_fn, "close", lambda: None)()  # the verifier's worker, if any
             if hasattr(self, "step"):
-                getattr(self.step.source, "close", lambda: None)()  # the rollout producer process, if any
+                self.step.source.close()  # the rollout producer process, if any
 
     def _train(self, rl: bool) -> dict:
         t0 = time.perf_counter()
@@ -217,7 +216,8 @@ class Trainer:
         if self.cfg.sft.steps and self.cfg.log.save_checkpoint and rl and self.cfg.rl.steps:
             self.save_checkpoint("cold_start.pt")  # megagspo train model.init_from=<run>/cold_start.pt sft.steps=0
         cold = self.evaluator()
-        self.summary.update(eval_record("cold_start", cold, self.cfg.rl.eval.samples))  # only what was measured
+        if self.cfg.sft.steps:  # only what was measured, under the stage that ran (init/accuracy otherwise)
+            self.summary.update(eval_record("cold_start", cold, self.cfg.rl.eval.samples))
         self.logger.log({"phase": "cold_start", "step": 0, "eval/accuracy": cold["eval/accuracy"],
                          "eval/timeouts": cold["eval/timeouts"], "init/accuracy": base["eval/accuracy"]})
         if rl and self.cfg.rl.steps:
