@@ -51,10 +51,12 @@ import torch
 from megagspo.config import RolloutConfig
 from megagspo.config_training import FilterConfig, RLBatchConfig
 from megagspo.data.datasets import PromptDataset
+from megagspo.data.tokenizer import Tokenizer
 from megagspo.rewards import RewardStats, get_reward, score_batch
 from megagspo.rewards.bounded import with_time_limit
 from megagspo.rl.batch_maker import BatchMaker, Rollouts, ScoredRollouts
 from megagspo.rollout import SamplingParams, get_engine_class
+from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import DPShare
 
 
@@ -63,8 +65,8 @@ class EngineRecipe:
     """How to build the run's rollout engine in another process: the registered name and its arguments."""
 
     name: str
-    arch: object
-    tokenizer: object
+    arch: Qwen3MoeArchitecture
+    tokenizer: Tokenizer
     kwargs: dict = field(default_factory=dict)
 
     def build(self):
