@@ -23,7 +23,7 @@ import os
 import sys
 import warnings
 
-from megagspo import interrupts
+from megagspo import environment, interrupts
 
 
 def _quiet_third_party() -> None:
@@ -160,13 +160,29 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     interrupts.arm()  # first: a stop from here until the run writes is one line and writes nothing
+    environment.make_output_safe()  # a terminal encoding without the characters we print: escapes, not errors
     try:
         return _main(argv)
     except interrupts.StoppedDuringStartup as exc:
         _say_stopped(argv, exc)
         return exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - re-raised below unless a library's import failed
+        line = environment.import_failure(exc)
+        if line is None:
+            raise
+        _say_error(argv, line)  # a missing or broken dependency, an unusable locale: the environment's, one line
+        return 2
     finally:
         interrupts.disarm()  # in-process callers (tests) get their own signal handlers back
+
+
+def _say_error(argv, line: str) -> None:
+    """`megagspo <command>: error: <line>`, exit 2: what the environment (not the recipe) got wrong."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = next((w for w in words if not w.startswith("-")), "")
+    command = command if command in ("train", "sft", "plan", "export", "ablate") else ""
+    sys.stderr.write(f"megagspo{' ' + command if command else ''}: error: {line}\n")
+    sys.stderr.flush()
 
 
 def _say_stopped(argv, exc: interrupts.StoppedDuringStartup) -> None:
@@ -184,6 +200,10 @@ def _main(argv) -> int:
     # argparse stops its positional list at the flag, so the words it leaves over that look like overrides
     # are added to them; anything else is still an error.
     args, extra = parser.parse_known_args(argv)
+    undecodable = environment.undecodable_argument(sys.argv[1:] if argv is None else list(argv))
+    if undecodable:  # bytes that are not UTF-8 fail only where they are first written (config.yaml, JSON, a log)
+        _say_error(argv, undecodable)
+        return 2
     if extra:
         if not hasattr(args, "overrides") or not all("=" in word and not word.startswith("-") for word in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
