@@ -217,7 +217,7 @@ def test_engine_routes_follow_routing_replay_and_old_logp():
 
 
 def test_sglang_replay_mode_follows_routing_replay():
-    from megagspo.rollout.sglang_engine import SGLangEngineConfig
+    from megagspo.rollout.sglang import SGLangEngineConfig
 
     sglang = ["rollout.engine=sglang", "rollout.sglang={urls: [http://127.0.0.1:30000], sync_dir: /tmp/w}"]
     assert _tiny(*sglang).rollout.sglang["routing_replay"] == "off"

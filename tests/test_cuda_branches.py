@@ -34,14 +34,14 @@ BRANCH_OWNERS = {
     "megagspo/checkpoint/state.py::RunRng.state_dict::'cuda' in captured": [GPU_RESUME],
     "megagspo/rollout/hf_engine.py::engine_dtype::dtype is None or device.type != 'cuda'": [
         "tests/test_rollout_engine_memory.py::test_engine_dtype_follows_a_bf16_policy_on_a_gpu_only"],
-    "megagspo/rollout/sglang_engine.py::SGLangIpcCodec.__init__::not torch.cuda.is_available()": [
+    "megagspo/rollout/sglang/tensor_sync.py::SGLangIpcCodec.__init__::not torch.cuda.is_available()": [
         "tests/test_sglang_engine.py::test_tensor_sync_needs_this_host_cuda_and_sglang"],
-    "megagspo/rollout/sglang_engine.py::SGLangEngine._check_weight_sync_prerequisites::cfg.dist_backend == 'nccl' "
+    "megagspo/rollout/sglang/distributed_sync.py::check_distributed_available::cfg.dist_backend == 'nccl' "
     "and (not (torch.cuda.is_available() and dist.is_nccl_available()))": [
         "tests/test_sglang_engine.py::test_tensor_sync_needs_this_host_cuda_and_sglang"],
-    "megagspo/rollout/sglang_engine.py::SGLangEngine._update_from_distributed::self.config.dist_backend == 'nccl'": [
+    "megagspo/rollout/sglang/distributed_sync.py::DistributedSync.send::self.config.dist_backend == 'nccl'": [
         NO_SGLANG],
-    "megagspo/rollout/sglang_engine.py::SGLangEngine._update_from_distributed.send::device.type == 'cuda'": [NO_SGLANG],
+    "megagspo/rollout/sglang/distributed_sync.py::DistributedSync.send.broadcast::device.type == 'cuda'": [NO_SGLANG],
     "moe/attention.py::SDPACoreAttention._forward_packed::q_TND.is_cuda and q_TND.dtype in "
     "(torch.bfloat16, torch.float16) and varlen_available()": [
         "tests/test_moe_packed_attention.py::test_packed_attention_on_cuda_is_varlen_flash_and_equals_padded",

@@ -208,7 +208,7 @@ def drive_cuda_device(monkeypatch):
 
 def drive_ipc_collect():
     """The SGLang tensor codec frees the IPC blocks the servers closed."""
-    from megagspo.rollout.sglang_engine import SGLangIpcCodec
+    from megagspo.rollout.sglang import SGLangIpcCodec
 
     object.__new__(SGLangIpcCodec).release()
 

@@ -36,9 +36,9 @@ import torch
 
 from megagspo.data.tokenizer import BuiltinTokenizer
 from megagspo.rollout.base import SamplingParams
-from megagspo.rollout.sglang_engine import (SGLangConfigError, SGLangEngine, SGLangEngineConfig, SGLangLaunchConfig,
-                                            SGLangServerError, SGLangUnavailableError)
-from megagspo.rollout.sglang_schema import SGLangResponseError
+from megagspo.rollout.sglang import (SGLangConfigError, SGLangEngine, SGLangEngineConfig, SGLangLaunchConfig,
+                                     SGLangServerError, SGLangUnavailableError)
+from megagspo.rollout.sglang.schema import SGLangResponseError
 from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import free_port
 
@@ -906,7 +906,7 @@ def test_rank_zero_update_failure_raises_on_every_rank(tmp_path):
 
 
 def test_weight_update_bodies_validate_against_io_struct():
-    from megagspo.rollout.sglang_schema import (destroy_weights_update_group_json, init_weights_update_group_json,
+    from megagspo.rollout.sglang.schema import (destroy_weights_update_group_json, init_weights_update_group_json,
                                                 update_weights_from_distributed_json, update_weights_from_tensor_json)
 
     bodies = {

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from megagspo.rollout.base import SamplingParams
-from megagspo.rollout.sglang_engine import SGLangConfigError, SGLangEngine, SGLangEngineConfig, SGLangServerError
-from megagspo.rollout.sglang_schema import SGLangResponseError, abort_request_json
+from megagspo.rollout.sglang import SGLangConfigError, SGLangEngine, SGLangEngineConfig, SGLangServerError
+from megagspo.rollout.sglang.schema import SGLangResponseError, abort_request_json
 from test_sglang_engine import ARCH, EOS, TOK, FakeSGLang, random_megatron_state, schema_errors
 
 STEP_S = 0.003

@@ -556,7 +556,7 @@ def _split_stream(state: dict, pieces: int) -> list:
 def test_sglang_tensor_sync_of_a_stream_sends_what_the_whole_state_sends(tmp_path):
     from test_sglang_engine import ARCH, TOK, CpuCodec, FakeSGLang, expected_hf, random_megatron_state
 
-    from megagspo.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megagspo.rollout.sglang import SGLangEngine, SGLangEngineConfig
 
     fake = FakeSGLang()
     try:
@@ -585,7 +585,7 @@ def test_sglang_disk_sync_of_a_stream_writes_the_same_checkpoint(tmp_path):
     from safetensors.torch import load_file
     from test_sglang_engine import ARCH, TOK, FakeSGLang, expected_hf, random_megatron_state
 
-    from megagspo.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megagspo.rollout.sglang import SGLangEngine, SGLangEngineConfig
 
     fake = FakeSGLang()
     try:

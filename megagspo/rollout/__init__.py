@@ -7,7 +7,7 @@ Registered engines: "hf" (transformers Qwen3MoeForCausalLM with KV cache, the em
 from .base import (RolloutEngine, RolloutOutput, SamplingParams, WeightSwitch, available_engines, get_engine_class,
                    register_engine)
 from .hf_engine import HFRolloutEngine, hf_config_for
-from .sglang_engine import SGLangEngine
+from .sglang import SGLangEngine
 from .weight_sync import megatron_to_hf_state_dict
 
 __all__ = ["HFRolloutEngine", "RolloutEngine", "SGLangEngine", "RolloutOutput", "SamplingParams", "WeightSwitch",

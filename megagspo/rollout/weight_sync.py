@@ -9,9 +9,9 @@ row segments straight into the embedded model's parameters (one expert's slice o
 `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` at a time, cast to the model's dtype), and
 `hf_named_tensors_of_bucket` makes the per-expert HF tensors SGLang loads from the bucket alone.
 
-Also the pieces of the SGLang in-memory weight sync that need no server (sglang_engine.py drives them): HF
-tensors in send order, buckets under a byte cap, names/dtypes/shapes, and the trainer's side of SGLang's
-weight-update process group (rendezvous + broadcasts).
+Also the pieces of the SGLang in-memory weight sync that need no server (the package `sglang/` drives them):
+HF tensors in send order, buckets under a byte cap, and the trainer's side of SGLang's weight-update process
+group (rendezvous + broadcasts). This module imports nothing from `sglang/` (which imports it).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from moe.hf_checkpoint import FUSED, PER_EXPERT, hf_state_dict_from_megatron, hf_tensor_shapes, megatron_plan
-
-from .sglang_schema import dtype_name
 
 
 def megatron_to_hf_state_dict(full: Dict[str, torch.Tensor], arch) -> Dict[str, torch.Tensor]:
@@ -142,8 +140,9 @@ def hf_named_tensors_of_bucket(bucket: Dict[str, torch.Tensor], arch, dtype: Opt
 
 
 # ------------------------------------------------------------------------------------- in-memory sync to SGLang
-# What SGLang's update endpoints are fed (sglang_engine.py posts them): HF tensor names in the per-expert layout
-# (what SGLang's Qwen3-MoE load_weights maps onto its fused / stacked parameters), cut into buckets.
+# What SGLang's update endpoints are fed (sglang/tensor_sync.py and sglang/distributed_sync.py post them): HF
+# tensor names in the per-expert layout (what SGLang's Qwen3-MoE load_weights maps onto its fused / stacked
+# parameters), cut into buckets.
 
 def hf_named_tensors_for_sync(full: Dict[str, torch.Tensor], arch, dtype: Optional[torch.dtype] = None
                               ) -> List[Tuple[str, torch.Tensor]]:
@@ -172,11 +171,6 @@ def plan_buckets(sizes: Sequence[Tuple[str, torch.dtype, int]], cap_bytes: int) 
         buckets[-1].append(i)
         used += nbytes
     return buckets
-
-
-def bucket_metadata(named: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[List[str], List[str], List[List[int]]]:
-    """names, dtype names ("bfloat16") and shapes of a bucket, as /update_weights_from_distributed wants them."""
-    return ([n for n, _ in named], [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named])
 
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,

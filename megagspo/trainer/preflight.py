@@ -16,7 +16,7 @@ from megagspo.kernels.policy_losses import check_loss_impl
 from megagspo.policy.init_weights import InitSource, preflight_init_from
 from megagspo.rewards import available_rewards
 from megagspo.rollout import available_engines
-from megagspo.rollout.sglang_engine import SGLangEngineConfig
+from megagspo.rollout.sglang import SGLangEngineConfig
 from megagspo.rl.sources import source_class
 from megagspo.trainer.host_checks import check_host
 from megagspo.trainer.layout import check_layout

@@ -58,7 +58,7 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -209,6 +209,12 @@ DESTROY_GROUP_FIELDS = ("group_name",)
 def dtype_name(dtype) -> str:
     """torch.bfloat16 -> "bfloat16": the spelling SGLang turns back with getattr(torch, name)."""
     return str(dtype).removeprefix("torch.")
+
+
+def bucket_metadata(named: Sequence[tuple]) -> Tuple[List[str], List[str], List[List[int]]]:
+    """names, dtype names ("bfloat16") and shapes of a bucket of (name, tensor) pairs, as
+    /update_weights_from_distributed wants them."""
+    return ([n for n, _ in named], [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named])
 
 
 def update_weights_from_tensor_json(serialized_named_tensors: Sequence[str], load_format: Optional[str],
