@@ -17,7 +17,7 @@ from megagspo.policy.init_weights import InitSource, preflight_init_from
 from megagspo.rewards import available_rewards
 from megagspo.rollout import available_engines
 from megagspo.rollout.sglang import SGLangEngineConfig
-from megagspo.rl.sources import source_class
+from megagspo.rl.source_kinds import source_kind
 from megagspo.trainer.host_checks import check_host
 from megagspo.trainer.layout import check_layout
 from moe.architecture import Qwen3MoeArchitecture
@@ -57,9 +57,8 @@ def check_components(cfg: Config, world: int = 1) -> None:
     except LossOptionError as exc:
         raise ConfigError(str(exc)) from None
     # which rollout source; what combines with what
-    source_class(cfg.rollout.staleness, cfg.rl.filter.enabled, cfg.parallel.tensor_parallel *
-                 cfg.parallel.pipeline_parallel, cfg.rollout.producer, cfg.rollout.engine, cfg.rollout.partial,
-                 world)
+    source_kind(cfg.rollout.staleness, cfg.rl.filter.enabled, cfg.parallel.tensor_parallel *
+                cfg.parallel.pipeline_parallel, cfg.rollout.producer, cfg.rollout.engine, cfg.rollout.partial, world)
 
 
 def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bool = True) -> Preflight:
