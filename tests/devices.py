@@ -1,6 +1,10 @@
 """Test-only helpers (holds no tests itself) for running one test body on the CPU and, marked `gpu`, on CUDA.
 
-    from devices import DEVICES, child_env, seed_megatron
+    from devices import DEVICES, child_env, megatron_groups
+
+    def _body(rank, world_size, seed):
+        megatron_groups(seed)  # the CPU shim, Megatron's groups, its RNG in the form of the child's device
+        ...
 
     @pytest.mark.parametrize("device", DEVICES)
     def test_x(device):
@@ -87,6 +91,22 @@ def seed_megatron(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
     else:
         initialize_cpu_rng(seed)
+
+
+def megatron_groups(seed: int | None = None, **layout_kwargs):
+    """Inside a child (its torch.distributed group is up): the CPU shim (nothing on a CUDA host), Megatron's
+    TP / EP / PP / DP groups for ParallelLayout(**layout_kwargs), and, given a seed, Megatron's RNG
+    (seed_megatron). -> the ParallelLayout. What the single-process and gloo model tests set up before they
+    build a model; a run's own form of it is moe.parallel.setup_process_groups."""
+    from moe.cpu_shim import apply_cpu_shim
+    from moe.parallel import ParallelLayout, initialize_model_parallel
+
+    apply_cpu_shim()
+    layout = ParallelLayout(**layout_kwargs)
+    initialize_model_parallel(layout)
+    if seed is not None:
+        seed_megatron(seed)
+    return layout
 
 
 def child_device() -> torch.device:

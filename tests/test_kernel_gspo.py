@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import megagspo.kernels as K
+from helpers import reseed_torch
 
 # dtype of logp -> (atol, rtol) for loss / per-sequence outputs / d logp against the reference in that dtype.
 TOL = {
@@ -18,12 +19,6 @@ TOL = {
 }
 
 pytestmark = pytest.mark.skipif(not K.fused_available("cpu"), reason="megagspo._C not built (make ext)")
-
-
-def _seed() -> int:
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    torch.manual_seed(seed)
-    return seed
 
 
 def _batch(lengths, dtype, *, lead=0, trail=0, masked_seqs=(), spread=3e-4, cu_dtype=torch.int64, float_mask=False):
@@ -74,7 +69,7 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case, dtype):
-    seed = _seed()
+    seed = reseed_torch()
     logp, old, mask, cu, adv = _batch(dtype=dtype, **CASES[case])
     n = cu.numel() + 2
     lf, mf, gf = _run("fused", logp, old, mask, cu, adv, n)
@@ -119,7 +114,7 @@ def test_clipping_both_sides_and_gradient_formula():
 
 
 def test_gradcheck_float64():
-    _seed()
+    reseed_torch()
     logp, old, mask, cu, adv = _batch([4, 1, 6, 2], torch.float64, masked_seqs=(1,), lead=1, trail=2, spread=1e-4)
 
     def fn(x):
@@ -129,7 +124,7 @@ def test_gradcheck_float64():
 
 
 def test_num_global_sequences_tensor_and_checks():
-    seed = _seed()
+    seed = reseed_torch()
     logp, old, mask, cu, adv = _batch([3, 5], torch.float32)
     a = _run("fused", logp, old, mask, cu, adv, 6)
     b = _run("fused", logp, old, mask, cu, adv, torch.tensor(6.0))
@@ -197,7 +192,7 @@ def test_every_op_argument_is_checked_before_it_runs():
 def test_num_global_sequences_forms():
     """A number, a CPU tensor (read on the host, which costs nothing) or a one-element tensor on logp's device;
     anything else is a ValueError naming num_global_sequences, raised before any kernel runs."""
-    seed = _seed()
+    seed = reseed_torch()
     logp, old, mask, cu, adv = _batch([3, 5], torch.float32)
     a = _run("fused", logp, old, mask, cu, adv, 6)
     for n in (torch.tensor([6.0]), torch.tensor(6, dtype=torch.int64), torch.tensor([[6.0]], dtype=torch.float64)):
@@ -255,7 +250,7 @@ def test_matches_algorithm_core(dtype):
     """The fused kernel must agree with megagspo.algorithm.gspo_sequence_loss (the algorithm core's GSPO)."""
     from megagspo.algorithm import gspo_sequence_loss  # not skipped: a missing core is a failure
 
-    seed = _seed()
+    seed = reseed_torch()
     for case in ("mixed", "many", "all_length_one"):
         logp, old, mask, cu, adv = _batch(dtype=dtype, **CASES[case])
         n = cu.numel() + 3
@@ -273,7 +268,7 @@ def test_matches_algorithm_core(dtype):
 def test_cuda_matches_cpu(case):
     if not K.fused_available("cuda"):
         pytest.skip("megagspo._C built without CUDA kernels")
-    seed = _seed()
+    seed = reseed_torch()
     logp, old, mask, cu, adv = _batch(dtype=torch.float32, **CASES[case])
     lc, mc, gc = _run("fused", logp, old, mask, cu, adv, 7)
     lg, mg, gg = _run("fused", logp.cuda(), old.cuda(), mask.cuda(), cu.cuda(), adv.cuda(), 7)
@@ -289,7 +284,7 @@ def test_cuda_refuses_mixed_devices_and_a_foreign_count():
     CPU, never on another device."""
     if not K.fused_available("cuda"):
         pytest.skip("megagspo._C built without CUDA kernels")
-    seed = _seed()
+    seed = reseed_torch()
     ops = torch.ops.megagspo
     logp, old, mask, cu, adv = _batch([3, 5, 2], torch.float32)
     adv = adv.float()

@@ -15,6 +15,7 @@ import torch
 
 import megagspo.kernels as K
 from devices import DEVICES
+from helpers import reseed_torch
 
 # dtype -> (atol, rtol) of logp / entropy / d hidden / d weight against the float64 reference.
 TOL = {
@@ -37,12 +38,6 @@ def _need(device):
         pytest.skip("megagspo._C built without CUDA kernels")
 
 
-def _seed() -> int:
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    torch.manual_seed(seed)
-    return seed
-
-
 def _run(fn, hidden, weight, target, g_lp, g_h, **kw):
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
@@ -59,7 +54,7 @@ def test_matches_naive(T, H, V, chunk, dtype, device):
     # --use_fast_math exp/log cost ~2 ulp of float32 (~2.4e-7 relative), well inside float32's 1e-4 rtol, and
     # do not touch float64; cuBLAS float32 GEMMs without TF32 are as accurate as the CPU's.
     _need(device)
-    seed = _seed()
+    seed = reseed_torch()
     hidden = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
     weight = (torch.randn(V, H, dtype=torch.float64) / H**0.5 * 3).to(dtype).to(device)
     target = torch.randint(0, V, (T,)).to(device)
@@ -92,7 +87,7 @@ def test_matches_naive(T, H, V, chunk, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunk_size_invariance_and_fallback_path(device):
     _need(device)
-    seed = _seed()
+    seed = reseed_torch()
     T, H, V = 11, 16, 513
     hidden, weight = torch.randn(T, H).to(device), (torch.randn(V, H) / 4).to(device)
     target = torch.randint(0, V, (T,)).to(device)
@@ -118,7 +113,7 @@ def test_chunk_size_invariance_and_fallback_path(device):
 def test_gradcheck_float64(device):
     # CUDA: the same eps / atol (float64 kernels: --use_fast_math changes float32 intrinsics only)
     _need(device)
-    _seed()
+    reseed_torch()
     T, H, V = 5, 4, 9
     hidden = torch.randn(T, H, dtype=torch.float64).to(device).requires_grad_()
     weight = torch.randn(V, H, dtype=torch.float64).to(device).requires_grad_()
@@ -181,7 +176,7 @@ def test_weight_grad_buffer_follows_megatron_grad_added_to_main_grad(dtype, tied
     was cloned by AccumulateGrad and then added into main_grad), the weight is untouched, param.grad ends None,
     and main_grad gains exactly d weight (tolerances against float64 as in test_matches_naive). Tied
     (zero_out_wgrad): the embedding's gradient, arriving through the same node, is added once as well."""
-    seed = _seed()
+    seed = reseed_torch()
     T, H, V = 13, 16, 301
     hidden, weight = torch.randn(T, H).to(dtype), (torch.randn(V, H) / 4).to(dtype)
     target = torch.randint(0, V, (T,))
@@ -227,7 +222,7 @@ def test_weight_grad_buffer_follows_megatron_grad_added_to_main_grad(dtype, tied
 def test_weight_grad_buffer_of_the_caller_gives_autograd_nothing():
     """A buffer that is not Megatron's main_grad: d weight lands in it and the weight's .grad stays None (the
     old code handed autograd a stride-0 zero that AccumulateGrad materialised as a [V, H] zero tensor)."""
-    seed = _seed()
+    seed = reseed_torch()
     T, H, V = 7, 8, 97
     hidden, weight = torch.randn(T, H), torch.randn(V, H) / 4
     target = torch.randint(0, V, (T,))
@@ -246,7 +241,7 @@ def test_addmm_out_dtype_probe_and_fallback_agree():
     """The float32 accumulation of bf16 products: torch's addmm(out_dtype=float32) where the probe finds it
     (CUDA), the block-wise fallback elsewhere (this CPU torch has no CPU kernel for it). Both stay within the
     bf16 tolerance of the float64 product and never round the accumulator."""
-    seed = _seed()
+    seed = reseed_torch()
     C, V, H = 9, 37, 8
     g, h = torch.randn(C, V).bfloat16(), torch.randn(C, H).bfloat16()
     acc = torch.randn(V, H)
@@ -265,7 +260,7 @@ def test_weight_grad_buffer_megatron_protocol_on_cuda(tied):
     """CUDA: the addmm(out_dtype=float32) accumulation is taken (probe True for bf16) and is at least as
     accurate as the bf16 naive path; the Megatron hook protocol as on the CPU (the hook fires on the device's
     backward thread with the weight's own storage as placeholder)."""
-    seed = _seed()
+    seed = reseed_torch()
     T, H, V = 300, 64, 5003
     dev = torch.device("cuda")
     hidden, weight = torch.randn(T, H, device=dev).bfloat16(), (torch.randn(V, H, device=dev) / 4).bfloat16()

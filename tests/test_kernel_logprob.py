@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import megagspo.kernels as K
+from helpers import reseed_torch
 from megagspo.kernels import reference as R
 from multiprocess import run_distributed
 
@@ -31,12 +32,6 @@ pytestmark = pytest.mark.skipif(not K.fused_available("cpu"), reason="megagspo._
 
 SHAPES = [(1, 7), (5, 7), (3, 1000), (4, 4099), (2, 151_936)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-def _seed() -> int:
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    torch.manual_seed(seed)
-    return seed
 
 
 def _inputs(T, V, dtype, scale=3.0):
@@ -76,7 +71,7 @@ def assert_close_rel(out, ref, same_prec, dtype, what, seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,V", SHAPES, ids=lambda v: str(v))
 def test_forward_backward_matches_reference(T, V, dtype):
-    seed = _seed()
+    seed = reseed_torch()
     logits, target = _inputs(T, V, dtype)
     g_lp, g_h = torch.randn(T), torch.randn(T)
     x = logits.clone().requires_grad_()
@@ -95,7 +90,7 @@ def test_forward_backward_matches_reference(T, V, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_logp_only_and_inplace_backward(dtype):
-    seed = _seed()
+    seed = reseed_torch()
     T, V = 6, 2053
     logits, target = _inputs(T, V, dtype)
     g = torch.randn(T)
@@ -124,7 +119,7 @@ def test_inplace_backward_refuses_leaf_and_detects_other_users():
 
 
 def test_logprobs_never_positive():
-    _seed()
+    reseed_torch()
     T, V = 64, 4099
     x = torch.full((T, V), -30.0)
     target = torch.randint(0, V, (T,))
@@ -138,7 +133,7 @@ def test_logprobs_never_positive():
 
 
 def test_neg_inf_logits_and_int32_targets():
-    seed = _seed()
+    seed = reseed_torch()
     T, V = 4, 3001
     logits, target = _inputs(T, V, torch.float32)
     logits[:, ::7] = float("-inf")
@@ -156,7 +151,7 @@ def test_neg_inf_logits_and_int32_targets():
 
 
 def test_strided_rows():
-    seed = _seed()
+    seed = reseed_torch()
     big, target = _inputs(5, 3000, torch.float32)
     view = big[:, 100:2077]  # rows strided by 3000, vocab contiguous
     target = target % 1977
@@ -170,7 +165,7 @@ def test_strided_rows():
 
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_gradcheck_float64(with_entropy):
-    _seed()
+    reseed_torch()
     for T, V in [(1, 7), (3, 19)]:
         logits, target = _inputs(T, V, torch.float64, scale=2.0)
         x = logits.clone().requires_grad_()
@@ -333,7 +328,7 @@ def _vocab_parallel_cases_body(rank, world_size, seed):
 
 @pytest.mark.multiprocess
 def test_vocab_parallel_matches_tp1():
-    seed = _seed()
+    seed = reseed_torch()
     per_rank = run_distributed(_vocab_parallel_cases_body, world_size=2, args=(seed,), timeout_s=240)
     for i, (T, V, split, dtype, inplace, impl) in enumerate(VOCAB_PARALLEL_CASES):
         case = f"T={T} V={V} split={split} {dtype} inplace={inplace} impl={impl} (seed {seed + i})"
@@ -355,7 +350,7 @@ def test_vocab_parallel_matches_tp1():
 def test_cuda_matches_cpu(T, V, dtype):
     if not K.fused_available("cuda"):
         pytest.skip("megagspo._C built without CUDA kernels")
-    seed = _seed()
+    seed = reseed_torch()
     logits, target = _inputs(T, V, dtype)
     g_lp, g_h = torch.randn(T), torch.randn(T)
     out = []

@@ -13,26 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import megatron_groups
+from helpers import scaled_close, tiny_arch
 from multiprocess import run_distributed
 
 # Layer 0 dense (SwiGLU MLP, TP-split gate/up), layers 1-2 MoE: the mixed models Qwen3 allows.
-_ARCH = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-             max_position_embeddings=64, router_aux_loss_coef=0.0,
-             mlp_only_layers=(0,), intermediate_size=24)
+_ARCH = tiny_arch("mixed", num_hidden_layers=3, router_aux_loss_coef=0.0)
 _BATCH, _SEQ = 4, 12
 RTOL, ATOL_SCALE = 1e-5, 2e-6
-
-
-def _setup(layout_kwargs, seed):
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
-    from moe.parallel import ParallelLayout, initialize_model_parallel
-
-    apply_cpu_shim()
-    layout = ParallelLayout(**layout_kwargs)
-    initialize_model_parallel(layout)
-    initialize_cpu_rng(seed)
-    return layout
+_assert_close = scaled_close(rtol=RTOL, atol_scale=ATOL_SCALE)
 
 
 def _loss_and_grads(model, tokens_BS, num_global_tokens, dp_group_reduce):
@@ -67,25 +56,24 @@ def _loss_and_grads(model, tokens_BS, num_global_tokens, dp_group_reduce):
 def _parity_body(rank, world_size, layout_kwargs, dispatcher, seed):
     from megatron.core import parallel_state as ps
 
-    from moe.architecture import Qwen3MoeArchitecture
     from moe.model import build_model
     from moe.parallel import destroy_model_parallel
     from moe.sharding import local_view_of_full, load_full_state_dict
 
-    arch = Qwen3MoeArchitecture(**_ARCH)
+    arch = _ARCH
     generator = torch.Generator().manual_seed(seed)
     tokens_BS = torch.randint(0, arch.vocab_size, (_BATCH, _SEQ + 1), generator=generator)
     num_global_tokens = _BATCH * _SEQ
 
     # Reference: the whole model, the whole batch, no parallelism (every rank computes it alone).
-    _setup({}, seed)
+    megatron_groups(seed)
     reference = build_model(arch, token_dispatcher=dispatcher)
     full_weights = {n: p.detach().clone() for n, p in reference.named_parameters()}
     ref_loss, ref_grads = _loss_and_grads(reference, tokens_BS, num_global_tokens, dp_group_reduce=False)
     del reference
     destroy_model_parallel()
 
-    layout = _setup(layout_kwargs, seed)
+    layout = megatron_groups(seed, **layout_kwargs)
     model = build_model(arch, layout, token_dispatcher=dispatcher)
     load_full_state_dict(model, full_weights)
     dp_size = ps.get_data_parallel_world_size()
@@ -100,11 +88,6 @@ def _parity_body(rank, world_size, layout_kwargs, dispatcher, seed):
     for name, grad in grads.items():
         report["grads"][name] = (grad, expected[name])
     return report
-
-
-def _assert_close(actual, expected, what):
-    atol = ATOL_SCALE * float(expected.abs().max()) + 1e-7
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 LAYOUTS = {

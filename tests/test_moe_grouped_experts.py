@@ -14,40 +14,23 @@ path against the float32 reference on the same (bf16-rounded) weights; the group
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import pytest
 import torch
 
+from devices import megatron_groups
+from helpers import scaled_close, tiny_arch
 from multiprocess import run_distributed
 
 CUDA_ENV = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
 
-ARCH = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2,
-            max_position_embeddings=64, router_aux_loss_coef=0.01)
+ARCH = tiny_arch("moe", vocab_size=64, num_experts=6, router_aux_loss_coef=0.01)
 # an empty expert first, one in the middle, one token alone, uneven counts: T = 16
 TOKENS_PER_EXPERT = [0, 5, 3, 0, 1, 7]
 RTOL, ATOL_SCALE = 1e-5, 2e-6
-
-
-def _close(actual, expected, what):
-    atol = ATOL_SCALE * float(expected.abs().max()) + 1e-7
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-def _seed(seed):
-    """Megatron's RNG tracker: the CUDA one on a GPU (weights initialise on the device), else the CPU form."""
-    from moe.cpu_shim import initialize_cpu_rng
-    from moe.device import use_cuda
-
-    if use_cuda():
-        from megatron.core import tensor_parallel
-
-        torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:
-        initialize_cpu_rng(seed)
+_close = scaled_close(rtol=RTOL, atol_scale=ATOL_SCALE)
 
 
 def _experts_call(experts, hidden_TH, probs_T, grad_TH):
@@ -66,21 +49,16 @@ def _experts_call(experts, hidden_TH, probs_T, grad_TH):
 
 
 def _single_process_body(rank, world_size, seed):
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim
     from moe.implementation import ImplementationError, ModelImplementation
     from moe.model import build_model as build_any_model
     from moe.model import forward_logits
-    from moe.parallel import ParallelLayout, initialize_model_parallel
     from moe.sharding import load_full_state_dict
 
     def build_model(*args, **kwargs):  # our paths also where Transformer Engine is installed
         return build_any_model(*args, use_transformer_engine=False, **kwargs)
 
-    apply_cpu_shim()  # does nothing on a GPU host
-    initialize_model_parallel(ParallelLayout())
-    _seed(seed)
-    arch = Qwen3MoeArchitecture(**ARCH)
+    megatron_groups(seed)  # the CPU shim does nothing on a GPU host
+    arch = ARCH
     gen = torch.Generator().manual_seed(seed)
     sequential = ModelImplementation(experts="sequential")
     models = {}
@@ -123,7 +101,7 @@ def _single_process_body(rank, world_size, seed):
         out[("model", *key)] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
 
     # torch grouped_mm needs 16-byte rows: an expert width of 6 float32 (24 B) is refused at build time
-    odd = Qwen3MoeArchitecture(**{**ARCH, "moe_intermediate_size": 6})
+    odd = dataclasses.replace(ARCH, moe_intermediate_size=6)
     try:
         build_model(odd)
         out["odd_error"] = None
@@ -196,26 +174,25 @@ def test_misaligned_expert_width_is_refused_naming_the_key(single_process):
 
 
 def _parallel_body(rank, world_size, layout_kwargs, seed):
-    from test_megatron_cpu import _loss_and_grads, _setup
+    from test_megatron_cpu import _loss_and_grads
 
-    from moe.architecture import Qwen3MoeArchitecture
     from moe.implementation import ModelImplementation
     from moe.model import build_model
-    from moe.parallel import ParallelLayout, destroy_model_parallel
+    from moe.parallel import destroy_model_parallel
     from moe.sharding import local_view_of_full, load_full_state_dict
 
     # aux loss off: its load statistics are per data-parallel rank, so it differs from one process by design
-    arch = Qwen3MoeArchitecture(**{**ARCH, "num_experts": 8, "router_aux_loss_coef": 0.0})
+    arch = dataclasses.replace(ARCH, num_experts=8, router_aux_loss_coef=0.0)
     tokens_BS = torch.randint(0, arch.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
     num_tokens = 4 * 8
-    _setup({}, seed)
+    megatron_groups(seed)
     reference = build_model(arch, implementation=ModelImplementation(experts="sequential"))
     full = {n: p.detach().clone() for n, p in reference.named_parameters()}
     ref_loss, ref_grads = _loss_and_grads(reference, tokens_BS, num_tokens, dp_group_reduce=False)
     del reference
     destroy_model_parallel()
 
-    layout = _setup(layout_kwargs, seed)
+    layout = megatron_groups(seed, **layout_kwargs)
     from megatron.core import parallel_state as ps
 
     model = build_model(arch, layout, implementation=ModelImplementation(experts="grouped"))
@@ -277,7 +254,7 @@ def _count_stack_ops():
             name = func.__name__ if hasattr(func, "__name__") else str(func)
             result = func(*args, **(kwargs or {}))
             if name.split(".")[0] in ("stack", "cat", "_cat") and result.dim() == 3 \
-                    and result.shape[0] == ARCH["num_experts"]:
+                    and result.shape[0] == ARCH.num_experts:
                 self.copies.append((str(func), tuple(result.shape)))
             return result
 
@@ -290,18 +267,13 @@ def _ddp_body(rank, world_size, seed, wgrad="auto"):
     accumulated), plus what the grouped path did with the weights. `wgrad`: the grouped experts' weight-
     gradient accumulation (moe.experts.WGRAD_ACCUMULATIONS)."""
     import moe.experts as experts_module
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim
     from moe.implementation import ModelImplementation
     from moe.model import build_model as build_any_model
     from moe.optimizer import wrap_data_parallel
-    from moe.parallel import ParallelLayout, initialize_model_parallel
     from moe.sharding import load_full_state_dict
 
-    apply_cpu_shim()  # does nothing on a GPU host
-    initialize_model_parallel(ParallelLayout())
-    _seed(seed)
-    arch = Qwen3MoeArchitecture(**ARCH)
+    megatron_groups(seed)  # the CPU shim does nothing on a GPU host
+    arch = ARCH
     gen = torch.Generator().manual_seed(seed)
     build = lambda impl, dtype=torch.float32: build_any_model(  # noqa: E731
         arch, params_dtype=dtype, implementation=ModelImplementation(experts=impl, expert_wgrad=wgrad),
@@ -322,7 +294,7 @@ def _ddp_body(rank, world_size, seed, wgrad="auto"):
     out = {"registration": [n for n, _ in grouped.decoder.layers[0].mlp.experts.named_parameters()],
            "iteration": [id(e) for e in grouped.decoder.layers[0].mlp.experts.local_experts],
            "indexing": [id(grouped.decoder.layers[0].mlp.experts.local_experts[e])
-                        for e in range(ARCH["num_experts"])],
+                        for e in range(ARCH.num_experts)],
            "views": {}}
     for dtype in (torch.float32, torch.bfloat16):
         for layer in models[("grouped", dtype)][0].decoder.layers:
@@ -382,7 +354,7 @@ def ddp_process():
 
 def test_experts_register_last_to_first_but_index_and_iterate_in_order(ddp_process):
     _, out = ddp_process
-    e = ARCH["num_experts"]
+    e = ARCH.num_experts
     assert out["registration"][:2] == [f"local_experts.{e - 1}.linear_fc1.weight",
                                        f"local_experts.{e - 1}.linear_fc2.weight"]
     assert out["registration"][-1] == "local_experts.0.linear_fc2.weight"

@@ -17,7 +17,8 @@ import os
 import pytest
 import torch
 
-from helpers import assert_close_scaled, fresh_seed
+from devices import megatron_groups
+from helpers import assert_close_scaled, fresh_seed, tiny_arch
 from multiprocess import run_distributed
 
 CUDA_ENV = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
@@ -47,24 +48,19 @@ def _run(fn, q, k, v, grad):
 def _attention_body(rank, world_size, seed):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from moe.architecture import Qwen3MoeArchitecture, transformer_config
+    from moe.architecture import transformer_config
     from moe.attention import SDPACoreAttention
-    from moe.cpu_shim import apply_cpu_shim
     from moe.device import use_cuda
     from moe.model import PackedSequences
-    from moe.parallel import ParallelLayout, initialize_model_parallel
 
-    apply_cpu_shim()
-    initialize_model_parallel(ParallelLayout())
+    megatron_groups()
     device = "cuda" if use_cuda() else "cpu"
     gen = torch.Generator().manual_seed(seed)
     total = sum(LENGTHS)
     packed = PackedSequences.from_lengths(LENGTHS, device=device).megatron_params()
     out = {}
     for groups in (HEADS, 2, 1):
-        arch = Qwen3MoeArchitecture(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=HEADS,
-                                    num_key_value_heads=groups, head_dim=DIM, moe_intermediate_size=16,
-                                    num_experts=2, num_experts_per_tok=2)
+        arch = tiny_arch("attention", num_attention_heads=HEADS, num_key_value_heads=groups, head_dim=DIM)
         module = SDPACoreAttention(transformer_config(arch), 1, AttnMaskType.causal, "self")
         q = torch.randn(total, HEADS, DIM, generator=gen).to(device)
         k = torch.randn(total, groups, DIM, generator=gen).to(device)
@@ -112,19 +108,14 @@ def test_packed_attention_equals_causal_attention_per_sequence(attention_results
 
 
 def _model_body(rank, world_size, seed):
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim
     from moe.implementation import ModelImplementation
     from moe.model import PackedSequences, build_model, forward_logits
-    from moe.parallel import ParallelLayout, initialize_model_parallel
 
-    apply_cpu_shim()
-    initialize_model_parallel(ParallelLayout())
+    megatron_groups()
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    arch = Qwen3MoeArchitecture(vocab_size=48, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
-                                num_experts_per_tok=2, router_aux_loss_coef=0.01)
+    arch = tiny_arch("moe", vocab_size=48, router_aux_loss_coef=0.01,
+                     max_position_embeddings=40960)  # Qwen3MoeArchitecture's default length
     model = build_model(arch, implementation=ModelImplementation(attention="sdpa"), use_transformer_engine=False)
     device = next(model.parameters()).device
     lengths = [9, 4, 1, 6, 4]

@@ -7,25 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import megatron_groups
+from helpers import tiny_arch
 from multiprocess import run_distributed
 
-ARCH = dict(vocab_size=48, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-            mlp_only_layers=(0,), intermediate_size=24)
+ARCH = tiny_arch("mixed", vocab_size=48, num_hidden_layers=3,
+                 max_position_embeddings=40960)  # Qwen3MoeArchitecture's default length
 
 
 def _body(rank, world_size, seed):
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
     from moe.implementation import ModelImplementation
     from moe.model import build_model, forward_logits
-    from moe.parallel import ParallelLayout, initialize_model_parallel
     from moe.sharding import load_full_state_dict
 
-    apply_cpu_shim()
-    initialize_model_parallel(ParallelLayout())
-    initialize_cpu_rng(seed)
-    arch = Qwen3MoeArchitecture(**ARCH)
+    megatron_groups(seed)
+    arch = ARCH
     gen = torch.Generator().manual_seed(seed)
     tokens_BS = torch.randint(0, arch.vocab_size, (2, 11), generator=gen)
     grad_weights = None

@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from helpers import assert_close_scaled
+from devices import megatron_groups
+from helpers import scaled_close, tiny_arch
 from multiprocess import run_distributed
 
 CUDA_ENV = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
@@ -22,10 +23,7 @@ CUDA_ENV = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("C
 SEQ, BATCH, HEADS, DIM = 7, 3, 4, 8
 LENGTHS = [7, 4, 1]  # right padding: row b holds LENGTHS[b] real tokens
 RTOL, ATOL_SCALE = 1e-5, 2e-6
-
-
-def _close(actual, expected, what):
-    assert_close_scaled(actual, expected, what, rtol=RTOL, atol_scale=ATOL_SCALE)
+_close = scaled_close(rtol=RTOL, atol_scale=ATOL_SCALE)
 
 
 def _masks():
@@ -49,26 +47,18 @@ def _body(rank, world_size, seed):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from moe.architecture import Qwen3MoeArchitecture, transformer_config
+    from moe.architecture import transformer_config
     from moe.attention import SDPACoreAttention
-    from test_moe_grouped_experts import _seed
-
-    from moe.cpu_shim import apply_cpu_shim
     from moe.implementation import ModelImplementation
     from moe.model import build_model, forward_logits
-    from moe.parallel import ParallelLayout, initialize_model_parallel
     from moe.sharding import load_full_state_dict
 
-    apply_cpu_shim()  # does nothing on a GPU host
-    initialize_model_parallel(ParallelLayout())
-    _seed(seed)
+    megatron_groups(seed)  # the CPU shim does nothing on a GPU host
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for groups in (HEADS, 2, 1):  # MHA, GQA, MQA
         for dtype in (torch.float32, torch.bfloat16):
-            arch = Qwen3MoeArchitecture(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=HEADS,
-                                        num_key_value_heads=groups, head_dim=DIM, moe_intermediate_size=16,
-                                        num_experts=2, num_experts_per_tok=2)
+            arch = tiny_arch("attention", num_attention_heads=HEADS, num_key_value_heads=groups, head_dim=DIM)
             config = transformer_config(arch, params_dtype=dtype)
             local = DotProductAttention(config, 1, AttnMaskType.causal, "self")
             sdpa = SDPACoreAttention(config, 1, AttnMaskType.causal, "self")
@@ -88,9 +78,7 @@ def _body(rank, world_size, seed):
             # the flash-eligible path: no mask, is_causal
             out[(groups, str(dtype).split(".")[-1], "implicit_causal", "sdpa")] = _call(sdpa, *lowp, None, grad)
     # whole model: local vs SDPA attention (grouped experts in both), logits and every gradient
-    arch = Qwen3MoeArchitecture(vocab_size=48, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
-                                num_experts_per_tok=2)
+    arch = tiny_arch("moe", vocab_size=48, max_position_embeddings=40960)  # Qwen3MoeArchitecture's default length
     tokens_BS = torch.randint(0, arch.vocab_size, (2, 9), generator=gen)
     full = None
     for attention in ("local", "sdpa"):

@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from devices import DEVICES
+from devices import DEVICES, megatron_groups
+from helpers import tiny_arch
 from multiprocess import run_distributed
 
-ARCH = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=3,
-            max_position_embeddings=64, router_aux_loss_coef=0.01)
+ARCH = tiny_arch("moe", vocab_size=64, num_experts=6, num_experts_per_tok=3, router_aux_loss_coef=0.01)
 
 
 def _reference_unpermute(permuted_PH, token_of_copy_P, num_tokens):
@@ -65,18 +64,13 @@ def test_chunk_order_is_identity():
 
 
 def _model_body(rank, world_size, seed):
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
     from moe.implementation import ModelImplementation
     from moe.model import build_model, forward_logits
-    from moe.parallel import ParallelLayout, initialize_model_parallel
     from moe.sharding import load_full_state_dict
     from moe.token_dispatch import FastAlltoAllTokenDispatcher
 
-    apply_cpu_shim()
-    initialize_model_parallel(ParallelLayout())
-    initialize_cpu_rng(seed)
-    arch = Qwen3MoeArchitecture(**ARCH)
+    megatron_groups(seed)
+    arch = ARCH
     gen = torch.Generator().manual_seed(seed)
     tokens_BS = torch.randint(0, arch.vocab_size, (3, 11), generator=gen)
     out = {}
