@@ -26,6 +26,7 @@ from typing import List, Optional
 from megagspo.ablation.spec import AblationSpec
 from megagspo.config import Config, ConfigError, read_yaml_mapping
 from megagspo.config_moves import move_old_keys
+from megagspo.metrics_log import rl_start_accuracy
 from moe.json_files import read_json
 
 
@@ -327,6 +328,6 @@ class AblationRunner:
         except ValueError:  # JsonFileError: unreadable, too large, too deep, not an object
             return ""
         if run.kind == "cold_start":
-            return f"; cold-start held-out accuracy {s.get('cold_start/accuracy', float('nan')):.3f}"
-        return (f"; held-out accuracy {s.get('cold_start/accuracy', float('nan')):.3f} -> "
+            return f"; cold-start held-out accuracy {rl_start_accuracy(s):.3f}"
+        return (f"; held-out accuracy {rl_start_accuracy(s):.3f} -> "
                 f"{s.get('final/accuracy', float('nan')):.3f}")
