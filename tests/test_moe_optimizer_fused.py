@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from helpers import tiny_arch
 from multiprocess import run_distributed
 
 CUDA_ENV = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
@@ -24,16 +25,12 @@ LR, WEIGHT_DECAY, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 def _step_body(rank, world_size, fused, seed):
     import megatron.core.optimizer as megatron_optimizer
 
-    from moe.architecture import Qwen3MoeArchitecture
     from moe.model import build_model
     from moe.optimizer import OptimizerSettings, build_optimizer, optimizer_step, wrap_data_parallel, zero_gradients
     from moe.parallel import ParallelLayout, setup_process_groups
 
     layout = setup_process_groups(ParallelLayout(), seed).layout
-    arch = Qwen3MoeArchitecture(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
-                                num_experts_per_tok=2, max_position_embeddings=16)
-    model = build_model(arch, layout, use_transformer_engine=False)
+    model = build_model(tiny_arch("micro"), layout, use_transformer_engine=False)
     ddp = wrap_data_parallel(model)
     optimizer = build_optimizer(ddp, OptimizerSettings(lr=LR, weight_decay=WEIGHT_DECAY, beta1=BETAS[0],
                                                        beta2=BETAS[1], eps=EPS, clip_grad=0.0), fused=fused)

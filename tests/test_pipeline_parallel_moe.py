@@ -31,7 +31,8 @@ import zlib
 import pytest
 import torch
 
-from helpers import fresh_seed
+from devices import megatron_groups
+from helpers import fresh_seed, tiny_arch
 from multiprocess import run_distributed
 
 # (label, tie_word_embeddings, build_model config overrides at PP=2)
@@ -46,12 +47,7 @@ EMBEDDING = "embedding.word_embeddings.weight"
 
 def _arch(tie: bool):
     """4 layers (layer 0 dense, 1-3 MoE with 4 experts), so that both stages hold MoE layers."""
-    from moe.architecture import Qwen3MoeArchitecture
-
-    return Qwen3MoeArchitecture(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
-                                num_experts_per_tok=2, max_position_embeddings=64, mlp_only_layers=(0,),
-                                intermediate_size=24, tie_word_embeddings=tie)
+    return tiny_arch("mixed", num_hidden_layers=4, tie_word_embeddings=tie)
 
 
 def _by_name(name: str, shape, seed: int) -> torch.Tensor:
@@ -100,9 +96,9 @@ def _reference(arch, seed: int):
     """PP=1 on this rank (every rank its own replica): full weights, and the norm / clipped gradients of
     gradients drawn per full name, with max_norm half the norm so that clipping scales them."""
     from moe.model import build_model
-    from moe.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from moe.parallel import destroy_model_parallel
 
-    initialize_model_parallel(ParallelLayout())
+    megatron_groups()
     model = build_model(arch)
     full = {n: _by_name("w." + n, p.shape, seed) for n, p in model.named_parameters()}
     grads = {n: _by_name("g." + n, p.shape, seed) for n, p in model.named_parameters()}
@@ -126,7 +122,7 @@ def _gather_and_norm(seed, layout_kwargs):
     from megatron.core import parallel_state as ps
 
     from moe.model import build_model
-    from moe.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from moe.parallel import destroy_model_parallel
     from moe.sharding import full_names, gather_full_state_dict, layer_offset, load_full_state_dict
 
     reports = {}
@@ -135,8 +131,7 @@ def _gather_and_norm(seed, layout_kwargs):
             continue  # the 4-rank layouts: the even split is enough
         arch = _arch(tie)
         full, grads, max_norm, ref_norm, ref_clipped = _reference(arch, seed)
-        layout = ParallelLayout(pipeline_parallel=2, **layout_kwargs)
-        initialize_model_parallel(layout)
+        layout = megatron_groups(pipeline_parallel=2, **layout_kwargs)
         model = build_model(arch, layout, **overrides)
         load_full_state_dict(model, full)
         gathered = gather_full_state_dict(model)
@@ -261,11 +256,9 @@ def _optimizer(model):
 
 def _model(label: str, pipeline_parallel: int):
     from moe.model import build_model
-    from moe.parallel import ParallelLayout, initialize_model_parallel
 
     _, tie, overrides = next(v for v in VARIANTS if v[0] == label)
-    layout = ParallelLayout(pipeline_parallel=pipeline_parallel)
-    initialize_model_parallel(layout)
+    layout = megatron_groups(pipeline_parallel=pipeline_parallel)
     return build_model(_arch(tie), layout, **(overrides if pipeline_parallel > 1 else {}))
 
 

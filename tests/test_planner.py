@@ -8,9 +8,9 @@ from megagspo.planner import GIB, PlanError, PlanInputs, _stage_terms, parameter
 from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import LayoutError, ParallelLayout
 
-TINY = Qwen3MoeArchitecture(vocab_size=100, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=4, moe_intermediate_size=6, num_experts=4,
-                            num_experts_per_tok=2)
+from helpers import tiny_arch
+
+TINY = tiny_arch("planner")
 QWEN3_30B_A3B = Qwen3MoeArchitecture(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                                      num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                                      moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,

@@ -30,11 +30,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import megatron_groups
+from helpers import tiny_arch
 from multiprocess import run_distributed
 
-ARCH = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=64, router_aux_loss_coef=0.0)
+ARCH = tiny_arch("moe", vocab_size=256, hidden_size=64, head_dim=16, moe_intermediate_size=64,
+                 router_aux_loss_coef=0.0)
 WORLD = 2
 # dense DP / expert-DP: ep2 2 / 1 (each rank holds half of the experts, whole), dp2 2 / 2, tp2 1 / 2 (norms
 # and routers replicated over TP, experts whole on each TP rank and sharded over the 2 expert-DP ranks)
@@ -84,20 +85,15 @@ def _allocated(model, ddp, optimizer, dtype) -> dict:
 def _body(rank, world_size, cases):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
     from moe.model import build_model, forward_logits
     from moe.optimizer import (OptimizerSettings, build_optimizer, finish_gradients, optimizer_step,
                                params_dtype, wrap_data_parallel, zero_gradients)
-    from moe.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from moe.parallel import destroy_model_parallel
 
-    apply_cpu_shim()
-    arch = Qwen3MoeArchitecture(**ARCH)
+    arch = ARCH
     results = {}
     for layout_name, precision in cases:
-        layout = ParallelLayout(**LAYOUTS[layout_name])
-        initialize_model_parallel(layout)
-        initialize_cpu_rng(1234)
+        layout = megatron_groups(1234, **LAYOUTS[layout_name])
         model = build_model(arch, layout, params_dtype=params_dtype(precision))
         ddp = wrap_data_parallel(model)
         optimizer = build_optimizer(ddp, OptimizerSettings(lr=1e-3))
@@ -117,10 +113,9 @@ def _body(rank, world_size, cases):
 
 def _planned(layout_name: str, precision: str) -> dict:
     from megagspo.planner import GIB, PlanInputs, plan_memory
-    from moe.architecture import Qwen3MoeArchitecture
     from moe.parallel import ParallelLayout
 
-    plan = plan_memory(Qwen3MoeArchitecture(**ARCH),
+    plan = plan_memory(ARCH,
                        PlanInputs(world_size=WORLD, layout=ParallelLayout(**LAYOUTS[layout_name]),
                                   micro_batch_tokens=16, precision=precision))
     assert plan.stage == "only"

@@ -7,14 +7,11 @@ import os
 import pytest
 
 from megagspo.planner import GIB, PlanInputs, plan_memory
-from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import ParallelLayout
 
-from helpers import REPO
+from helpers import REPO, tiny_arch
 
-TINY = Qwen3MoeArchitecture(vocab_size=100, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=2, head_dim=4, moe_intermediate_size=6, num_experts=4,
-                            num_experts_per_tok=2)
+TINY = tiny_arch("planner", num_key_value_heads=2)
 
 
 def _terms(layout, precision, path, tokens=10, chunk=4):

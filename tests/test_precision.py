@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from helpers import REPO, fresh_seed
+from helpers import fresh_seed, tiny_arch, tiny_trainer
 from multiprocess import run_distributed
 
 BASE = ["threads=1", "data.train_size=200", "data.eval_size=8", "rl.eval_samples=0", "sft.batch_size=16",
@@ -35,10 +35,7 @@ LOGP_MAX_ABS, LOGP_MEAN_ABS, SFT_LOSS_REL = 0.08, 0.006, 0.01
 
 
 def _trainer(overrides):
-    from megagspo.config import load_config
-    from megagspo.trainer.trainer import Trainer
-
-    return Trainer(load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides), quiet=True)
+    return tiny_trainer(overrides)
 
 
 def _batch(trainer, rows: int, seed: int):
@@ -136,16 +133,12 @@ def test_bf16_policy_is_mixed_precision_and_tracks_fp32_on_cuda(tmp_path):
 
 def _tiny_bf16_model(seed: int):
     """A one-layer bf16 MoE model in Megatron's DDP, in this (1-rank) process. -> (model, ddp)."""
-    from moe.architecture import Qwen3MoeArchitecture
     from moe.model import build_model
     from moe.optimizer import wrap_data_parallel
     from moe.parallel import ParallelLayout, setup_process_groups
 
     layout = setup_process_groups(ParallelLayout(), seed).layout
-    arch = Qwen3MoeArchitecture(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
-                                num_experts_per_tok=2, max_position_embeddings=16)
-    model = build_model(arch, layout, params_dtype=torch.bfloat16)
+    model = build_model(tiny_arch("micro"), layout, params_dtype=torch.bfloat16)
     return model, wrap_data_parallel(model)
 
 

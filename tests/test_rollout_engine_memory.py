@@ -32,6 +32,8 @@ import torch
 from megagspo.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
 from megagspo.rollout.hf_engine import engine_dtype
 
+from helpers import tiny_arch
+
 QWEN3_VOCAB = 151_936
 
 
@@ -41,11 +43,7 @@ class _Tok:
 
 
 def _arch(vocab: int):
-    from moe.architecture import Qwen3MoeArchitecture
-
-    return Qwen3MoeArchitecture(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
-                                num_experts_per_tok=2, max_position_embeddings=128, intermediate_size=24)
+    return tiny_arch("moe", vocab_size=vocab, max_position_embeddings=128, intermediate_size=24)
 
 
 @pytest.fixture

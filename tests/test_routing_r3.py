@@ -23,12 +23,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from devices import DEVICES, child_env
+from devices import DEVICES, child_env, megatron_groups
+from helpers import tiny_arch
 from multiprocess import run_distributed
 
-ARCH = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-            max_position_embeddings=64, router_aux_loss_coef=0.0, mlp_only_layers=(0,), intermediate_size=24)
+ARCH = tiny_arch("mixed", num_hidden_layers=3, num_experts=8, router_aux_loss_coef=0.0)
 BATCH, SEQ = 2, 12
 MARGIN = 1e-4
 
@@ -73,22 +72,17 @@ def _hf_routes(model, input_ids_BS):
 
 
 def _body(rank, world_size, seed):
-    from devices import child_device, seed_megatron
+    from devices import child_device
     from test_routing_support import perturb_routers, sorted_routes, used_experts
 
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim
     from moe.hf_checkpoint import load_hf_state_dict
     from moe.model import build_model, forward_logits
-    from moe.parallel import ParallelLayout, initialize_model_parallel
     from moe.routing_replay import RoutingReplay, pack_sample_routes
     from moe.sharding import load_full_state_dict
 
-    apply_cpu_shim()  # nothing on CUDA
-    initialize_model_parallel(ParallelLayout())
-    seed_megatron(seed)
+    megatron_groups(seed)  # the CPU shim does nothing on CUDA
     device = child_device()
-    arch = Qwen3MoeArchitecture(**ARCH)
+    arch = ARCH
     hf = _hf_model(arch, seed).to(device)  # drawn on the CPU: the same weights for a seed on either device
     tokens_BS = torch.randint(0, arch.vocab_size, (BATCH, SEQ),
                               generator=torch.Generator().manual_seed(seed)).to(device)

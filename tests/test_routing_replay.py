@@ -13,7 +13,7 @@ a failed step leaves no replay state behind.
 
 Tolerance: replay and the forced forward run the same float32 ops in the same order: equal to 0 atol
 except a 1e-6 relative allowance for summation order in the gather/scatter of probabilities. The `cuda`
-variant (marked gpu; tests/devices.py) runs the same body on the GPU with 1e-5 in place of 1e-6 (`_close`):
+variant (marked gpu; tests/devices.py) runs the same body on the GPU with 1e-5 in place of 1e-6 (`_CLOSE`):
 there the MoE unpermute's scatter-add (forward) and the permute's backward add with atomics, so two forwards on
 the same routes sum expert outputs and token gradients in a run-dependent order (a few float32 ulp per sum).
 """
@@ -32,8 +32,8 @@ from moe.routing_replay import (
     validate_routes,
 )
 from moe.volatility import VolatilityTally, changed_choices, expert_volatility, volatility_counts
-from devices import DEVICES, child_env
-from helpers import assert_close_scaled
+from devices import DEVICES, child_env, megatron_groups
+from helpers import scaled_close, tiny_arch
 from multiprocess import run_distributed
 
 # ---------------------------------------------------------------------------------------------------------
@@ -172,9 +172,7 @@ def test_volatility_compares_top_k_as_sets_with_mask():
 # ---------------------------------------------------------------------------------------------------------
 
 # Layer 0 dense, layers 1-3 MoE (mixed model), 8 experts top-2.
-ARCH = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-            max_position_embeddings=64, router_aux_loss_coef=0.0, mlp_only_layers=(0,), intermediate_size=24)
+ARCH = tiny_arch("mixed", num_hidden_layers=4, num_experts=8, router_aux_loss_coef=0.0)
 
 
 def _packed_inputs(lengths, vocab, gen):
@@ -190,32 +188,26 @@ def _packed_inputs(lengths, vocab, gen):
     return tokens, positions, (~allowed)[None, None]
 
 
-def _close(a, b, what, device="cpu"):
-    # CUDA: 1e-5 (non-deterministic atomic scatter-add in the MoE unpermute and in the permute's backward; see
-    # the module docstring); the CPU keeps 1e-6.
-    rel = 1e-5 if device == "cuda" else 1e-6
-    assert_close_scaled(a, b, what, rtol=rel, atol_scale=rel, atol_floor=1e-9)
+# by device: CUDA 1e-5 (non-deterministic atomic scatter-add in the MoE unpermute and in the permute's backward;
+# see the module docstring); the CPU keeps 1e-6.
+_CLOSE = {"cpu": scaled_close(rtol=1e-6, atol_scale=1e-6, atol_floor=1e-9),
+          "cuda": scaled_close(rtol=1e-5, atol_scale=1e-5, atol_floor=1e-9)}
 
 
 def _megatron_body(rank, world_size, seed):
-    from devices import child_device, seed_megatron
+    from devices import child_device
     from test_routing_support import allow_cpu_recompute, forced_routing, perturb_routers, sorted_routes, used_experts
 
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim
     from moe.model import build_model, forward_logits
-    from moe.parallel import ParallelLayout, initialize_model_parallel
     from moe.routing_replay import RoutingReplay, RoutingReplayError
     from moe.sharding import load_full_state_dict
     from moe.volatility import expert_volatility
 
-    apply_cpu_shim()  # this and allow_cpu_recompute do nothing on CUDA
+    megatron_groups(seed)  # the CPU shim in it and allow_cpu_recompute do nothing on CUDA
     allow_cpu_recompute()
-    initialize_model_parallel(ParallelLayout())
-    seed_megatron(seed)
     device = child_device()
     gen = torch.Generator().manual_seed(seed)
-    arch = Qwen3MoeArchitecture(**ARCH)
+    arch = ARCH
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     model = build_model(arch, routing_replay=True, **recompute)
     model.train()
@@ -349,15 +341,15 @@ def test_replay_in_megatron_single_process(device):
         res = out[name]
         assert res["used_equal"], f"seed {seed} {name}: replay did not select exactly the recorded experts"
         assert res["replay_vol"] == 0.0
-        _close(*res["logits"], f"seed {seed} {name} logits vs forced routing", device)
+        _CLOSE[device](*res["logits"], f"seed {seed} {name} logits vs forced routing")
         assert res["grad_names"][0] == res["grad_names"][1]
         for pname, (g, ref) in res["grads"].items():
-            _close(g, ref, f"seed {seed} {name} grad {pname} vs forced routing", device)
+            _CLOSE[device](g, ref, f"seed {seed} {name} grad {pname} vs forced routing")
         assert res["free_vol"] > 0 and res["free_diff"] > 1e-4, f"seed {seed} {name}: perturbation changed nothing"
     acc = out["accumulation"]
     assert acc["forwards"] == 2 and acc["recompute_calls"] == 2, acc
     for pname, (g, ref) in acc["grads"].items():
-        _close(g, ref, f"seed {seed} accumulation+recompute grad {pname}", device)
+        _CLOSE[device](g, ref, f"seed {seed} accumulation+recompute grad {pname}")
     assert out["vol_after_step"] > 0, f"seed {seed}: no expert changed after an optimizer step"
     assert out["vol_with_replay"] == 0.0
     errors = out["errors"]

@@ -14,12 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close_scaled
+from devices import megatron_groups
+from helpers import scaled_close, tiny_arch
 from multiprocess import run_distributed
 
-ARCH = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-            max_position_embeddings=64, router_aux_loss_coef=0.0, mlp_only_layers=(0,), intermediate_size=24)
+ARCH = tiny_arch("mixed", num_hidden_layers=3, num_experts=8, router_aux_loss_coef=0.0)
 BATCH, SEQ = 4, 8
 
 
@@ -27,20 +26,16 @@ def _body(rank, world_size, layout_kwargs, seed):
     from megatron.core import parallel_state as ps
     from test_routing_support import forced_routing, perturb_routers, sorted_routes, used_experts
 
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
     from moe.model import build_model, forward_logits
-    from moe.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from moe.parallel import destroy_model_parallel
     from moe.routing_replay import RoutingReplay
     from moe.sharding import load_full_state_dict
     from moe.volatility import expert_volatility
 
-    apply_cpu_shim()
-    arch = Qwen3MoeArchitecture(**ARCH)
+    arch = ARCH
     tokens_BS = torch.randint(0, arch.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
-    initialize_model_parallel(ParallelLayout())
-    initialize_cpu_rng(seed)
+    megatron_groups(seed)
     reference = build_model(arch, routing_replay=True)
     weights = {n: p.detach().clone() for n, p in reference.named_parameters()}
     with torch.no_grad(), RoutingReplay(reference).recording() as rec:
@@ -49,9 +44,7 @@ def _body(rank, world_size, layout_kwargs, seed):
     del reference
     destroy_model_parallel()
 
-    layout = ParallelLayout(**layout_kwargs)
-    initialize_model_parallel(layout)
-    initialize_cpu_rng(seed)
+    layout = megatron_groups(seed, **layout_kwargs)
     model = build_model(arch, layout, routing_replay=True)
     model.train()
     load_full_state_dict(model, weights)
@@ -106,8 +99,7 @@ LAYOUTS = {
 }
 
 
-def _close(a, b, what):
-    assert_close_scaled(a, b, what, rtol=1e-6, atol_scale=1e-6, atol_floor=1e-9)
+_close = scaled_close(rtol=1e-6, atol_scale=1e-6, atol_floor=1e-9)
 
 
 def _all_layouts_body(rank, world_size, seed):
