@@ -247,6 +247,9 @@ class RewardConfig:
         num("reward", "timeout_s", self.timeout_s, 0.0)
 
 
+ENGINE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8_sim")
+
+
 @dataclass
 class RolloutConfig:
     # hf (transformers Qwen3MoeForCausalLM, KV cache) | sglang (GPU hosts); checked, with rollout.sglang, where
@@ -255,9 +258,17 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     # Derived, not a setting: the engine returns each token's routed experts exactly when something reads them,
-    # rl.routing_replay = r3 (replayed in training) or rl.old_policy.source = rollout (pi_old's routes for the expert-
-    # volatility metric). Config sets it; a recipe value that contradicts the derivation is refused.
+    # rl.routing_replay = r3 (replayed in training), rl.old_policy.source = rollout (pi_old's routes for the expert-
+    # volatility metric) or rl.route_gap (the engine-trainer route disagreement). Config sets it; a recipe value
+    # that contradicts the derivation is refused.
     record_routes: Optional[bool] = None
+    # The engine's own precision, whatever the trainer's (the engine-trainer gap routing replay exists for): auto
+    # (the policy's precision on a GPU, fp32 on the CPU) | fp32 | bf16 | fp16 | fp8_sim (router and expert weights
+    # rounded through float8_e4m3fn with a per-tensor scale, computed in bf16: FP8 inference against a BF16 or
+    # FP32 trainer, as Qwen's stress test). The weight sync carries the trainer's exact weights; the embedded
+    # engine rounds as it loads them. rollout.engine = sglang: the servers' --dtype / --quantization fp8 when
+    # the engine launches them (docs/configuration.md).
+    engine_dtype: str = "auto"
     # Weight sync after each update: the full model streams to the engine in buckets of at most this many
     # bytes, gathered one bucket at a time over TP / EP / PP (no rank ever holds the whole model).
     sync_bucket_mib: int = 512
@@ -295,6 +306,7 @@ class RolloutConfig:
         require("rollout", "record_routes", self.record_routes in (None, True, False), self.record_routes,
                  "true or false (better: unset, it follows rl.routing_replay and rl.old_policy.source)")
         pos_int("rollout", "sync_bucket_mib", self.sync_bucket_mib)
+        choice("rollout", "engine_dtype", self.engine_dtype, ENGINE_DTYPES)
         num("rollout", "temperature", self.temperature, 0.0, 10.0, lo_open=True)
         num("rollout", "top_p", self.top_p, 0.0, 1.0, lo_open=True)
 
@@ -420,6 +432,8 @@ class Config:
         from rl.old_policy.source). A recipe may still spell them out (a run's saved config.yaml does), but a value that
         contradicts the derivation is refused naming both keys."""
         rl = self.rl
+        if rl.route_gap is None:  # measured where the engine's precision is set apart from the trainer's
+            rl.route_gap = self.rollout.engine_dtype != "auto"
         routes = rl.reads_engine_routes
         given = self.rollout.record_routes
         if given is not None and given != routes:

@@ -16,7 +16,7 @@ from megagspo.algorithm.advantages import GroupAdvantageConfig
 from megagspo.algorithm.kl import KLConfig
 from megagspo.algorithm.old_policy import OldPolicyConfig
 from megagspo.algorithm.registry import LossOptionError, build_loss_config, registered_losses
-from megagspo.config_checks import choice, nonneg_int, num, pos_int
+from megagspo.config_checks import choice, nonneg_int, num, pos_int, require
 from megagspo.errors import ConfigError
 
 ROUTING_REPLAY = ("none", "r2", "r3")
@@ -200,6 +200,14 @@ class RLConfig:
     # routes, recorded in the recompute forward, replayed in training) | r3 (the rollout engine's routes
     # replayed; the engine is asked for them: rollout.record_routes follows this key)
     routing_replay: str = "none"
+    # Measure the engine-trainer route gap every step (mismatch/route_*: the engine's top-k sets against the
+    # trainer's at the same weights, and under replay the replayed routes against the live router's). The
+    # engine then returns its routes (384 bytes a token at Qwen3-30B-A3B). null: on where rollout.engine_dtype
+    # sets the engine's precision apart from the trainer's (auto: an fp32 CPU engine has no gap to measure).
+    route_gap: Optional[bool] = None
+    # The router's load-balancing loss coefficient during RL; null: model.router_aux_loss_coef, which the cold-start
+    # SFT always uses (a model built with 0 has no aux loss to scale)
+    router_aux_loss_coef: Optional[float] = None
     # auto (megagspo.kernels, with one warning where megagspo._C cannot serve the device) | kernels (forced: an
     # error instead of the fallback) | torch (a naive log_softmax; needs model.logprob_path=logits)
     logprob_impl: str = "auto"
@@ -217,15 +225,20 @@ class RLConfig:
 
     @property
     def reads_engine_routes(self) -> bool:
-        """Whether the engine's routes are read: by R3 (replayed in training) and, with old_policy.source = rollout,
-        by the expert-volatility metric (pi_old is the engine, so its routes are pi_old's). The one place this is
+        """Whether the engine's routes are read: by R3 (replayed in training), with old_policy.source = rollout by
+        the expert-volatility metric (pi_old is the engine, so its routes are pi_old's), and by the route-gap
+        metrics (rl.route_gap). The one place this is
         decided: the engine is asked for them (rollout.record_routes) and the step packs them exactly then."""
-        return self.routing_replay == "r3" or self.old_policy.source == "rollout"
+        return self.routing_replay == "r3" or self.old_policy.source == "rollout" or bool(self.route_gap)
 
     def __post_init__(self) -> None:
         nonneg_int("rl", "steps", self.steps)
         choice("rl", "routing_replay", self.routing_replay, ROUTING_REPLAY)
         choice("rl", "logprob_impl", self.logprob_impl, LOGPROB_IMPLS)
+        require("rl", "route_gap", self.route_gap in (None, True, False), self.route_gap,
+                "true, false or null (on where rollout.engine_dtype is not auto)")
+        if self.router_aux_loss_coef is not None:
+            num("rl", "router_aux_loss_coef", self.router_aux_loss_coef, 0.0, 1e6)
         # The loss's own Config validates the combination (an option the chosen loss lacks): the same builder the
         # trainer calls, so a recipe that loads here builds there.
         try:

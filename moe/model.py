@@ -135,6 +135,25 @@ def build_model(
     return model
 
 
+def set_router_aux_loss_coef(model, coef: float) -> float:
+    """Every router's load-balancing (aux) loss coefficient from now on (Megatron reads its config's
+    moe_aux_loss_coeff at each forward, and the model's layers share one TransformerConfig): the RL phase's own,
+    where it differs from the one the model was built with (the cold start's). A model built without the aux
+    loss (coefficient 0: its routers' load balancing "none") gets it switched on. -> the coefficient before."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    if not routers:
+        raise ValueError("set_router_aux_loss_coef: the model has no MoE router")
+    before = float(routers[0].config.moe_aux_loss_coeff)
+    for router in routers:
+        router.config.moe_aux_loss_coeff = float(coef)
+        if coef > 0 and router.routing_type == "none":
+            router.routing_type = "aux_loss"
+            router.config.moe_router_load_balancing_type = "aux_loss"
+    return before
+
+
 def place_on_gpu(model):
     """The built model moved to this process's GPU (Megatron builds it on the host without TE's init)."""
     return cuda_calls.module_to_cuda(model, cuda_calls.current_cuda_device())

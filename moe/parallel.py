@@ -257,6 +257,14 @@ class ParallelDims:
                                             input_split_sizes=list(send_counts), group=self.dp_group)
         return out.to(x.dtype)
 
+    def pp_any(self, mask: torch.Tensor) -> torch.Tensor:
+        """A per-token bool mask OR-ed over the pipeline stages (each holds its own layers)."""
+        if self.pp_size == 1:
+            return mask
+        wire = mask.to(torch.int32)
+        torch.distributed.all_reduce(wire, op=torch.distributed.ReduceOp.MAX, group=self.pp_group)
+        return wire.bool()
+
     def pp_sum(self, values: List[float]) -> List[float]:
         """Per-stage counts (each stage holds its own layers) summed over the pipeline."""
         return sum_over(values, self.pp_group)

@@ -393,6 +393,7 @@ class RoutingReplay:
                 rr.clear_router_replay_action()
                 rr.clear_indices()
                 rr.__dict__.pop("record_indices", None)
+                rr.__dict__.pop("get_replay_topk", None)
             self._active = False
 
     # --- recording --------------------------------------------------------------------------------------
@@ -426,12 +427,46 @@ class RoutingReplay:
                 rr.record_indices = record
                 rr.set_router_replay_action(RouterReplayAction.RECORD)
             yield result
-            counts = {len(c) for c in calls}
-            if len(counts) != 1:
-                raise RoutingReplayError(f"MoE layers recorded different numbers of forward calls: {[len(c) for c in calls]}")
-            for call in range(counts.pop()):
-                per_layer = [self._to_storage(*calls[l][call]) for l in range(len(self.layers))]
-                result.microbatches.append(torch.stack(per_layer, dim=1).to(self.spec.dtype))
+            result.microbatches.extend(self._stacked(calls))
+
+    def _stacked(self, calls: list) -> list:
+        """Per forward call, every layer's recorded (indices_NK, batch, seq_local) as one [T, L, K] in storage
+        order (compact dtype)."""
+        counts = {len(c) for c in calls}
+        if len(counts) != 1:
+            raise RoutingReplayError(f"MoE layers recorded different numbers of forward calls: {[len(c) for c in calls]}")
+        out = []
+        for call in range(counts.pop()):
+            per_layer = [self._to_storage(*calls[l][call]) for l in range(len(self.layers))]
+            out.append(torch.stack(per_layer, dim=1).to(self.spec.dtype))
+        return out
+
+    def _capture_live(self, hooks: list) -> list:
+        """Inside a replaying session: each router's own top-k (Megatron's default top-k on the scores it was
+        given) on every forward call that replays (not backward recompute), per layer as recording keeps them.
+        Megatron's RouterReplay.get_replay_topk is wrapped on the instance for the session (the session's cleanup
+        removes it with the other replay state)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        calls: list[list] = [[] for _ in self.layers]
+        for i, layer in enumerate(self.layers):
+            rr = layer.router.router_replay
+            shape_box: dict = {}
+
+            def pre_hook(module, args, kwargs, shape_box=shape_box):
+                hidden = args[0] if args else kwargs["input"]
+                shape_box["shape"] = (hidden.shape[1], hidden.shape[0])  # [S_loc, B, H] -> (B, S_loc)
+
+            def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None,
+                                rr=rr, calls_l=calls[i], shape_box=shape_box):
+                if rr.router_replay_action == RouterReplayAction.REPLAY_FORWARD and not _in_backward():
+                    _, own_NK = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                    calls_l.append((own_NK.detach(), *shape_box["shape"]))
+                return type(rr).get_replay_topk(rr, scores, topk, num_groups, group_topk, default_compute_topk)
+
+            hooks.append(layer.router.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            rr.get_replay_topk = get_replay_topk
+        return calls
 
     def _to_storage(self, indices_NK: Tensor, batch: int, seq_local: int) -> Tensor:
         """Router-order [S_loc*B, K] -> storage-order [B*S, K] (gathering sequence chunks over TP)."""
@@ -451,14 +486,18 @@ class RoutingReplay:
     # Over 60 lines: route checks, per-layer hook install and the guaranteed removal, one context manager.
     @contextlib.contextmanager
     def replaying(self, routes: Union[Tensor, Sequence[Tensor], None], *,
-                  validate: bool = True) -> Iterator[ReplayHandle]:
+                  validate: bool = True, live: Optional[RecordedRoutes] = None) -> Iterator[ReplayHandle]:
         """Replay `routes` ([T, L, K] for one micro-batch, or a list with one per forward call) in every
         MoE layer of this stage, forward and backward recompute. Raises `RouteValidationError` when routes
         are None or do not fit; a forward whose token count differs from its routes raises at that layer.
 
         A single tensor is reused for every forward call (e.g. one micro-batch's forward and backward, or
         several forwards over the same tokens). `validate=False` skips the id checks (range, distinct; they
-        sync the host) for routes already checked by `pack_sample_routes`; shapes are always checked."""
+        sync the host) for routes already checked by `pack_sample_routes`; shapes are always checked.
+
+        `live`: also what each router would have chosen itself, the top-k of its own scores on the same forward,
+        appended per forward call as `recording` does (how far the replayed routes are from the live router's:
+        the route-gap metrics). The replayed routes still drive the forward."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if routes is None:
@@ -522,7 +561,10 @@ class RoutingReplay:
                         handle.forwards_done = state["next"]
 
                 hooks.append(layer.router.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            live_calls = self._capture_live(hooks) if live is not None else None
             yield handle
+            if live is not None:
+                live.microbatches.extend(self._stacked(live_calls))
 
 
 def _moe_layer_pattern(config) -> list[int]:

@@ -166,6 +166,33 @@ def test_mismatch_metrics_equal_their_definitions(seed):
     assert float(got["mismatch/frac_over_ln2"]) == pytest.approx(float((d.abs() > math.log(2)).double().mean()))
 
 
+@pytest.mark.parametrize("seed", [1, 7])
+def test_the_fields_mismatch_metrics_equal_their_definitions(seed):
+    """F(tau = 5), NeMo-RL's token_mult_prob_error (mean exp|d|) and the token IS weights' moments, whose ratio is
+    the effective sample size (Kish: (sum w)^2 / (n sum w^2)), in float64 against their formulas; identical
+    log-probs give F = 0, an error of exactly 1 and an ESS of 1."""
+    from megagspo.rl.step_metrics import metrics_row
+
+    b = _batch(seed)
+    got = mismatch_metrics(b["old"], b["rollout"], b["mask"])
+    d = (b["old"] - b["rollout"]).double()[b["mask"]]
+    w = torch.exp(d)
+    assert float(got["mismatch/frac_over_ln5"]) == pytest.approx(float((d.abs() > math.log(5)).double().mean()))
+    assert float(got["mismatch/token_mult_prob_error"]) == pytest.approx(float(torch.exp(d.abs()).mean()), rel=1e-10)
+    assert float(got["mismatch/is_weight_mean"]) == pytest.approx(float(w.mean()), rel=1e-10)
+    assert float(got["mismatch/is_weight_sq_mean"]) == pytest.approx(float((w * w).mean()), rel=1e-10)
+    kish = float(w.sum() ** 2 / (len(w) * (w * w).sum()))
+    union = {"seq/clip_frac": 0.0, "tok/clip_frac": 0.0, "seq/clip_low_frac": 0.0, "seq/clip_high_frac": 0.0,
+             "kl/approx_old": 0.0, "ratio/mean": 1.0, "loss": 0.0, **{k: float(v) for k, v in got.items()}}
+    total = {k: 1.0 for k in ("rows", "reward", "correct", "reward_errors", "reward_clamped", "reward_timeouts",
+                              "nonzero_adv", "response_tokens", "vol_changed", "vol_total")}
+    row = metrics_row(total, union, [1.0], 1e-3, with_reference=False)
+    assert row["mismatch/is_ess_frac"] == pytest.approx(kish, rel=1e-9) and 0.0 < kish <= 1.0
+    same = mismatch_metrics(b["old"], b["old"], b["mask"])
+    assert float(same["mismatch/frac_over_ln5"]) == 0.0 and float(same["mismatch/token_mult_prob_error"]) == 1.0
+    assert float(same["mismatch/is_weight_mean"]) == float(same["mismatch/is_weight_sq_mean"]) == 1.0
+
+
 def test_metrics_of_two_micro_batches_merge_as_one_batch():
     b = _batch(11)
     cfg = GSPOConfig(old_policy=OldPolicyConfig(correction=RolloutCorrectionConfig("token_mask", token_mask_low=0.8,
@@ -180,7 +207,8 @@ def test_metrics_of_two_micro_batches_merge_as_one_batch():
     whole = gspo(PackedBatch(logp_T=b["logp"], loss_mask_T=b["mask"], cu_seqlens_S1=b["cu"], num_global_sequences=6,
                              old_logp_T=b["old"], rollout_logp_T=b["rollout"], advantages_S=b["adv"]), cfg)[1]
     merged = merge_metrics(parts)
-    for key in ("mismatch/abs_log_ratio", "mismatch/k3_kl", "mismatch/frac_over_ln2",
+    for key in ("mismatch/abs_log_ratio", "mismatch/k3_kl", "mismatch/frac_over_ln2", "mismatch/frac_over_ln5",
+                "mismatch/token_mult_prob_error", "mismatch/is_weight_mean", "mismatch/is_weight_sq_mean",
                 "rollout_correction/token_mask/token_frac", "rollout_correction/token_mask/seq_frac",
                 "rollout_correction/token_mask/weight_mean"):
         torch.testing.assert_close(merged[key], whole[key], rtol=1e-12, atol=1e-15, msg=key)

@@ -26,12 +26,14 @@ def test_sampled_accuracy_that_was_not_measured_is_said_so_and_not_recorded():
     line = final_line(FINAL, EVAL, rl_steps=600, loss="gspo", sft_steps=0, eval_samples=0, temperature=1.0)
     assert line == ("held-out accuracy after 600 gspo steps: greedy 0.750 (before RL 0.500), "
                     "sampled: not measured (rl.eval.samples=0)")
-    assert eval_record("final", FINAL, eval_samples=0) == {"final/accuracy": 0.75}
+    # (the held-out time-out count is always recorded: issue 49)
+    assert eval_record("final", FINAL, eval_samples=0) == {"final/accuracy": 0.75, "final/timeouts": 0}
     measured = dict(FINAL, **{"eval/sampled_accuracy": 0.6})
     line = final_line(measured, dict(EVAL, **{"eval/sampled_accuracy": 0.4}), rl_steps=600, loss="gspo", sft_steps=250,
                       eval_samples=4, temperature=1.0)
     assert line.endswith("greedy 0.750 (cold start 0.500), sampled T=1 0.600 (cold start 0.400)"), line
-    assert eval_record("final", measured, eval_samples=4) == {"final/accuracy": 0.75, "final/sampled_accuracy": 0.6}
+    assert eval_record("final", measured, eval_samples=4) == {"final/accuracy": 0.75, "final/sampled_accuracy": 0.6,
+                                                               "final/timeouts": 0}
 
 
 def test_smoothing_is_a_trailing_mean_over_the_window():

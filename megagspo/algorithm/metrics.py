@@ -47,6 +47,10 @@ _WEIGHTS = {
     "mismatch/abs_log_ratio": "tok/count",
     "mismatch/k3_kl": "tok/count",
     "mismatch/frac_over_ln2": "tok/count",
+    "mismatch/frac_over_ln5": "tok/count",
+    "mismatch/token_mult_prob_error": "tok/count",
+    "mismatch/is_weight_mean": "tok/count",
+    "mismatch/is_weight_sq_mean": "tok/count",
 }
 # the rollout-correction menu's metrics (megagspo.algorithm.rollout_correction): rollout_correction/<mode>/<what>
 _WEIGHTS.update({f"rollout_correction/{mode}/{what}": weight

@@ -53,6 +53,7 @@ ROLLOUT_CORRECTIONS = ("none", "seq_tis", "token_tis", "seq_mask_geo", "token_ma
 SEQUENCE_CORRECTIONS = ("seq_tis", "seq_mask_geo", "opsm")
 TOKEN_CORRECTIONS = ("token_tis", "token_mask")
 LN2 = math.log(2.0)
+LN5 = math.log(5.0)
 
 
 def normalize_correction(value) -> str:
@@ -108,13 +109,27 @@ def token_log_gap(old_logp_T: Tensor, rollout_logp_T: Tensor, loss_mask_T: Tenso
 
 
 def mismatch_metrics(old_logp_T: Tensor, rollout_logp_T: Tensor, loss_mask_T: Tensor) -> dict:
-    """mismatch/abs_log_ratio, mismatch/k3_kl (KL(pi_rollout || pi_old)), mismatch/frac_over_ln2."""
+    """The engine-trainer gap on response tokens, as the field reports it (docs/configuration.md, "Mismatch
+    metrics"), with rho_t = exp(d_t) = pi_old / pi_rollout:
+        mismatch/abs_log_ratio            mean |d_t|
+        mismatch/k3_kl                    mean (rho_t - 1 - d_t): the k3 estimate of KL(pi_rollout || pi_old)
+        mismatch/frac_over_ln2, _ln5      F(tau) for tau = 2, 5: the share of tokens whose probability ratio is
+                                          beyond tau either way (|d_t| > ln tau; the R3 paper's F)
+        mismatch/token_mult_prob_error    mean exp|d_t| (NeMo-RL's gate: 1 when the engine equals the trainer)
+        mismatch/is_weight_mean, _sq_mean mean rho_t and mean rho_t^2: their ratio (mean rho)^2 / mean rho^2 is the
+                                          effective sample size of the token IS weights as a fraction
+                                          (mismatch/is_ess_frac, derived from the merged means)"""
     mask_T = as_bool_mask(loss_mask_T)
     d_T = token_log_gap(old_logp_T, rollout_logp_T, mask_T)
+    rho_T = torch.exp(d_T)
     return {
         "mismatch/abs_log_ratio": masked_mean(d_T.abs(), mask_T),
         "mismatch/k3_kl": masked_mean(torch.expm1(d_T) - d_T, mask_T),
         "mismatch/frac_over_ln2": masked_mean((d_T.abs() > LN2).to(d_T.dtype), mask_T),
+        "mismatch/frac_over_ln5": masked_mean((d_T.abs() > LN5).to(d_T.dtype), mask_T),
+        "mismatch/token_mult_prob_error": masked_mean(torch.exp(d_T.abs()), mask_T),
+        "mismatch/is_weight_mean": masked_mean(rho_T, mask_T),
+        "mismatch/is_weight_sq_mean": masked_mean(rho_T * rho_T, mask_T),
     }
 
 

@@ -136,6 +136,7 @@ def build_engine(engine_cls: type, arch, tokenizer, cfg: Config) -> RolloutEngin
 def engine_kwargs(cfg: Config) -> dict:
     """The engine's arguments besides the architecture and the tokenizer (also what a producer process builds its
     engine with)."""
-    kwargs = ({"config": cfg.rollout.sglang} if cfg.rollout.engine == "sglang"
-              else {"dtype": cfg.model.precision} if cfg.rollout.engine == "hf" else {})
+    kwargs = ({"config": cfg.rollout.sglang, "engine_dtype": cfg.rollout.engine_dtype} if cfg.rollout.engine == "sglang"
+              else {"dtype": cfg.model.precision, "precision": cfg.rollout.engine_dtype} if cfg.rollout.engine == "hf"
+              else {})
     return {"record_routes": cfg.rollout.record_routes, **kwargs}

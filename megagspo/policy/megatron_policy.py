@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from megagspo.kernels import linear_token_logprobs, token_logprobs
-from moe.model import PackedSequences, build_model, check_packed_support, forward_logits
+from moe.model import PackedSequences, build_model, check_packed_support, forward_logits, set_router_aux_loss_coef
 from moe.optimizer import (build_optimizer, finish_gradients, loss_scale_for_sum, optimizer_step, params_dtype,
                            wrap_data_parallel, zero_gradients)
 from moe.output_hidden import forward_hidden, output_weight, output_weight_grad_buffer
@@ -182,9 +182,14 @@ class MegatronPolicy:
         """A context recording the routes of the forwards inside it (its `.routes`: [T, Ly, K] of this stage)."""
         return self.replay.recording()
 
-    def replaying(self, routes_TLK):
-        """A context in which the forwards inside it route with `routes_TLK` (R2 / R3)."""
-        return self.replay.replaying(routes_TLK)
+    def replaying(self, routes_TLK, live=None):
+        """A context in which the forwards inside it route with `routes_TLK` (R2 / R3); `live`
+        (moe.routing_replay.RecordedRoutes): also keep what the routers would have chosen themselves."""
+        return self.replay.replaying(routes_TLK, live=live)
+
+    def set_router_aux_loss_coef(self, coef: float) -> float:
+        """The routers' load-balancing loss coefficient from now on (rl.router_aux_loss_coef); -> the one before."""
+        return set_router_aux_loss_coef(self.model, coef)
 
     @property
     def replay_spec(self):

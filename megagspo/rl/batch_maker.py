@@ -103,6 +103,14 @@ class BatchMaker:
         self.tokenizer, self._generate, self.sampling, self._score = tokenizer, generate, sampling, score
         self.any_short = any_short
 
+    @property
+    def group_size(self) -> int:
+        return self.batch.group_size
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.batch.prompts_per_step
+
     def draw(self) -> List[Example]:
         """The next rl.batch.prompts_per_step prompts of the stream (every rank the same draw): this rank's share."""
         return self.share.of(self.prompts.sample(self.batch.prompts_per_step))

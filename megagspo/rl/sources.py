@@ -64,7 +64,7 @@ class Synchronous:
         pass
 
     def _sourced(self, scored: ScoredRollouts, metrics: Optional[dict] = None) -> SourcedBatch:
-        scores = scores_of(scored.rewards_R, scored.stats, self.maker.batch.group_size, self.advantage)
+        scores = scores_of(scored.rewards_R, scored.stats, self.maker.group_size, self.advantage)
         return SourcedBatch(scored.rollouts, scores, metrics or {},
                             {"time/rollout_s": scored.rollout_s, "time/reward_s": scored.reward_s})
 
@@ -75,7 +75,7 @@ class GroupFiltered(Synchronous):
 
     def next(self, step: int) -> SourcedBatch:
         scored = self.maker.make()
-        return self._sourced(scored, filter_metrics(scored.filter, self.maker.batch.prompts_per_step,
+        return self._sourced(scored, filter_metrics(scored.filter, self.maker.prompts_per_step,
                                                     self.dims.dp_sum, self.dims.dp_gather))
 
 

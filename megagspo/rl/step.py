@@ -45,9 +45,9 @@ from megagspo.rl.dp_balance import balance_over_dp
 from megagspo.rl.micro_batches import micro_slices, token_budget_split
 from megagspo.rl.schedule import lr_at
 from megagspo.rl.batch_maker import Rollouts, Scores
-from megagspo.rl.route_plan import RoutePlan
+from megagspo.rl.route_plan import RouteGap, RoutePlan
 from megagspo.rl.source_protocol import RolloutSource
-from megagspo.rl.step_metrics import metrics_row, mismatch_by_version
+from megagspo.rl.step_metrics import batch_metrics, metrics_row, mismatch_by_version
 from moe.optimizer import set_lr
 from moe.parallel import ParallelDims
 from moe.volatility import VolatilityTally
@@ -76,6 +76,7 @@ class OldPolicy:
     logp: list                      # pi_old log-probs (LM-head stage; recompute only), else None
     routes: list                    # pi_old's (or the engine's) routes, else None
     ref_logp: list                  # KL reference log-probs (kl_coef > 0), else None
+    route_gap: dict = field(default_factory=dict)  # rl.route_gap: the engine's routes against the trainer's
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Updates:
     volatility_changed: float = 0.0
     volatility_total: float = 0.0
     lr: float = 0.0
+    route_gap: dict = field(default_factory=dict)  # rl.route_gap under replay: replayed routes against the live ones
 
 
 @dataclass
@@ -134,6 +136,8 @@ class RLStep:
         times["time/train_s"] = time.perf_counter() - t3
         times.update(self.source.after_update(self.link))  # the source's engines get the weights after this update
         row = self.summarize(rollouts, scores, batch, updates)
+        row.update(old.route_gap)
+        row.update(updates.route_gap)
         row.update(sourced.metrics)
         row.update(mismatch_by_version(self.dims, batch.micro_batches, old.logp, step,
                                        recomputed=self.rl.old_policy.source == "recompute"))
@@ -182,10 +186,14 @@ class RLStep:
         """pi_old's log-probs and routes of each micro-batch (and the reference's log-probs)."""
         policy, flat = self.policy, batch.micro_batches
         logp = [None] * len(flat)
+        gap = {}
         if self.rl.old_policy.source == "recompute":
-            context, routes = self.routes.for_recompute(flat)
+            context, routes, own = self.routes.for_recompute(flat)
             results = policy.run_micro_batches(batch.inputs(flat), context=context)
             logp = [r[0] if r is not None else None for r in results]
+            if self.routes.measures_gap:  # the engine's top-k against the trainer's at the same weights (pi_old)
+                own = own if own is not None else self.routes.own_routes(batch.inputs(flat))
+                gap = RouteGap.of(self.dims, flat, self.routes.engine_routes(flat), own, "mismatch/route_")
         else:  # pi_old is the engine: its routes are pi_old's
             routes = self.routes.engine_routes(flat)
         ref_logp = [None] * len(flat)
@@ -194,34 +202,39 @@ class RLStep:
             # no replay hooks): under R2/R3 the replayed routes are pi_old's / the engine's, and the reference
             # must stay the fixed start-of-RL policy, not follow them.
             ref_logp = [r[0] if r is not None else None for r in self.reference.logprobs(batch.inputs(flat))]
-        return OldPolicy(logp, routes, ref_logp)
+        return OldPolicy(logp, routes, ref_logp, gap)
 
     def update(self, batch: UpdateBatch, old: OldPolicy, step: int, optimizer) -> Updates:
         cfg, policy = self.rl, self.policy
         opt = cfg.optim
         result = Updates(lr=lr_at(step, cfg.steps, opt.lr, opt.warmup_steps, opt.schedule, opt.min_lr_ratio))
         set_lr(optimizer, result.lr)
-        tally = VolatilityTally()
+        tally, override = VolatilityTally(), RouteGap()
         for k, micro in enumerate(batch.minis):
             policy.zero_grad()
             policy.set_micro_batches(len(micro))  # a token budget may split mini-batches differently
             old_routes = [old.routes[mb.index] for mb in micro]
-            new_routes = [None] * len(micro)
+            live_routes = [None] * len(micro)
             inputs = batch.inputs(micro)
-            results = policy.run_micro_batches(inputs, context=self.routes.for_update(old_routes, new_routes),
+            results = policy.run_micro_batches(inputs, context=self.routes.for_update(old_routes, live_routes),
                                                loss_fn=self._mini_batch_loss(batch, old, micro, k))
             result.metric_parts.extend(r for r in results if r is not None)  # the LM-head stage's metrics
             result.grad_norms.append(policy.step(optimizer))
-            # expert volatility: top-k choices of this forward (under replay: a free forward of the updated
-            # policy) vs pi_old's on the same tokens, micro-batch by micro-batch, over this stage's layers
+            for j, mb in enumerate(micro):  # under replay: the replayed routes against the live routers' choice
+                if live_routes[j] is not None:
+                    override.add(mb.tokens_of(old_routes[j]), mb.tokens_of(live_routes[j]), mb.seqs.loss_mask_T)
+            # expert volatility: the top-k choices of the policy after this update (a free forward, in every arm) vs
+            # pi_old's on the same tokens, micro-batch by micro-batch, over this stage's layers
             if old_routes[0] is None:
                 continue
-            if self.routes.replays:
-                policy.run_micro_batches(inputs, context=self.routes.recording_into(new_routes))
+            new_routes = [None] * len(micro)
+            policy.run_micro_batches(inputs, context=self.routes.recording_into(new_routes))
             for j, mb in enumerate(micro):
                 tally.add(mb.tokens_of(old_routes[j]).long(), mb.tokens_of(new_routes[j]).long(), mb.seqs.loss_mask_T)
         # over pipeline stages
         result.volatility_changed, result.volatility_total = self.dims.pp_sum(tally.counts())
+        if self.routes.replays and self.routes.measures_gap:
+            result.route_gap = override.metrics(self.dims, "replay/route_override_")
         return result
 
     def _mini_batch_loss(self, batch: UpdateBatch, old: OldPolicy, micro: List[MicroBatch], k: int) -> Callable:
@@ -262,7 +275,7 @@ class RLStep:
         total = dict(zip(local, self.dims.dp_sum(list(local.values()))))
         row = metrics_row(total, self._union_over_dp(m), updates.grad_norms, updates.lr,
                           with_reference=self.reference is not None)
-        row.update(self.batch_metrics(batch))
+        row.update(batch_metrics(self.dims, batch.micro_batches))
         return row
 
     def _union_over_dp(self, m: dict) -> dict:
@@ -271,18 +284,3 @@ class RLStep:
         per_rank = self.dims.dp_gather([m[k] for k in keys])
         parts = [{k: torch.tensor(v, dtype=torch.float64) for k, v in zip(keys, values)} for values in per_rank]
         return {k: float(v) for k, v in merge_metrics(parts).items()}
-
-    def batch_metrics(self, batch: UpdateBatch) -> dict:
-        """batch/pad_fraction: padded / computed tokens of the step's micro-batches (0 when packed, but for the
-        TP alignment); batch/tokens_per_micro_batch_min / _max: computed tokens per micro-batch over all ranks;
-        batch/dp_tokens_max_over_mean: how unevenly the ranks' real tokens are spread."""
-        micro = batch.micro_batches
-        computed = [float(mb.view.computed_tokens) for mb in micro]
-        per_rank = self.dims.dp_gather([float(sum(mb.seqs.num_tokens for mb in micro)), sum(computed),
-                                        min(computed), max(computed)])
-        real, total = (sum(r[i] for r in per_rank) for i in (0, 1))
-        return {"batch/pad_fraction": 1.0 - real / total,
-                "batch/tokens_per_micro_batch_min": min(r[2] for r in per_rank),
-                "batch/tokens_per_micro_batch_max": max(r[3] for r in per_rank),
-                # the fullest data-parallel rank's real tokens over the ranks' mean (1 = balanced)
-                "batch/dp_tokens_max_over_mean": max(r[0] for r in per_rank) * len(per_rank) / max(real, 1.0)}

@@ -29,6 +29,9 @@ def metrics_row(total: dict, union: dict, grad_norms: list, lr: float, with_refe
     if with_reference:  # k3 KL to the reference per response token; the KL share of the loss
         row["kl/ref"], row["loss/kl"] = union["kl/ref"], union["loss/kl"]
     row.update({k: v for k, v in union.items() if k.startswith(DIAGNOSTIC_PREFIXES)})
+    if "mismatch/is_weight_sq_mean" in union:  # the token IS weights' effective sample size, as a fraction
+        row["mismatch/is_ess_frac"] = union["mismatch/is_weight_mean"] ** 2 / max(union["mismatch/is_weight_sq_mean"],
+                                                                                    1e-30)
     return row
 
 
@@ -53,3 +56,19 @@ def mismatch_by_version(dims, micro_batches: list, old_logp: list, step: int, re
     current, n_current, older, n_older = dims.pp_sum(dims.dp_sum(sums))
     return {"mismatch/abs_log_ratio_current_version": current / max(n_current, 1.0),
             "mismatch/abs_log_ratio_older_version": older / max(n_older, 1.0)}
+
+
+def batch_metrics(dims, micro: list) -> dict:
+    """The step's micro-batches (all of them, every mini-batch), over the data-parallel ranks (collective).
+    batch/pad_fraction: padded / computed tokens of the step's micro-batches (0 when packed, but for the
+    TP alignment); batch/tokens_per_micro_batch_min / _max: computed tokens per micro-batch over all ranks;
+    batch/dp_tokens_max_over_mean: how unevenly the ranks' real tokens are spread."""
+    computed = [float(mb.view.computed_tokens) for mb in micro]
+    per_rank = dims.dp_gather([float(sum(mb.seqs.num_tokens for mb in micro)), sum(computed), min(computed),
+                               max(computed)])
+    real, total = (sum(r[i] for r in per_rank) for i in (0, 1))
+    return {"batch/pad_fraction": 1.0 - real / total,
+            "batch/tokens_per_micro_batch_min": min(r[2] for r in per_rank),
+            "batch/tokens_per_micro_batch_max": max(r[3] for r in per_rank),
+            # the fullest data-parallel rank's real tokens over the ranks' mean (1 = balanced)
+            "batch/dp_tokens_max_over_mean": max(r[0] for r in per_rank) * len(per_rank) / max(real, 1.0)}

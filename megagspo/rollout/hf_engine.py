@@ -143,7 +143,39 @@ class _StopForWeights:
         return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
 
 
-def engine_dtype(dtype, device: torch.device) -> torch.dtype:
+ENGINE_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_sim": torch.bfloat16}
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def fp8_round(w: torch.Tensor) -> torch.Tensor:
+    """w through float8_e4m3fn with one scale per tensor (amax / 448, the per-tensor scaling of FP8 inference),
+    back in w's dtype: the weights an FP8 engine computes with. A tensor of zeros stays zeros."""
+    scale = w.detach().abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX
+    return ((w.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
+
+
+def fp8_round_moe_weights(model) -> None:
+    """rollout.engine_dtype = fp8_sim: every router (mlp.gate.weight [E, H]) and every expert's matrices (one slice
+    of the fused gate_up_proj [E, 2I, H] / down_proj [E, H, I] each: per-tensor scales as the trainer's per-expert
+    tensors) rounded through float8_e4m3fn in place. Attention, norms, embeddings and the LM head keep bf16."""
+    for name, param in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            param.data.copy_(fp8_round(param.data))
+        elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            for e in range(param.shape[0]):
+                param.data[e].copy_(fp8_round(param.data[e]))
+
+
+def engine_dtype(dtype, device: torch.device, precision: str = "auto") -> torch.dtype:
+    """The embedded engine's parameter dtype. `precision` (rollout.engine_dtype) fp32 / bf16 / fp16 / fp8_sim
+    (bf16 compute) on any device; auto: the policy's (`dtype`: a torch dtype or "fp32"/"bf16", None = fp32) on a
+    GPU, always fp32 on the CPU, where bf16 matmuls are slow and the golden CPU numbers are fp32."""
+    if precision != "auto":
+        if precision not in ENGINE_PRECISIONS:
+            raise ValueError(f"HF engine precision {precision!r} is not valid; valid values: auto, "
+                             f"{', '.join(ENGINE_PRECISIONS)}")
+        return ENGINE_PRECISIONS[precision]
+
     """The embedded engine's parameter dtype: the policy's (`dtype`: a torch dtype or "fp32"/"bf16", None =
     fp32) on a GPU; always fp32 on the CPU, where bf16 matmuls are slow and the golden CPU numbers are fp32."""
     if dtype is None or device.type != "cuda":
@@ -158,16 +190,19 @@ def engine_dtype(dtype, device: torch.device) -> torch.dtype:
 @register_engine("hf")
 class HFRolloutEngine(RolloutEngine):
     """`dtype`: the policy's parameter precision; the engine's model takes it on a GPU (bf16 policy -> bf16
-    engine) and stays fp32 on the CPU (`engine_dtype`). Default fp32."""
+    engine) and stays fp32 on the CPU (`engine_dtype`). Default fp32. `precision` (rollout.engine_dtype) sets the
+    engine's own instead, on any device; fp8_sim also rounds its router and expert weights through FP8 each time
+    it loads weights."""
 
-    def __init__(self, arch, tokenizer, record_routes: bool = True, dtype=None) -> None:
+    def __init__(self, arch, tokenizer, record_routes: bool = True, dtype=None, precision: str = "auto") -> None:
         from transformers import Qwen3MoeForCausalLM
 
         self.arch = arch
         self.tokenizer = tokenizer
         # the trainer's device: this process's GPU when the policy runs on CUDA (MEGAGSPO_DEVICE), else the CPU
         self.device = model_device()
-        self.dtype = engine_dtype(dtype, self.device)
+        self.dtype = engine_dtype(dtype, self.device, precision)
+        self.fp8_sim = precision == "fp8_sim"
         config = hf_config_for(arch, tokenizer, self.dtype)
         self.model = Qwen3MoeForCausalLM(config).eval().to(self.device, self.dtype)
         self._logp = _StepLogProbs()
@@ -206,6 +241,8 @@ class HFRolloutEngine(RolloutEngine):
                 writer.write(bucket)
                 del bucket
             writer.finish()
+            if self.fp8_sim:  # the trainer's exact weights arrived (cast to bf16): the FP8 engine's rounding on load
+                fp8_round_moe_weights(self.model)
         finally:
             drain(it)  # no-op after a full pass; after a failure, the peers' collectives still complete
 

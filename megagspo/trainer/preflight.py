@@ -17,6 +17,7 @@ from megagspo.policy.init_weights import InitSource, preflight_init_from
 from megagspo.rewards import available_rewards
 from megagspo.rollout import available_engines
 from megagspo.rollout.sglang import SGLangEngineConfig
+from megagspo.rollout.sglang.config import with_engine_dtype
 from megagspo.rl.source_kinds import source_kind
 from megagspo.trainer.host_checks import check_host
 from megagspo.trainer.layout import check_layout
@@ -44,7 +45,7 @@ def check_components(cfg: Config, world: int = 1) -> None:
     choice("rollout.engine", cfg.rollout.engine, available_engines())
     if cfg.rollout.engine == "sglang":
         try:
-            SGLangEngineConfig(**cfg.rollout.sglang)
+            with_engine_dtype(SGLangEngineConfig(**cfg.rollout.sglang), cfg.rollout.engine_dtype)
         except TypeError as exc:
             import inspect
 

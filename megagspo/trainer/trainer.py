@@ -167,6 +167,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- the loop
     def run_rl(self, cold_start: dict, start_step: int = 0) -> dict:
         cfg = self.cfg.rl
+        if cfg.router_aux_loss_coef is not None:  # RL's own load-balancing coefficient (the cold start used the model's)
+            self.policy.set_router_aux_loss_coef(cfg.router_aux_loss_coef)
         self.optimizer = self.make_rl_optimizer()
         if self.resume:
             self.ckpt.load_optimizer(self.policy, self.optimizer, self.resume)

@@ -4,6 +4,7 @@ Plain data and its validation only: nothing here touches a server."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -122,3 +123,32 @@ class SGLangEngineConfig:
         if not isinstance(self.partial_max_stalls, int) or isinstance(self.partial_max_stalls, bool) \
                 or self.partial_max_stalls < 1:
             _fail("partial_max_stalls", f"must be a positive integer, got {self.partial_max_stalls!r}")
+
+
+# rollout.engine_dtype -> the launch arguments of an SGLang server that computes so (fp8_sim is the real thing on
+# SGLang: its FP8 W8A8 quantization of the linear layers, bf16 elsewhere)
+SERVER_DTYPE_ARGS = {"fp32": ("--dtype", "float32"), "bf16": ("--dtype", "bfloat16"),
+                     "fp16": ("--dtype", "float16"), "fp8_sim": ("--dtype", "bfloat16", "--quantization", "fp8")}
+
+
+def with_engine_dtype(config: "SGLangEngineConfig", engine_dtype: str) -> "SGLangEngineConfig":
+    """The config whose launched servers compute in rollout.engine_dtype (auto: as launched, SGLang's default).
+    Servers attached by url run the dtype they were started with, and a launch whose extra_args already choose
+    one is not overridden: both are refused, naming the keys."""
+    if engine_dtype == "auto":
+        return config
+    if engine_dtype not in SERVER_DTYPE_ARGS:
+        raise SGLangConfigError(f"rollout.engine_dtype = {engine_dtype!r} is not valid; valid values: auto, "
+                                f"{', '.join(SERVER_DTYPE_ARGS)}")
+    if config.launch is None:
+        raise SGLangConfigError(f"rollout.engine_dtype = {engine_dtype} sets the precision of servers the engine "
+                                "launches (sglang.launch); servers attached by sglang.urls run the dtype they were "
+                                f"started with: start them with {' '.join(SERVER_DTYPE_ARGS[engine_dtype])} and leave "
+                                "rollout.engine_dtype = auto")
+    chosen = [a for a in config.launch.extra_args if a.split("=")[0] in ("--dtype", "--quantization")]
+    if chosen:
+        raise SGLangConfigError(f"rollout.engine_dtype = {engine_dtype} and sglang.launch.extra_args {chosen} both "
+                                "set the servers' precision: keep one")
+    launch = dataclasses.replace(config.launch, extra_args=(*config.launch.extra_args,
+                                                            *SERVER_DTYPE_ARGS[engine_dtype]))
+    return dataclasses.replace(config, launch=launch)

@@ -31,7 +31,7 @@ from typing import Dict, Iterable, Optional, Sequence
 import torch
 
 from ..base import RolloutEngine, RolloutOutput, SamplingParams, WeightSwitch, register_engine
-from .config import SGLangEngineConfig
+from .config import SGLangEngineConfig, with_engine_dtype
 from .errors import SGLangConfigError
 from .generation import Generation
 from .partial import PartialRollouts
@@ -42,15 +42,17 @@ from .sync import WeightSync, check_weight_sync_prerequisites
 @register_engine("sglang")
 class SGLangEngine(RolloutEngine):
     def __init__(self, arch, tokenizer, record_routes: Optional[bool] = None,
-                 config: Optional[SGLangEngineConfig] = None, ipc_codec=None) -> None:
+                 config: Optional[SGLangEngineConfig] = None, ipc_codec=None, engine_dtype: str = "auto") -> None:
         """ipc_codec: weight_sync = 'tensor' only; default SGLangIpcCodec() (CUDA + sglang). Another codec (e.g. one
-        that pickles CPU tensors, as the tests use) replaces CUDA IPC explicitly."""
+        that pickles CPU tensors, as the tests use) replaces CUDA IPC explicitly. engine_dtype (rollout.engine_dtype):
+        the launched servers' --dtype / --quantization (config.with_engine_dtype)."""
         if config is None:
             raise SGLangConfigError("rollout.engine = 'sglang' needs an SGLangEngineConfig (urls of running servers "
                                     "or launch settings): SGLangEngine(arch, tokenizer, "
                                     "config=SGLangEngineConfig(...))")
         if isinstance(config, dict):
             config = SGLangEngineConfig(**config)
+        config = with_engine_dtype(config, engine_dtype)
         if ipc_codec is not None and config.weight_sync != "tensor":
             raise SGLangConfigError(f"an ipc_codec applies to sglang.weight_sync = 'tensor' only, not "
                                     f"{config.weight_sync!r}")
