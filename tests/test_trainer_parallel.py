@@ -22,15 +22,15 @@ the split. The TP test keeps it on: Megatron combines the TP ranks' sequence chu
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from helpers import REPO, fresh_seed
+from devices import megatron_groups
+from helpers import TINY_RECIPE, fresh_seed, scaled_close, tiny_arch, tiny_trainer
 from multiprocess import run_distributed
 
 RTOL, ATOL_SCALE = 1e-5, 2e-6
+_close = scaled_close(rtol=RTOL, atol_scale=ATOL_SCALE)
 
 # A few seconds per trainer: 4 prompts x 4 samples, 2 mini-batches of 8 sequences (1 data-parallel rank).
 BASE = ["threads=1", "data.train_size=200", "data.eval_size=8", "rl.batch.prompts_per_step=4", "rl.batch.group_size=4",
@@ -68,11 +68,7 @@ def _trainer(overrides, reward_fn=_text_reward):
     """A Trainer whose optimizers update like SGD (_SGDUpdate) and whose reward is `reward_fn`: a freshly
     initialised model never answers an addition right (every advantage 0, no gradient), so the default scores
     the response by its text instead, deterministic and spread over [0, 1]."""
-    from megagspo.config import load_config
-    from megagspo.trainer.trainer import Trainer
-
-    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), overrides)
-    trainer = Trainer(cfg, quiet=True, reward_fn=reward_fn, adamw_class=_SGDUpdate)
+    trainer = tiny_trainer(overrides, reward_fn=reward_fn, adamw_class=_SGDUpdate)
     trainer.optimizer = trainer.make_rl_optimizer()
     return trainer
 
@@ -116,11 +112,6 @@ def _grads_close(grads, ref_grads, what, sft_steps=2, mini_batches=2):
             assert any(t.abs().max() > 0 for t in ref.values()), f"{what} optimizer step {step}: all gradients zero"
         for name in ref:
             _close(g[name], ref[name], f"{what} optimizer step {step} grad {name}")
-
-
-def _close(actual, expected, what):
-    atol = ATOL_SCALE * float(expected.abs().max()) + 1e-7
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def _metrics_close(rows, ref_rows, what):
@@ -343,8 +334,8 @@ def _tp_reward_body(rank, world_size, out_dir, seed):
     sourced = step.source.next(0)
     rollouts, scores = sourced.rollouts, sourced.scores
     batch = step.prepare(rollouts, scores)
-    step.old_policy(batch)
-    row = step.summarize(rollouts, scores, batch, step.update(batch, 0, trainer.optimizer))
+    old = step.old_policy(batch)
+    row = step.summarize(rollouts, scores, batch, step.update(batch, old, 0, trainer.optimizer))
     seen = [(scores.rewards_R.clone(), scores.advantages_R.clone())]
     return {k: v for k, v in row.items() if not k.startswith(_TIMING)}, seen, len(calls)
 
@@ -404,29 +395,21 @@ def test_tensor_parallel_generate_failure_raises_on_every_tp_rank(tmp_path):
 def _gather_and_norm_body(rank, world_size, layout_kwargs, seed):
     from megatron.core import parallel_state as ps
 
-    from moe.architecture import Qwen3MoeArchitecture
-    from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
     from moe.cpu_shim import cuda_tensor_types
     from moe.model import build_model
     from moe.optimizer import OptimizerSettings, build_optimizer, wrap_data_parallel
-    from moe.parallel import ParallelLayout, destroy_model_parallel, initialize_model_parallel
+    from moe.parallel import destroy_model_parallel
     from moe.sharding import gather_full_state_dict, load_full_state_dict, local_view_of_full
 
-    apply_cpu_shim()
-    arch = Qwen3MoeArchitecture(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
-                                num_experts_per_tok=2, max_position_embeddings=64, mlp_only_layers=(0,),
-                                intermediate_size=24)
-    initialize_model_parallel(ParallelLayout())
-    initialize_cpu_rng(seed)
+    arch = tiny_arch("mixed")
+    megatron_groups(seed)
     reference = build_model(arch)
     gen = torch.Generator().manual_seed(seed)
     full = {n: torch.randn(p.shape, generator=gen) for n, p in reference.named_parameters()}
     full_grads = {n: torch.randn(p.shape, generator=gen) for n, p in reference.named_parameters()}
     destroy_model_parallel()
 
-    initialize_model_parallel(ParallelLayout(**layout_kwargs))
-    model = build_model(arch, ParallelLayout(**layout_kwargs))
+    model = build_model(arch, megatron_groups(**layout_kwargs))
     load_full_state_dict(model, full)
     gathered = gather_full_state_dict(model)
     # Megatron's distributed optimizer computes the clipping norm from the fp32 gradient buffers (DP = 1 here,
@@ -466,7 +449,7 @@ def test_micro_batch_size_that_does_not_divide_is_refused():
     from megagspo.config import ConfigError, load_config
     from megagspo.trainer.layout import check_layout
 
-    path = os.path.join(REPO, "configs/tiny_cpu.yaml")
+    path = TINY_RECIPE
     cfg = load_config(path, [*BASE, "rl.batch.micro_batch_size=3"])
     with pytest.raises(ConfigError) as err:
         check_layout(cfg, 1)
