@@ -412,18 +412,13 @@ class RoutingReplay:
         with self._session("recording") as hooks:
             for i, layer in enumerate(self.layers):
                 rr = layer.router.router_replay
-                shape_box: dict = {}
-
-                def pre_hook(module, args, kwargs, shape_box=shape_box):
-                    hidden = args[0] if args else kwargs["input"]
-                    shape_box["shape"] = (hidden.shape[1], hidden.shape[0])  # [S_loc, B, H] -> (B, S_loc)
+                shape_box = _watch_input_shape(layer, hooks)
 
                 def record(indices_NK, calls_l=calls[i], shape_box=shape_box):
                     if _in_backward():
                         return
                     calls_l.append((indices_NK.detach(), *shape_box["shape"]))
 
-                hooks.append(layer.router.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 rr.record_indices = record
                 rr.set_router_replay_action(RouterReplayAction.RECORD)
             yield result
@@ -451,11 +446,7 @@ class RoutingReplay:
         calls: list[list] = [[] for _ in self.layers]
         for i, layer in enumerate(self.layers):
             rr = layer.router.router_replay
-            shape_box: dict = {}
-
-            def pre_hook(module, args, kwargs, shape_box=shape_box):
-                hidden = args[0] if args else kwargs["input"]
-                shape_box["shape"] = (hidden.shape[1], hidden.shape[0])  # [S_loc, B, H] -> (B, S_loc)
+            shape_box = _watch_input_shape(layer, hooks)
 
             def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None,
                                 rr=rr, calls_l=calls[i], shape_box=shape_box):
@@ -464,7 +455,6 @@ class RoutingReplay:
                     calls_l.append((own_NK.detach(), *shape_box["shape"]))
                 return type(rr).get_replay_topk(rr, scores, topk, num_groups, group_topk, default_compute_topk)
 
-            hooks.append(layer.router.register_forward_pre_hook(pre_hook, with_kwargs=True))
             rr.get_replay_topk = get_replay_topk
         return calls
 
@@ -565,6 +555,19 @@ class RoutingReplay:
             yield handle
             if live is not None:
                 live.microbatches.extend(self._stacked(live_calls))
+
+
+def _watch_input_shape(layer: _Layer, hooks: list) -> dict:
+    """A dict whose "shape" is (B, S_loc) of the router's last input ([S_loc, B, H]): a forward pre-hook, appended
+    to the session's hooks (removed with them)."""
+    shape_box: dict = {}
+
+    def pre_hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["input"]
+        shape_box["shape"] = (hidden.shape[1], hidden.shape[0])
+
+    hooks.append(layer.router.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    return shape_box
 
 
 def _moe_layer_pattern(config) -> list[int]:
