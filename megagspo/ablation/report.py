@@ -262,7 +262,6 @@ def _volatility_section(arms: Dict[str, ArmResult]) -> List[str]:
     return lines + [""]
 
 
-# Over 60 lines: report.md written top to bottom, one section after another.
 def _incomplete(spec: AblationSpec, missing: List[str], failed: List[str]) -> List[str]:
     """The report's first lines when cells are missing: which, and which of them failed in this ablation's
     run (their logs are in <out>/logs/), so that numbers over fewer seeds or arms are not read as the whole."""
@@ -280,6 +279,7 @@ def _incomplete(spec: AblationSpec, missing: List[str], failed: List[str]) -> Li
     return lines + [""]
 
 
+# Over 60 lines: report.md written top to bottom, one section after another.
 def write_report(spec: AblationSpec, command: str = "", failed: Optional[List[str]] = None) -> str:
     """Writes <out>/report.md and the PNGs next to it. -> path of report.md. Raises FileNotFoundError when no
     arm has a finished run. failed: run folders whose run failed in this invocation (named as failed)."""
