@@ -26,6 +26,7 @@ from megagspo.dry_run import dry_run
 from megagspo.errors import bounded_message, os_error_message
 from megagspo.hf_export import export_hf
 from megagspo.planner import PlanError
+from megagspo.rl.producer import ProducerFailed
 from moe.architecture import ArchitectureError
 from moe.parallel import LayoutError
 
@@ -64,6 +65,10 @@ def train(args, rl: bool, started: Callable[[], None] = lambda: None) -> int:
         return exc.exit_code
     except CheckpointError as exc:
         print(f"megagspo {args.command}: error: {bounded_message(exc)}", file=sys.stderr)
+        return 1
+    except ProducerFailed as exc:  # restarted MAX_RESTARTS times already: the cause is the producer's, not a kill
+        print(f"megagspo {args.command}: error: {bounded_message(exc)}; the checkpoints written so far are intact "
+              "(--resume continues from the newest)", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"megagspo {args.command}: error: {os_error_message(exc)}; the checkpoints written so far are "

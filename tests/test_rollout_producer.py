@@ -7,6 +7,10 @@ with real `megagspo train` subprocesses on the tiny recipe:
 - a run killed mid-way and resumed logs the uninterrupted run's metrics at N = 2 (N = 1:
   test_rollouts_ahead.py's resume test, which runs the producer by default);
 - a producer killed mid-run is restarted from the state after the last batch received: the same metrics;
+- faults (issue 49): the producer killed in each phase (generating, mid-frame, waiting for a slot, waiting for the
+  weights) and ten times at seeded random moments: each kill ends in a restart or a clean stop within a bound, and
+  every run that ends has the uninterrupted run's metrics; SIGTERM while a step waits on a dying producer and
+  Ctrl-C to the process group while the producer imports stop at a checkpoint with one line;
 - under TP = 2 (torchrun) one rank runs the producer and shares its batches.
 
 The N = 2 runs use dynamic sampling (rl.filter.enabled), which the producer runs itself: the consumed groups are the
@@ -297,3 +301,229 @@ def test_under_the_producer_a_step_streams_the_model_once(tmp_path, monkeypatch)
     assert [sum(b for _, b in s) for s in per_step] == [2 * model_bytes, model_bytes, 0, 0]
     # the trainer's engine is streamed to only where the held-out evaluation reads it: after steps 2 and 4
     assert [kind for kind, _ in streams[rl_start[0]:]].count("engine") == 2 and not trainer.link.behind
+
+
+# ------------------------------------------------------------------ faults: kills and signals (issue 49, items 1, 2)
+DIED = "rollout producer died"
+STOP_BOUND_S = 60  # a kill to its restart line or the run's stop line: a trainer mid-update notices at its next take
+
+
+class _Watched:
+    """A `megagspo train` run under a test's eye: its output lines as they come, and the producer's test hooks
+    (megagspo.rl.producer's docstring): the trace of its phases, and a hold file that keeps it in one."""
+
+    def __init__(self, tmp_path, name, *extra, resume=False):
+        import subprocess
+        import threading
+
+        self.run_dir, self.trace, self.hold = tmp_path / name, tmp_path / f"{name}.trace", tmp_path / f"{name}.hold"
+        self.hold.write_text("")
+        env = _env()
+        env.update(MEGAGSPO_PRODUCER_TEST_TRACE=str(self.trace), MEGAGSPO_PRODUCER_TEST_HOLD=str(self.hold))
+        cmd = _cmd(tmp_path, name, *STALE2, *extra, *(["--resume"] if resume else []))
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out, self.err = [], []
+        self.readers = [threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
+                        for s, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self.readers:
+            t.start()
+
+    def events(self):
+        """The producer's trace: (pid, phase, batch) in order."""
+        try:
+            lines = self.trace.read_text().splitlines()
+        except OSError:
+            return []
+        return [(int(p), phase, int(k)) for p, phase, k in (line.split() for line in lines if line.count(" ") == 2)]
+
+    def deaths(self):
+        return [line for line in self.out if line.startswith(DIED)]
+
+    def until(self, what, predicate, timeout):
+        t0 = time.monotonic()
+        while True:
+            got = predicate()
+            if got:
+                return got
+            assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout} s; " + self.tail()
+            time.sleep(0.01)
+
+    def finish(self, timeout=240):
+        rc = self.proc.wait(timeout=timeout)
+        for t in self.readers:
+            t.join(timeout=10)
+        return rc
+
+    def tail(self):
+        return f"stdout: {''.join(self.out)[-2000:]}\nstderr: {''.join(self.err)[-3000:]}"
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_producer_and_wait(watched, pid, phase_and_batch):
+    """SIGKILL the producer `pid` (in `phase_and_batch`); the seconds until the trainer said so (restart line or the
+    run's end), and that line; None when the producer had ended already."""
+    before = len(watched.deaths())
+    t0 = time.monotonic()
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    watched.hold.write_text("")
+    watched.until(f"the trainer's answer to the kill in {phase_and_batch}",
+                  lambda: len(watched.deaths()) > before or watched.proc.poll() is not None, STOP_BOUND_S)
+    seconds = time.monotonic() - t0
+    assert not os.path.exists(f"/proc/{pid}"), f"the killed producer {pid} was not reaped"
+    return seconds, (watched.deaths()[before:] or [""])[0]
+
+
+def test_a_producer_killed_in_each_phase_is_restarted_and_the_run_is_exact(tmp_path, stale2):
+    """The producer SIGKILLed in each of its phases: generating (before its first batch), halfway through writing a
+    batch into the pipe (the trainer has half of it: it waited in read() for good before), waiting for a free
+    slot, and waiting for the weights. Each time the trainer says so within the bound, reaps it and restarts it
+    from the state after the last batch it received; the run's metrics are the uninterrupted run's."""
+    watched = _Watched(tmp_path, "phases")
+    times = {}
+    for target in ("make 0", "send 1", "idle 2", "wait 3"):
+        watched.hold.write_text(target)
+        phase, k = target.split()
+        pid = watched.until(f"the producer in {target}", lambda: next(
+            (p for p, ph, b in reversed(watched.events()) if (ph, b) == (phase, int(k)) and _alive(p)), None), 180)
+        times[target], line = _kill_producer_and_wait(watched, pid, target)
+        assert "exit code -9 (SIGKILL)" in line and "nothing lost or repeated" in line, watched.tail()
+        assert [e for e in watched.events() if e[0] == pid][-1][1:] == (phase, int(k))  # killed in that phase
+    assert watched.finish() == 0, watched.tail()
+    assert "Traceback" not in "".join(watched.err), watched.tail()
+    print(f"kill -> restart line, seconds: {times}")
+    _assert_same_metrics(stale2[0], watched.run_dir)
+
+
+def test_ten_producer_kills_at_random_moments_each_end_in_a_restart_or_a_clean_stop(tmp_path, stale2):
+    """The kill loop: 10 SIGKILLs of the producer at random moments (seeded: a delay after each producer appears, so
+    its start-up and imports are hit too). Each ends, within the bound, in a restart (the trainer's line), or at the
+    fourth death in a row without a batch received in a clean stop (one line naming the batch and the exit code,
+    exit 1; --resume continues it), or, where the producer had sent its last batch already, in nothing: the run
+    ends as it would have. Every run that ends has the uninterrupted run's metrics (a run that ends before the 10th
+    kill is followed by another)."""
+    import random
+
+    rng = random.Random(49)
+    runs, outcomes, seen = 1, [], set()
+    watched = _Watched(tmp_path, "loop1")
+    while len(outcomes) < 10:
+        def producer():
+            if watched.proc.poll() is not None:
+                return True
+            try:
+                pid = _producer_pid(watched.proc.pid)
+            except OSError:  # the trainer just ended: the next look says so
+                return None
+            return pid if pid not in seen | {None} else None
+
+        pid = watched.until("a producer to kill", producer, 180)
+        if pid is True:  # the run ended: its producer had made every batch
+            assert watched.finish() == 0, watched.tail()
+            _assert_same_metrics(stale2[0], watched.run_dir)
+            runs += 1
+            watched = _Watched(tmp_path, f"loop{runs}")
+            continue
+        seen.add(pid)
+        time.sleep(rng.uniform(0.0, 3.0))
+        if not _alive(pid):
+            continue
+        answer = _kill_producer_and_wait(watched, pid, f"kill {len(outcomes)}")
+        if answer is None:
+            continue
+        seconds, line = answer
+        if line:
+            outcomes.append(("restart", round(seconds, 2)))
+            continue
+        rc = watched.finish()
+        if rc == 0:
+            outcomes.append(("nothing left to make", round(seconds, 2)))
+            continue
+        last = [ln for ln in watched.err if ln.strip()][-1]
+        assert rc == 1 and "Traceback" not in "".join(watched.err), watched.tail()
+        assert last.startswith("megagspo train: error: rollout producer: died 4 times in a row at batch ") and \
+            "exit code -9 (SIGKILL)" in last and "--resume continues" in last, watched.tail()
+        outcomes.append(("stop", round(seconds, 2)))
+        watched = _Watched(tmp_path, f"loop{runs}", resume=True)
+    assert watched.finish() == 0, watched.tail()
+    print(f"{runs} run(s); kill outcomes (seconds to the trainer's line): {outcomes}")
+    _assert_same_metrics(stale2[0], watched.run_dir)
+
+
+def _megagspo_lines(err_lines):
+    return [ln.rstrip("\n") for ln in err_lines if ln.startswith("megagspo")]
+
+
+def test_sigterm_while_the_trainer_waits_on_a_dying_producer_checkpoints_and_exits_143(tmp_path, stale2):
+    """Step 1 waits for its batch with half of it received (the producer held mid-frame) when SIGTERM comes, then
+    the producer is SIGKILLed: before, that wait never ended ("finishing the current step" and nothing more). Now
+    the producer is restarted, the step finishes, the checkpoint is written: one stop line, exit 143; --resume
+    logs the uninterrupted run's metrics. (No checkpoint is due before: with checkpoint.every_steps=1 the
+    checkpoint after step 0 would itself wait for batch 1, the queue it holds.)"""
+    watched = _Watched(tmp_path, "term", "checkpoint.every_steps=0")
+    watched.hold.write_text("send 1")
+    pid = watched.until("the producer in send 1", lambda: next(
+        (p for p, ph, b in reversed(watched.events()) if (ph, b) == ("send", 1) and _alive(p)), None), 180)
+    watched.until("RL step 0 logged", lambda: _rl_steps_logged(watched.run_dir) == [0], 60)
+    time.sleep(0.5)  # step 1 asks for its batch
+    watched.proc.send_signal(signal.SIGTERM)
+    watched.until("the trainer's stop line", lambda: any("received SIGTERM" in ln for ln in watched.err), 10)
+    time.sleep(0.5)
+    assert watched.proc.poll() is None  # still waiting for the batch: the step is not over
+    _kill_producer_and_wait(watched, pid, "send 1")
+    assert watched.finish(timeout=STOP_BOUND_S) == 143, watched.tail()
+    lines = _megagspo_lines(watched.err)
+    assert len(lines) == 2 and lines[0].startswith("megagspo: received SIGTERM: finishing the current step") and \
+        lines[1].startswith("megagspo train: stopped by SIGTERM after RL step 2; checkpoint ") and \
+        "step_000002 written; continue with --resume" in lines[1], watched.tail()
+    assert "Traceback" not in "".join(watched.err) and len(watched.deaths()) == 1, watched.tail()
+    _run(_cmd(tmp_path, "term", *STALE2, "--resume"))
+    _assert_same_metrics(stale2[0], watched.run_dir)
+
+
+def test_ctrl_c_to_the_process_group_while_the_producer_imports_stops_at_a_checkpoint(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: here while the producer imports torch, with the full
+    training set (its start message is ~300 KB). Before, the producer died mid-import with a KeyboardInterrupt
+    traceback and the trainer hung in Process.start() writing its start payload; now the producer ignores it, the
+    trainer finishes the step and checkpoints: one stop line, exit 130, no traceback."""
+    import subprocess
+
+    trace = tmp_path / "trace"
+    env = dict(_env(), MEGAGSPO_PRODUCER_TEST_TRACE=str(trace))
+    args = [a for a in _cmd(tmp_path, "int", *STALE2) if not a.startswith("data.train_size=")]
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # a process group of its own, as a terminal's job has
+
+    def importing_torch():
+        if proc.poll() is not None:
+            return True
+        try:
+            pid = _producer_pid(proc.pid)
+            with open(f"/proc/{pid}/maps") as f:
+                return pid if "libtorch" in f.read() else None
+        except OSError:  # none yet, or it just ended
+            return None
+
+    t0 = time.monotonic()
+    while not (pid := importing_torch()):
+        assert time.monotonic() - t0 < 180, "no producer started"
+        time.sleep(0.005)
+    assert pid is not True, proc.communicate()[1][-3000:]
+    os.killpg(proc.pid, signal.SIGINT)
+    assert not trace.exists()  # the producer had not read its start message: it was still starting up
+    out, err = proc.communicate(timeout=STOP_BOUND_S)
+    assert proc.returncode == 130, err[-3000:]
+    lines = _megagspo_lines(err.splitlines(keepends=True))
+    assert len(lines) == 2 and lines[0].startswith("megagspo: received SIGINT: finishing the current step") and \
+        lines[1].startswith("megagspo train: stopped by SIGINT after RL step 1; checkpoint "), err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and DIED not in out, (out, err[-3000:])
+    assert trace.read_text().split()[1:3] == ["start", "0"]  # the same producer went on to make batch 0
