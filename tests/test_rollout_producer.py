@@ -358,6 +358,22 @@ class _Watched:
         return f"stdout: {''.join(self.out)[-2000:]}\nstderr: {''.join(self.err)[-3000:]}"
 
 
+@pytest.fixture
+def watch(tmp_path):
+    """Starts _Watched runs; one still running when the test ends (it failed) is killed, its producer with it."""
+    made = []
+
+    def start(name, *extra, resume=False):
+        made.append(_Watched(tmp_path, name, *extra, resume=resume))
+        return made[-1]
+
+    yield start
+    for watched in made:
+        if watched.proc.poll() is None:
+            watched.proc.kill()
+            watched.proc.wait(timeout=30)
+
+
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -383,12 +399,12 @@ def _kill_producer_and_wait(watched, pid, phase_and_batch):
     return seconds, (watched.deaths()[before:] or [""])[0]
 
 
-def test_a_producer_killed_in_each_phase_is_restarted_and_the_run_is_exact(tmp_path, stale2):
+def test_a_producer_killed_in_each_phase_is_restarted_and_the_run_is_exact(watch, stale2):
     """The producer SIGKILLed in each of its phases: generating (before its first batch), halfway through writing a
     batch into the pipe (the trainer has half of it: it waited in read() for good before), waiting for a free
     slot, and waiting for the weights. Each time the trainer says so within the bound, reaps it and restarts it
     from the state after the last batch it received; the run's metrics are the uninterrupted run's."""
-    watched = _Watched(tmp_path, "phases")
+    watched = watch("phases")
     times = {}
     for target in ("make 0", "send 1", "idle 2", "wait 3"):
         watched.hold.write_text(target)
@@ -404,7 +420,7 @@ def test_a_producer_killed_in_each_phase_is_restarted_and_the_run_is_exact(tmp_p
     _assert_same_metrics(stale2[0], watched.run_dir)
 
 
-def test_ten_producer_kills_at_random_moments_each_end_in_a_restart_or_a_clean_stop(tmp_path, stale2):
+def test_ten_producer_kills_at_random_moments_each_end_in_a_restart_or_a_clean_stop(watch, stale2):
     """The kill loop: 10 SIGKILLs of the producer at random moments (seeded: a delay after each producer appears, so
     its start-up and imports are hit too). Each ends, within the bound, in a restart (the trainer's line), or at the
     fourth death in a row without a batch received in a clean stop (one line naming the batch and the exit code,
@@ -415,7 +431,7 @@ def test_ten_producer_kills_at_random_moments_each_end_in_a_restart_or_a_clean_s
 
     rng = random.Random(49)
     runs, outcomes, seen = 1, [], set()
-    watched = _Watched(tmp_path, "loop1")
+    watched = watch("loop1")
     while len(outcomes) < 10:
         def producer():
             if watched.proc.poll() is not None:
@@ -431,7 +447,7 @@ def test_ten_producer_kills_at_random_moments_each_end_in_a_restart_or_a_clean_s
             assert watched.finish() == 0, watched.tail()
             _assert_same_metrics(stale2[0], watched.run_dir)
             runs += 1
-            watched = _Watched(tmp_path, f"loop{runs}")
+            watched = watch(f"loop{runs}")
             continue
         seen.add(pid)
         time.sleep(rng.uniform(0.0, 3.0))
@@ -453,7 +469,7 @@ def test_ten_producer_kills_at_random_moments_each_end_in_a_restart_or_a_clean_s
         assert last.startswith("megagspo train: error: rollout producer: died 4 times in a row at batch ") and \
             "exit code -9 (SIGKILL)" in last and "--resume continues" in last, watched.tail()
         outcomes.append(("stop", round(seconds, 2)))
-        watched = _Watched(tmp_path, f"loop{runs}", resume=True)
+        watched = watch(f"loop{runs}", resume=True)
     assert watched.finish() == 0, watched.tail()
     print(f"{runs} run(s); kill outcomes (seconds to the trainer's line): {outcomes}")
     _assert_same_metrics(stale2[0], watched.run_dir)
@@ -463,13 +479,13 @@ def _megagspo_lines(err_lines):
     return [ln.rstrip("\n") for ln in err_lines if ln.startswith("megagspo")]
 
 
-def test_sigterm_while_the_trainer_waits_on_a_dying_producer_checkpoints_and_exits_143(tmp_path, stale2):
+def test_sigterm_while_the_trainer_waits_on_a_dying_producer_checkpoints_and_exits_143(tmp_path, watch, stale2):
     """Step 1 waits for its batch with half of it received (the producer held mid-frame) when SIGTERM comes, then
     the producer is SIGKILLed: before, that wait never ended ("finishing the current step" and nothing more). Now
     the producer is restarted, the step finishes, the checkpoint is written: one stop line, exit 143; --resume
     logs the uninterrupted run's metrics. (No checkpoint is due before: with checkpoint.every_steps=1 the
     checkpoint after step 0 would itself wait for batch 1, the queue it holds.)"""
-    watched = _Watched(tmp_path, "term", "checkpoint.every_steps=0")
+    watched = watch("term", "checkpoint.every_steps=0")
     watched.hold.write_text("send 1")
     pid = watched.until("the producer in send 1", lambda: next(
         (p for p, ph, b in reversed(watched.events()) if (ph, b) == ("send", 1) and _alive(p)), None), 180)
@@ -513,14 +529,19 @@ def test_ctrl_c_to_the_process_group_while_the_producer_imports_stops_at_a_check
         except OSError:  # none yet, or it just ended
             return None
 
-    t0 = time.monotonic()
-    while not (pid := importing_torch()):
-        assert time.monotonic() - t0 < 180, "no producer started"
-        time.sleep(0.005)
-    assert pid is not True, proc.communicate()[1][-3000:]
-    os.killpg(proc.pid, signal.SIGINT)
-    assert not trace.exists()  # the producer had not read its start message: it was still starting up
-    out, err = proc.communicate(timeout=STOP_BOUND_S)
+    try:
+        t0 = time.monotonic()
+        while not (pid := importing_torch()):
+            assert time.monotonic() - t0 < 180, "no producer started"
+            time.sleep(0.005)
+        assert pid is not True, proc.communicate()[1][-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        assert not trace.exists()  # the producer had not read its start message: it was still starting up
+        out, err = proc.communicate(timeout=STOP_BOUND_S)  # ec55d2c: hung in Process.start(), its child a zombie
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
     assert proc.returncode == 130, err[-3000:]
     lines = _megagspo_lines(err.splitlines(keepends=True))
     assert len(lines) == 2 and lines[0].startswith("megagspo: received SIGINT: finishing the current step") and \
