@@ -278,6 +278,9 @@ class Trainer:
         if signum or self.ckpt.due(steps_done, self.cfg.rl.steps):
             path = self.ckpt.save(self.checkpoint_parts(), steps_done, last_eval)
             self.checkpointed = True
+            # a stop that arrived during the save (which may wait for the producer's batches): this checkpoint is
+            # the run's last, rather than one more step and another checkpoint
+            signum = signum or self.stop.requested()
         if signum:
             name = signal.Signals(signum).name
             raise self._preempted(f"stopped by {name} after RL step {steps_done}; checkpoint {path} written; "
