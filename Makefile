@@ -1,8 +1,8 @@
 # megagspo: every target installs what it needs, by dependency, into $(VENV).
 #   make train       the main job: GSPO on a tiny Qwen3-MoE, CPU, embedded defaults
 #   make test        install everything, then run the whole test suite
-#   make ablate      routing-replay ablation on a volatile small MoE: 5 arms x 2 settings x 3 seeds, report
-#                    (ABLATION=configs/ablations/tiny_cpu.yaml: the older 3-arm one on the main job's model)
+#   make ablate      routing-replay ablation v2: an fp8_sim engine against the fp32 trainer on a small MoE, 5 arms x
+#                    4 settings x 3 seeds, report (ABLATION=configs/ablations/moe_volatile_cpu.yaml: v1, no engine gap)
 #   make cuda-check  compile every csrc/**/*.cu for sm_90 with nvcc against torch's headers (no GPU needed)
 #   make gpu-wheels  (any networked machine) the cp312 wheels an offline CUDA image with torch lacks, into .gpu-wheels/
 #   make gpu-check   (the GPU host) install them offline, build the CUDA extension, run every GPU stage in 470 s;
@@ -54,7 +54,7 @@ train: install
 
 # One run per core (the recipe's threads: 1); rerunning skips finished runs and resumes interrupted ones.
 ABLATE_JOBS ?= $(shell nproc 2>/dev/null || echo 1)
-ABLATION ?= configs/ablations/moe_volatile_cpu.yaml
+ABLATION ?= configs/ablations/moe_mismatch_cpu.yaml
 ablate: install
 	$(BIN)/megagspo ablate --config $(ABLATION) --jobs $(ABLATE_JOBS) $(ARGS)
 

@@ -22,6 +22,23 @@ per batch every importance ratio is exactly 1, so Figure 2's clipping claim is r
 
 Arms are recognised by their config (loss family, rl.routing_replay), settings by rl.batch.mini_batches, so a recipe
 may name them as it likes.
+
+Added for the ablation v2 (issue 47), fixed before its run. A "stress" setting is one whose rollout engine computes
+in another precision than the fp32 trainer (rollout.engine_dtype bf16 | fp16 | fp8_sim). The mismatch metrics are
+per-cell means over all RL steps of the per-step metrics on loss tokens (megagspo.ablation.results.MISMATCH_METRICS).
+    R3 paper, mechanism (each stress setting, for GRPO and for GSPO): R3 lowers the k3 KL between the engine and
+      pi_old and F(tau=2) against the same loss without replay. "Lower" is "above" on (none - R3), per metric; the
+      two metrics are combined as Figures 1 and 3 combine accuracy and reward (HELD: both lower beyond noise; DID NOT
+      HOLD: either higher beyond noise; PARTLY: one lower, the other within noise). A metric that is exactly 0 in
+      both arms on every seed cannot move and is left out of the verdict, which then rests on the other.
+    Qwen team, v2 (stress settings): at 1 update per batch R3 lowers the k3 KL without a reward gain (HELD: KL lower
+      beyond noise and neither the training reward nor held-out accuracy of GRPO + R3 above GRPO's beyond noise; DID
+      NOT HOLD: the KL higher beyond noise, or a reward / accuracy gain beyond noise; else not resolved); at 2 updates
+      R2 >= R3 and at 4 (or more) R3 >= R2 on held-out accuracy, each one pair judged by the "above" rule (within the
+      band: not resolved).
+    The edge of a band: a comparison whose |mean d| lies between 2/3 and 3/2 of its 2 SE is "at the edge": a rerun on
+    another machine may move it across (the v1 report's one beyond-noise verdict, +0.078 at 2 SE 0.068, read +0.073
+    at 2 SE 0.075 on another CPU). Its evidence line says so, and the report lists every verdict that rests on one.
 """
 
 from __future__ import annotations
@@ -33,7 +50,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megagspo.ablation.results import ArmResult, arm_table, mean_std, per_seed
 
 # metric name -> words, for the evidence lines
-METRIC_WORDS = {"final_acc": "final held-out accuracy", "reward_tail": "training reward (last 20% of steps)"}
+METRIC_WORDS = {"final_acc": "final held-out accuracy", "reward_tail": "training reward (last 20% of steps)",
+                "k3_kl": "k3 KL (engine vs pi_old, mean over steps)", "f2": "F(tau=2) (mean over steps)"}
+# |mean d| / (2 SE) in [EDGE_LOW, EDGE_HIGH]: the verdict sits at the edge of its band (module docstring)
+EDGE_LOW, EDGE_HIGH = 2 / 3, 3 / 2
+EDGE_MARK = "AT THE EDGE of its band"
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -52,19 +73,34 @@ class Comparison:
             return None
         return abs(self.diff) > self.two_se
 
+    @property
+    def at_edge(self) -> bool:
+        """|diff| within [2/3, 3/2] of its 2 SE band: a rerun may flip beyond <-> within (module docstring)."""
+        if math.isnan(self.two_se) or self.two_se == 0:
+            return False
+        return EDGE_LOW <= abs(self.diff) / self.two_se <= EDGE_HIGH
+
     def text(self) -> str:
+        small = max(abs(self.diff), 0 if math.isnan(self.two_se) else self.two_se) < 1e-2
+        fmt = (lambda v: f"{v:+.3e}") if small else (lambda v: f"{v:+.3f}")
         if math.isnan(self.two_se):
-            return f"{self.diff:+.3f} (one seed: no spread, indicative only)"
+            return f"{fmt(self.diff)} (one seed: no spread, indicative only)"
         how = "paired over seeds" if self.paired else "unpaired"
-        return (f"{self.diff:+.3f} (2 SE = {self.two_se:.3f}, {how}: "
-                f"{'beyond' if self.significant else 'within'} seed noise)")
+        edge = f"; {EDGE_MARK}" if self.at_edge else ""
+        return (f"{fmt(self.diff)} (2 SE = {fmt(self.two_se)[1:]}, {how}: "
+                f"{'beyond' if self.significant else 'within'} seed noise{edge})")
 
     def line(self) -> str:
         return f"{METRIC_WORDS.get(self.metric, self.metric)}, {self.a} - {self.b}: {self.text()}"
 
 
 def compare_values(va: Dict[int, float], vb: Dict[int, float], a: str, b: str, metric: str) -> Comparison:
-    """a - b from per-seed values {seed: value}: paired when both have the same seeds (module docstring)."""
+    """a - b from per-seed values {seed: value}: paired when both have the same seeds (module docstring). Seeds
+    whose value is nan (a metric the run did not log) are left out."""
+    va = {s: v for s, v in va.items() if not math.isnan(v)}
+    vb = {s: v for s, v in vb.items() if not math.isnan(v)}
+    if not va or not vb:
+        return Comparison(a, b, metric, float("nan"), float("nan"), paired=False)
     if set(va) == set(vb):
         diffs = [va[s] - vb[s] for s in sorted(va)]
         mean, sd = mean_std(diffs)
@@ -239,6 +275,8 @@ def qwen_claims(settings: Dict[str, Dict[str, ArmResult]]) -> List[Claim]:
                         f"{_tag(name)}", above_verdict(pairs), [p.line() for p in pairs]))
     for on_name, on_roles in on.items():
         for off_name, off_roles in off.items():
+            if next(iter(on_roles.values())).engine_dtype != next(iter(off_roles.values())).engine_dtype:
+                continue  # on vs off-policy under the same engine only (the v2 fp32 control has no off-policy twin)
             pairs = []
             for r in ("grpo_r2", "grpo_r3"):
                 if r in on_roles and r in off_roles:
@@ -260,6 +298,97 @@ def _minus(a: Dict[int, float], b: Dict[int, float]) -> Dict[int, float]:
     return {s: a[s] - b[s] for s in a if s in b}
 
 
+# ------------------------------------------------------------------------------------------ v2: the mechanism
+def _all_zero(a: ArmResult, b: ArmResult, metric: str) -> bool:
+    vals = list(per_seed(a, metric).values()) + list(per_seed(b, metric).values())
+    return all(v == 0 for v in vals)
+
+
+def lower_verdict(cmps: Sequence[Comparison], what: str) -> str:
+    """Each comparison is (without replay) - (with replay) on a metric the replay should lower: the Figures 1 / 3
+    combination of two metrics (module docstring), for one or two metrics."""
+    if any(c.significant is None for c in cmps):
+        agree = sum(c.diff > 0 for c in cmps)
+        return f"indicative only (one seed): {agree} of {len(cmps)} metrics lower with {what}"
+    names = [METRIC_WORDS.get(c.metric, c.metric).split(" (")[0] for c in cmps]
+    against = [n for n, c in zip(names, cmps) if c.significant and c.diff < 0]
+    favour = [n for n, c in zip(names, cmps) if c.significant and c.diff > 0]
+    if against:
+        return f"DID NOT HOLD: {' and '.join(against)} higher with {what}, beyond seed noise"
+    if len(favour) == len(cmps):
+        return f"HELD: {' and '.join(favour)} lower with {what}, beyond seed noise"
+    if favour:
+        return f"PARTLY: {favour[0]} lower with {what} beyond seed noise; the other within noise"
+    return "not resolved at this scale (every difference within seed noise)"
+
+
+def r3_mechanism_claims(by_role: Dict[str, ArmResult], where: str = "") -> List[Claim]:
+    """The R3 paper's mechanism at a stress setting: R3 lowers k3 KL and F(tau=2) against no replay (docstring)."""
+    out: List[Claim] = []
+    for family in ("grpo", "gspo"):
+        none, r3 = by_role.get(family), by_role.get(f"{family}_r3")
+        if not (none and r3 and none.stress_engine):
+            continue
+        cmps, notes = [], []
+        for metric in ("k3_kl", "f2"):
+            c = compare(none, r3, metric)
+            if math.isnan(c.diff):
+                notes.append(f"{METRIC_WORDS[metric]}: not logged by these runs")
+            elif _all_zero(none, r3, metric):
+                notes.append(f"{METRIC_WORDS[metric]}: 0 in both arms on every seed, left out of the verdict")
+            else:
+                cmps.append(c)
+        verdict_text = (lower_verdict(cmps, "R3") if cmps else
+                        "NOT TESTABLE: neither metric was measured or moved in these runs")
+        out.append((f"R3 paper (mechanism): {family.upper()} + R3 lowers the k3 KL and F(tau=2) against "
+                    f"{family.upper()} without replay{where}", verdict_text, [c.line() for c in cmps] + notes))
+    return out
+
+
+def qwen_v2_claims(settings: Dict[str, Dict[str, ArmResult]]) -> List[Claim]:
+    """Qwen's v2 claims at the stress settings (module docstring): on-policy R3 lowers KL without a reward gain;
+    R2 >= R3 at 2 updates per batch; R3 >= R2 at 4 or more."""
+    out: List[Claim] = []
+    for name, roles in settings.items():
+        first = next(iter(roles.values()))
+        if not first.stress_engine:
+            continue
+        n = first.updates_per_batch
+        grpo, r2, r3 = roles.get("grpo"), roles.get("grpo_r2"), roles.get("grpo_r3")
+        if n == 1 and grpo and r3:
+            kl = compare(grpo, r3, "k3_kl")        # none - R3: > 0 is "R3 lowers"
+            gains = [compare(r3, grpo, m) for m in ("reward_tail", "final_acc")]
+            out.append((f"Qwen team: on-policy (1 update per batch) GRPO + R3 lowers the k3 KL without a reward "
+                        f"gain{_tag(name)}", _kl_without_gain(kl, gains), [kl.line()] + [g.line() for g in gains]))
+        if n >= 2 and r2 and r3:
+            hi, lo = (r2, r3) if n == 2 else (r3, r2)
+            cmp = compare(hi, lo, "final_acc")
+            words = "R2 >= R3" if n == 2 else "R3 >= R2"
+            out.append((f"Qwen team: at {n} updates per batch GRPO + {words[:2]} >= GRPO + {words[-2:]}{_tag(name)}",
+                        above_verdict([cmp]), [cmp.line()]))
+    return out
+
+
+def _kl_without_gain(kl: Comparison, gains: Sequence[Comparison]) -> str:
+    if math.isnan(kl.diff):
+        return "NOT TESTABLE: the k3 KL was not logged by these runs"
+    if kl.significant is None or any(g.significant is None for g in gains):
+        return "indicative only (one seed): KL " + ("lower" if kl.diff > 0 else "not lower") + " with R3"
+    gained = [METRIC_WORDS[g.metric].split(" (")[0] for g in gains if g.significant and g.diff > 0]
+    if gained:
+        return f"DID NOT HOLD: R3 gains in {' and '.join(gained)}, beyond seed noise"
+    if kl.significant and kl.diff < 0:
+        return "DID NOT HOLD: the k3 KL is higher with R3, beyond seed noise"
+    if kl.significant:
+        return "HELD: the k3 KL is lower with R3 beyond seed noise, and no reward or accuracy gain beyond noise"
+    return "not resolved at this scale (the KL difference is within seed noise; no reward gain beyond noise)"
+
+
+def edge_claims(verdicts: Sequence[Claim]) -> List[str]:
+    """The claims whose verdict rests on a comparison at the edge of its band (module docstring)."""
+    return [claim for claim, _, evidence in verdicts if any(EDGE_MARK in e for e in evidence)]
+
+
 def claims(arms: Dict[str, ArmResult]) -> List[Claim]:
     """[(claim, verdict, evidence lines)] for every claim the present arms can test, setting by setting."""
     settings: Dict[str, Dict[str, ArmResult]] = {}
@@ -270,4 +399,5 @@ def claims(arms: Dict[str, ArmResult]) -> List[Claim]:
         where = _setting_words(list(roles.values()))
         out += gspo_paper_claims(roles, where)
         out += r3_paper_claim(roles, where)
-    return out + qwen_claims(settings)
+        out += r3_mechanism_claims(roles, where)
+    return out + qwen_claims(settings) + qwen_v2_claims(settings)

@@ -10,9 +10,10 @@ import math
 import os
 from typing import Dict, List, Optional, Tuple
 
-from megagspo.ablation.claims import Comparison, claims, compare  # noqa: F401  (the report's public names)
-from megagspo.ablation.results import (ArmResult, CellResult, arm_table, load_results,  # noqa: F401
-                                       mean_std)
+from megagspo.ablation.claims import Comparison, claims, compare, edge_claims  # noqa: F401  (public names)
+from megagspo.ablation.machine import machine_lines
+from megagspo.ablation.results import (MISMATCH_METRICS, ArmResult, CellResult, arm_table, finite,  # noqa: F401
+                                       load_results, mean_std)
 from megagspo.ablation.spec import AblationSpec
 
 
@@ -150,6 +151,28 @@ def write_plots(arms: Dict[str, ArmResult], out_dir: str, suffix: str = "") -> D
     ax.set_title("Expert-activation volatility: pi_theta vs pi_old on the same tokens"), ax.legend(fontsize=7)
     save(fig, "expert_volatility", "ablation_expert_volatility.png")
 
+    mismatch = [(MISMATCH_METRICS[k], label, log) for k, label, log in (
+        ("route_pair", "route disagreement: (token, layer) top-k sets differing", False),
+        ("k3_kl", "k3 KL, engine vs pi_old", True), ("f2", "F(tau=2): tokens with ratio beyond 2", True))]
+    have = [m for m in mismatch if all(any(m[0] in r for r in c.rl_rows) for a in arms.values() for c in a.cells)]
+    if have:
+        fig, axes = plt.subplots(1, len(have), figsize=(5.2 * len(have), 4.2), squeeze=False)
+        for ax, (key, label, log) in zip(axes[0], have):
+            for name, arm in arms.items():
+                cells = [c for c in arm.cells if all(key in r for r in c.rl_rows)]
+                if not cells:
+                    continue
+                steps, mean, lo, hi = _series(cells, key, window)
+                floor = 1e-7 if log else 0.0  # a log axis cannot show 0
+                ax.plot(steps, [max(v, floor) for v in mean], color=colors[name], label=arm.label())
+                ax.fill_between(steps, [max(v, floor) for v in lo], [max(v, floor) for v in hi], color=colors[name],
+                                alpha=0.2)
+            if log:
+                ax.set_yscale("log")
+            ax.set_xlabel("RL step"), ax.set_ylabel(label), ax.legend(fontsize=6)
+        fig.suptitle("Engine-trainer mismatch over steps (loss tokens; line = mean over seeds, band = min..max)")
+        save(fig, "mismatch", "ablation_mismatch.png")
+
     grpo_arms = {n: a for n, a in arms.items() if a.role.startswith("grpo")}
     if any(a.role == "grpo" for a in grpo_arms.values()) and any(a.role != "grpo" for a in grpo_arms.values()):
         replay_first = dict(sorted(grpo_arms.items(), key=lambda kv: kv[1].role == "grpo"))
@@ -211,7 +234,8 @@ def _fmt(ms: Tuple[float, float], digits: int = 3) -> str:
 _PLOT_TITLES = {"reward_accuracy": "Training reward and held-out accuracy (Figure 1)",
                 "clip_fraction": "Clipped-token fraction (Figure 2)",
                 "expert_volatility": "Expert-activation volatility",
-                "routing_replay": "GRPO with vs without routing replay (Figure 3)"}
+                "routing_replay": "GRPO with vs without routing replay (Figure 3)",
+                "mismatch": "Engine-trainer mismatch over steps (route disagreement, k3 KL, F(2))"}
 
 
 def _all_plots(spec: AblationSpec, arms: Dict[str, ArmResult]) -> List[Tuple[str, str]]:
@@ -279,6 +303,60 @@ def _incomplete(spec: AblationSpec, missing: List[str], failed: List[str]) -> Li
     return lines + [""]
 
 
+def _mismatch_section(arms: Dict[str, ArmResult]) -> List[str]:
+    """Per cell the engine-trainer route disagreement and the mismatch metrics (means over RL steps, then over
+    seeds), and the fp32 control's check that replay changes nothing where the engine has no gap."""
+    if not any(finite(arm_table(a)["route_pair"][0]) or finite(arm_table(a)["k3_kl"][0]) for a in arms.values()):
+        return []
+    lines = ["## Engine-trainer mismatch per cell", "",
+             "Means over all RL steps of the per-step metrics on loss tokens (docs/ablation.md, \"Testbed v2\"), then "
+             "mean ± std over seeds. Route disagreement: the share of (token, MoE layer) top-k expert sets that differ "
+             "between the rollout engine and the trainer at pi_old (per token: in at least one layer). k3 KL and "
+             "F(tau) compare the engine's token log-probs with pi_old's; token_mult_prob_error = mean exp|Δlogp|; "
+             "IS ESS = effective sample size of the token IS weights / tokens. Replay override: R2 / R3 arms, the "
+             "share of replayed (token, layer) routes that differ from the live router's choice.", "",
+             "| setting / arm | engine | route disagreement (pairs) | (tokens) | k3 KL | F(2) | F(5) | mean abs Δlogp "
+             "| token_mult_prob_error | IS ESS | replay override | expert volatility |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, arm in arms.items():
+        t = arm_table(arm)
+        lines.append(f"| {name} | {arm.engine_dtype} | {_fmt(t['route_pair'], 4)} | {_fmt(t['route_token'], 4)} | "
+                     f"{_fmt_sci(t['k3_kl'])} | {_fmt_sci(t['f2'])} | {_fmt_sci(t['f5'])} | "
+                     f"{_fmt(t['abs_log_ratio'], 4)} | {_fmt(t['mult_err'], 4)} | {_fmt(t['is_ess'], 4)} | "
+                     f"{_fmt(t['override'], 4)} | {_fmt(t['volatility'], 4)} |")
+    return lines + [""] + _control_lines(arms) + [""]
+
+
+def _control_lines(arms: Dict[str, ArmResult]) -> List[str]:
+    """Settings without an engine gap at 1 update per batch (the fp32 control): each replay arm should equal its
+    arm without replay run for run; the report says whether it does."""
+    lines = []
+    for setting in sorted({a.setting for a in arms.values()}):
+        roles = {a.role: a for a in arms.values() if a.setting == setting}
+        first = next(iter(roles.values()))
+        if first.stress_engine or first.updates_per_batch != 1:
+            continue
+        for family in ("grpo", "gspo"):
+            base = roles.get(family)
+            if not base:
+                continue
+            acc = {c.seed: c.summary["final/accuracy"] for c in base.cells}
+            for role, arm in roles.items():
+                if role.startswith(family + "_"):
+                    same = all(acc.get(c.seed) == c.summary["final/accuracy"] for c in arm.cells)
+                    lines.append(f"- Control {setting or '(no setting)'} ({first.engine_dtype} engine, 1 update): "
+                                 f"{arm.name} {'equals' if same else 'DIFFERS FROM'} {base.name} run for run "
+                                 "(final held-out accuracy on every seed)" + ("." if same else ": the control failed."))
+    return lines
+
+
+def _fmt_sci(ms: Tuple[float, float]) -> str:
+    mean, std = ms
+    if math.isnan(mean):
+        return "n/a"
+    return f"{mean:.2e}" if math.isnan(std) else f"{mean:.2e} ± {std:.1e}"
+
+
 # Over 60 lines: report.md written top to bottom, one section after another.
 def write_report(spec: AblationSpec, command: str = "", failed: Optional[List[str]] = None) -> str:
     """Writes <out>/report.md and the PNGs next to it. -> path of report.md. Raises FileNotFoundError when no
@@ -292,6 +370,7 @@ def write_report(spec: AblationSpec, command: str = "", failed: Optional[List[st
     lines += _incomplete(spec, missing, failed or [])
     if command:
         lines += [f"Reproduce: `{command}`", ""]
+    lines += machine_lines(spec.out_dir)
     cfg0 = next(iter(arms.values())).config
     seeds = sorted({c.seed for a in arms.values() for c in a.cells})
     rl0, batch0 = cfg0["rl"], cfg0["rl"]["batch"]
@@ -318,6 +397,7 @@ def write_report(spec: AblationSpec, command: str = "", failed: Optional[List[st
                      f"{_fmt(t['step_s'], 2)} |")
     lines += ["", "Clip fractions, volatility and KL are means over all RL steps.", ""]
     lines += _volatility_section(arms)
+    lines += _mismatch_section(arms)
     verdicts = claims(arms)
     if verdicts:
         lines += ["## The published claims at this scale", "",
@@ -328,6 +408,12 @@ def write_report(spec: AblationSpec, command: str = "", failed: Optional[List[st
             lines.append(f"- **{claim}** — {verdict}.")
             lines += [f"  - {e}" for e in evidence]
         lines.append("")
+        edges = edge_claims(verdicts)
+        lines += ["### Verdicts at the edge of their band", "",
+                  "A comparison whose |mean difference| lies between 2/3 and 3/2 of its 2 SE band may cross it on a "
+                  "rerun on another machine (megagspo/ablation/claims.py)."
+                  + (" These verdicts rest on one:" if edges else " No verdict rests on one."), ""]
+        lines += [f"- {c}" for c in edges] + ([""] if edges else [])
     lines += ["## Plots", ""]
     for title, name in plots:
         lines += [f"### {title}", "", f"![{title}]({name})", ""]

@@ -16,6 +16,10 @@ from megagspo.config_moves import move_old_keys
 from megagspo.metrics_log import rl_start_accuracy
 
 
+# Engine precisions that differ from the CPU trainer's fp32 (rollout.engine_dtype; auto = fp32 on the CPU)
+STRESS_ENGINE_DTYPES = ("bf16", "fp16", "fp8_sim")
+
+
 def mean_std(values: List[float]) -> Tuple[float, float]:
     n = len(values)
     mean = sum(values) / n
@@ -48,6 +52,17 @@ class ArmResult:
         rl = self.config["rl"]
         family = {"gspo": "gspo", "gspo_token": "gspo", "grpo": "grpo"}.get(rl["loss"]["name"], "other")
         return family if rl["routing_replay"] == "none" else f"{family}_{rl['routing_replay']}"
+
+    @property
+    def engine_dtype(self) -> str:
+        """The rollout engine's precision (rollout.engine_dtype; "auto" for runs written before the dial)."""
+        return str(self.config.get("rollout", {}).get("engine_dtype", "auto"))
+
+    @property
+    def stress_engine(self) -> bool:
+        """True when the engine computes in another precision than the fp32 CPU trainer (bf16 | fp16 | fp8_sim):
+        the engine-trainer gap the R3 paper's and Qwen's mechanism claims are about."""
+        return self.engine_dtype in STRESS_ENGINE_DTYPES
 
     @property
     def updates_per_batch(self) -> int:
@@ -107,6 +122,27 @@ def _all_mean(cell: CellResult, key: str) -> float:
     return sum(vals) / len(vals)
 
 
+def _opt_mean(cell: CellResult, key: str) -> float:
+    """Mean over the RL steps that log `key` (the mismatch metrics: not in runs written before them, and absent
+    where nothing is measured); nan when none does."""
+    vals = [r[key] for r in cell.rl_rows if key in r and r[key] is not None]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+# The engine-trainer mismatch metrics per step (docs/metrics: loss tokens only), as the report's columns
+MISMATCH_METRICS = {
+    "route_pair": "mismatch/route_pair_frac",         # (token, layer) top-k sets that differ, engine vs pi_old
+    "route_token": "mismatch/route_token_frac",       # tokens with such a difference in at least one layer
+    "k3_kl": "mismatch/k3_kl",                        # k3 KL between the engine's and pi_old's token log-probs
+    "f2": "mismatch/frac_over_ln2",                   # F(tau=2): tokens whose probability ratio is beyond 2
+    "f5": "mismatch/frac_over_ln5",                   # F(tau=5)
+    "abs_log_ratio": "mismatch/abs_log_ratio",        # mean |delta logp|
+    "mult_err": "mismatch/token_mult_prob_error",     # mean exp|delta logp| (NeMo-RL's gate)
+    "is_ess": "mismatch/is_ess_frac",                 # effective sample size of the token IS weights / tokens
+    "override": "replay/route_override_pair_frac",    # R2 / R3: replayed routes that differ from the live router
+}
+
+
 # per-cell (one seed) numbers; arm_table aggregates them over seeds
 CELL_METRICS = {
     "cold_start_acc": lambda c: c.cold_start_accuracy,
@@ -121,6 +157,7 @@ CELL_METRICS = {
     "kl": lambda c: _all_mean(c, "kl/approx_old"),
     "step_s": lambda c: _all_mean(c, "time/step_s"),
     "rl_time_s": lambda c: float(c.summary.get("rl/time_s", float("nan"))),
+    **{name: (lambda key: lambda c: _opt_mean(c, key))(key) for name, key in MISMATCH_METRICS.items()},
 }
 
 
@@ -129,8 +166,12 @@ def per_seed(arm: ArmResult, metric: str) -> Dict[int, float]:
 
 
 def arm_table(arm: ArmResult) -> Dict[str, Tuple[float, float]]:
-    """Per-arm final numbers as (mean, std over seeds)."""
-    return {key: mean_std([fn(c) for c in arm.cells]) for key, fn in CELL_METRICS.items()}
+    """Per-arm final numbers as (mean, std over seeds); a metric no seed logged is (nan, nan)."""
+    out = {}
+    for key, fn in CELL_METRICS.items():
+        vals = [v for v in (float(fn(c)) for c in arm.cells) if not math.isnan(v)]
+        out[key] = mean_std(vals) if vals else (float("nan"), float("nan"))
+    return out
 
 
 def finite(value: float) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 
+from megagspo.ablation.machine import record_machine
 from megagspo.ablation.spec import AblationSpec
 from megagspo.config import Config, ConfigError, read_yaml_mapping
 from megagspo.config_moves import move_old_keys
@@ -189,6 +190,8 @@ class AblationRunner:
                              "interrupted attempt moved aside")
                 elif state == "partial":
                     self.say(f"[ablation] {run.label}: resuming an interrupted run in {run.run_dir}")
+        if todo:  # the report names the CPU the runs ran on (megagspo/ablation/machine.py)
+            record_machine(self.spec.out_dir)
         failed: List[Run] = []
         cold_failed = set()
         running: list = []
