@@ -141,6 +141,18 @@ def test_edge_of_band_is_marked_and_listed():
     assert "Qwen team: at 4 updates per batch GRPO + R3 >= GRPO + R2 [s]" in listed
 
 
+def test_the_report_reads_the_testbed_rule_on_the_run():
+    from megagspo.ablation.report import _testbed_rule_lines
+
+    ok = _arm("gspo", [0.7, 0.6, 0.8], mini_batches=4)  # cold start 0.5 on every seed (_arm)
+    low = _arm("gspo", [0.7, 0.4, 0.8], setting="t", mini_batches=2)
+    assert _testbed_rule_lines({"s/gspo": ok})[0].endswith("ends above its cold start on every seed.")
+    line = _testbed_rule_lines({"t/gspo": low})[0]
+    assert "NOT MET on seed 1 (0.500 -> 0.400)" in line
+    assert _testbed_rule_lines({"s/gspo": ok, "t/gspo": low}) == _testbed_rule_lines({"s/gspo": ok})  # 4 > 2
+    assert _testbed_rule_lines({"s/grpo": _arm("grpo", ACC)}) == []
+
+
 def test_missing_mismatch_metrics_are_nan_not_errors():
     arm = _arm("grpo", ACC)  # a v1 run: no mismatch/* rows
     t = arm_table(arm)
@@ -195,4 +207,5 @@ def test_report_shows_the_machine_the_mismatch_per_cell_the_control_and_the_edge
     assert "Control fp32_on_policy (fp32 engine, 1 update): fp32_on_policy/grpo_r3 equals fp32_on_policy/grpo" in text
     assert "R3 paper (mechanism): GRPO + R3 lowers the k3 KL and F(tau=2) against GRPO without replay" in text
     assert "### Verdicts at the edge of their band" in text
+    assert "Testbed rule, condition 1" not in text  # no GSPO arm in this subset
     assert os.path.getsize(os.path.join(spec.out_dir, "ablation_mismatch_fp8_off_policy_4x.png")) > 1000

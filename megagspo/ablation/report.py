@@ -324,7 +324,21 @@ def _mismatch_section(arms: Dict[str, ArmResult]) -> List[str]:
                      f"{_fmt_sci(t['k3_kl'])} | {_fmt_sci(t['f2'])} | {_fmt_sci(t['f5'])} | "
                      f"{_fmt(t['abs_log_ratio'], 4)} | {_fmt(t['mult_err'], 4)} | {_fmt(t['is_ess'], 4)} | "
                      f"{_fmt(t['override'], 4)} | {_fmt(t['volatility'], 4)} |")
-    return lines + [""] + _control_lines(arms) + [""]
+    return lines + [""] + _control_lines(arms) + _testbed_rule_lines(arms) + [""]
+
+
+def _testbed_rule_lines(arms: Dict[str, ArmResult]) -> List[str]:
+    """The testbed v2 rule's condition 1 (docs/ablation.md) read on this run: GSPO without replay at the most
+    off-policy stress setting ends above its cold start on every seed."""
+    stress = [a for a in arms.values() if a.role == "gspo" and a.stress_engine]
+    if not stress:
+        return []
+    arm = max(stress, key=lambda a: a.updates_per_batch)
+    below = [f"seed {c.seed} ({c.cold_start_accuracy:.3f} -> {c.summary['final/accuracy']:.3f})"
+             for c in sorted(arm.cells, key=lambda c: c.seed) if c.summary["final/accuracy"] <= c.cold_start_accuracy]
+    return [f"- Testbed rule, condition 1 ({arm.name}, {arm.updates_per_batch} updates per batch, {arm.engine_dtype} "
+            "engine): " + ("GSPO without replay ends above its cold start on every seed." if not below else
+                           "NOT MET on " + ", ".join(below) + ": the testbed's premise fails on this run.")]
 
 
 def _control_lines(arms: Dict[str, ArmResult]) -> List[str]:
