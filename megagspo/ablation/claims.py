@@ -55,6 +55,7 @@ METRIC_WORDS = {"final_acc": "final held-out accuracy", "reward_tail": "training
 # |mean d| / (2 SE) in [EDGE_LOW, EDGE_HIGH]: the verdict sits at the edge of its band (module docstring)
 EDGE_LOW, EDGE_HIGH = 2 / 3, 3 / 2
 EDGE_MARK = "AT THE EDGE of its band"
+SCIENTIFIC = ("k3_kl", "f2")  # metrics whose evidence lines are written as 1.23e-03
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -81,8 +82,8 @@ class Comparison:
         return EDGE_LOW <= abs(self.diff) / self.two_se <= EDGE_HIGH
 
     def text(self) -> str:
-        small = max(abs(self.diff), 0 if math.isnan(self.two_se) else self.two_se) < 1e-2
-        fmt = (lambda v: f"{v:+.3e}") if small else (lambda v: f"{v:+.3f}")
+        # the mismatch metrics are ~1e-3 and below: three decimals would read 0.000
+        fmt = (lambda v: f"{v:+.2e}") if self.metric in SCIENTIFIC else (lambda v: f"{v:+.3f}")
         if math.isnan(self.two_se):
             return f"{fmt(self.diff)} (one seed: no spread, indicative only)"
         how = "paired over seeds" if self.paired else "unpaired"
