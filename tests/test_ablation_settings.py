@@ -99,7 +99,7 @@ def test_settings_subset_and_a_bad_key_names_the_cell(tmp_path):
         spec.validate_runs([])
 
 
-def test_the_default_testbed_is_5_arms_x_2_settings_x_3_seeds_with_its_own_cold_start():
+def test_the_v1_testbed_is_5_arms_x_2_settings_x_3_seeds_with_its_own_cold_start():
     spec = load_ablation(os.path.join(REPO, "configs", "ablations", "moe_volatile_cpu.yaml"))
     assert set(spec.arms) == set(ARMS) and len(spec.settings) == 2 and len(spec.seeds) == 3
     configs = spec.validate_runs([])
