@@ -51,8 +51,11 @@ if os.environ.get("FAKE_RUN") == "finish":
     sys.exit(0)
 with open(os.path.join(run_dir, "started"), "w") as f:
     f.write(str(os.getpid()))
-while not got:
+deadline = time.time() + 180  # a stand-in never outlives a failed test by more than this
+while not got and time.time() < deadline:
     time.sleep(0.02)
+if not got:
+    sys.exit(1)
 time.sleep(0.3)  # the step's end, then the checkpoint
 open(os.path.join(run_dir, "checkpointed"), "w").close()
 sys.exit(128 + got[0])
