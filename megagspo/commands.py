@@ -26,7 +26,7 @@ from megagspo.dry_run import dry_run
 from megagspo.errors import bounded_message, os_error_message
 from megagspo.hf_export import export_hf
 from megagspo.planner import PlanError
-from megagspo.rl.producer import ProducerFailed
+from megagspo.rl.producer_process import ProducerFailed
 from moe.architecture import ArchitectureError
 from moe.parallel import LayoutError
 

@@ -201,7 +201,8 @@ def test_a_producer_that_fails_by_itself_is_an_error_not_a_restart_loop():
     from megagspo.data.datasets import PromptDataset
     from megagspo.config import RolloutConfig
     from megagspo.config_training import FilterConfig, RLBatchConfig
-    from megagspo.rl.producer import EngineRecipe, ProducerProcess, ProducerSpec, RewardRecipe
+    from megagspo.rl.producer import EngineRecipe, ProducerSpec, RewardRecipe
+    from megagspo.rl.producer_process import ProducerProcess
     from megagspo.rollout import SamplingParams
     from moe.parallel import DPShare
 

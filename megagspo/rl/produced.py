@@ -23,7 +23,8 @@ from megagspo.config_training import GroupAdvantageConfig
 from megagspo.data.datasets import PromptDataset
 from megagspo.policy.engine_link import EngineLink
 from megagspo.rl.batch_maker import filter_metrics, scores_of
-from megagspo.rl.producer import ProducedBatch, ProducerProcess, ProducerSpec
+from megagspo.rl.producer import ProducedBatch, ProducerSpec
+from megagspo.rl.producer_process import ProducerProcess
 from megagspo.rl.source_protocol import SourceCheckpoint, SourcedBatch
 from megagspo.rl.staleness import token_staleness
 from moe.parallel import ParallelDims
