@@ -272,11 +272,11 @@ def _volatility_section(arms: Dict[str, ArmResult]) -> List[str]:
     """The expert volatility reached without routing replay, per setting: what the replay arms are up against."""
     lines = ["## Expert volatility reached", "",
              "The fraction of (token, MoE layer, top-k) expert choices under the policy being trained that differ "
-             "from pi_old's on the same response tokens, averaged over all RL steps. Without replay it is measured in "
-             "the training forward of each mini-batch, that is after 0, 1, ..., K-1 of the K updates of a rollout "
-             "batch (the first mini-batch runs at pi_old: 0 by construction, so at 1 update per batch it is 0); with "
-             "replay, in an extra free forward after each update (1..K updates). The GSPO paper reports ~10% on the "
-             "48-layer Qwen3-30B-A3B.", ""]
+             "from pi_old's on the same response tokens, averaged over all RL steps, measured in every arm alike in "
+             "a free forward after each update (1..K of the K updates of a rollout batch; runs before 2026-11-29 "
+             "measured the arms without replay in the training forward, after 0..K-1 updates). Under R3 pi_old's "
+             "routes are the engine's, so its volatility includes the engine-trainer route gap. The GSPO paper "
+             "reports ~10% on the 48-layer Qwen3-30B-A3B.", ""]
     rows = [a for a in arms.values() if a.config["rl"]["routing_replay"] == "none"]
     if not rows:
         return lines + ["No arm without routing replay: nothing to report.", ""]
