@@ -27,7 +27,6 @@ class EngineLink:
         self.engine = engine
         self.bucket_bytes = bucket_mib * 2**20
         self.behind = False           # the engine lacks the policy's latest weights (mark_behind)
-        self.streams = 0              # whole-model streams started on this rank (any consumer)
         self.streamed_bytes = 0       # bytes of the buckets this rank received from them
 
     def sync_weights(self) -> float:
@@ -61,7 +60,6 @@ class EngineLink:
         t0 = time.perf_counter()
         buckets = iter_full_state_buckets(self.policy.model, self.bucket_bytes, dims=self.dims,
                                           receive=consumer.weights_needed(self.dims.generates))
-        self.streams += 1
         consumer.update_weights_from_buckets(_Counted(buckets, self))
         return time.perf_counter() - t0
 

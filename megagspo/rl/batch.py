@@ -62,7 +62,7 @@ class SequenceBatch:
     loss_mask_T: torch.Tensor = _per_token()               # bool: the target is a generated response token
     rollout_logp_T: torch.Tensor = _per_token()            # float32: the engine's log-prob of that target (0 elsewhere)
     advantages_S: torch.Tensor = field(metadata={"per": "sequence"})  # float32, per sequence (eq. 7)
-    lengths: List[int] = field(metadata={"per": "sequence"})          # per sequence, on the host
+    lengths: List[int]                     # per sequence, on the host (select and the DP exchange keep them apart)
     pad_id: int
     row_len: int                           # S of the padded layout (rl.batch.packing = false)
     # the engine's routes [T, Ly, K] of this stage (R3, rollout pi_old); moved per micro-batch, not with the batch
@@ -78,7 +78,7 @@ class SequenceBatch:
 
     @classmethod
     def per_sequence_tensors(cls) -> List[str]:
-        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("per") == "sequence" and f.name != "lengths"]
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("per") == "sequence"]
 
     def __post_init__(self) -> None:
         offsets = [0]
@@ -159,8 +159,7 @@ class SequenceBatch:
 
     def to(self, device) -> "SequenceBatch":
         """The tensors on `device`, but those declared `host` (the routes: they go per micro-batch)."""
-        names = [f.name for f in dataclasses.fields(self) if f.metadata.get("per") and not f.metadata.get("host")
-                 and f.name != "lengths"]
+        names = [f.name for f in dataclasses.fields(self) if f.metadata.get("per") and not f.metadata.get("host")]
         return dataclasses.replace(self, **{name: x.to(device) for name in names
                                             if (x := getattr(self, name)) is not None})
 

@@ -46,15 +46,15 @@ class RoutePlan:
         """The engine's routes of each micro-batch in its model input's storage order ([T', Ly, K]), None without."""
         return [mb.seqs.routes_for(mb.view, self.policy.device) for mb in micro]
 
-    def for_recompute(self, micro: list):
+    def for_recompute(self, engine_routes: list):
         """-> (context(i) for the pi_old recompute of micro-batch i, pi_old's routes, the trainer's own routes at
-        pi_old or None): the lists are filled by that pass. Recording, both are what the routers chose; replaying
-        the engine's, pi_old's routes are the engine's and the trainer's own need a free forward of their own
-        (`own_routes`): under replay a router's live choice sees the hidden states the replayed layers before it
-        made, not the trainer's."""
+        pi_old or None), given the engine's routes of each micro-batch (`engine_routes`): the lists are filled by
+        that pass. Recording, both are what the routers chose; replaying the engine's, pi_old's routes are the
+        engine's and the trainer's own need a free forward of their own (`own_routes`): under replay a router's live
+        choice sees the hidden states the replayed layers before it made, not the trainer's."""
         if self.kind == REPLAY_ENGINE:
-            return self.replaying(self.engine_routes(micro), None), self.engine_routes(micro), None
-        routes = [None] * len(micro)
+            return self.replaying(engine_routes, None), engine_routes, None
+        routes = [None] * len(engine_routes)
         return self.recording_into(routes), routes, routes
 
     def own_routes(self, inputs: list) -> list:
@@ -128,7 +128,8 @@ class RouteGap:
     def metrics(self, dims, prefix: str, token_counts: Optional[List[float]] = None) -> dict:
         """{prefix}pair_frac and, where `token_counts` (loss tokens per micro-batch) are given, {prefix}token_frac;
         summed over the data-parallel ranks and the pipeline stages (collective)."""
-        tokens_differ = sum(float(dims.pp_any(m).sum()) for m in self.token_masks)
+        # OR over the stages (a collective per micro-batch): only where the token share is asked for
+        tokens_differ = sum(float(dims.pp_any(m).sum()) for m in self.token_masks) if token_counts is not None else 0.0
         pairs_differ, pairs = dims.pp_sum([self.pairs_differ, self.pairs])
         sums = dims.dp_sum([pairs_differ, pairs, tokens_differ, float(sum(token_counts or []))])
         out = {f"{prefix}pair_frac": sums[0] / max(sums[1], 1.0)}

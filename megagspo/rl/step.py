@@ -187,15 +187,16 @@ class RLStep:
         policy, flat = self.policy, batch.micro_batches
         logp = [None] * len(flat)
         gap = {}
+        engine = self.routes.engine_routes(flat)  # None where the step packed none
         if self.rl.old_policy.source == "recompute":
-            context, routes, own = self.routes.for_recompute(flat)
+            context, routes, own = self.routes.for_recompute(engine)
             results = policy.run_micro_batches(batch.inputs(flat), context=context)
             logp = [r[0] if r is not None else None for r in results]
             if self.routes.measures_gap:  # the engine's top-k against the trainer's at the same weights (pi_old)
                 own = own if own is not None else self.routes.own_routes(batch.inputs(flat))
-                gap = RouteGap.of(self.dims, flat, self.routes.engine_routes(flat), own, "mismatch/route_")
+                gap = RouteGap.of(self.dims, flat, engine, own, "mismatch/route_")
         else:  # pi_old is the engine: its routes are pi_old's
-            routes = self.routes.engine_routes(flat)
+            routes = engine
         ref_logp = [None] * len(flat)
         if self.reference is not None:
             # log pi_ref: the frozen reference always routes with its own router, never replaying (its model has
