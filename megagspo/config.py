@@ -200,6 +200,10 @@ class DataConfig:
     # sum, so GSPO has a systematic mistake to correct. 0 = every demonstration is the answer. The addition task
     # only: a file task's demonstrations are its answers (so a recipe that sets it can still read a file).
     demo_drop_carry: float = 0.0
+    # addition with rollout.agent.tools = [add]: the fraction of the training problems the cold-start SFT sees solved
+    # with the tool (a compact Hermes call to add, then the answer it returned); the others are answered directly,
+    # carries dropped as demo_drop_carry says. The choice is fixed per problem (data.seed).
+    demo_tool_use: float = 0.0
     max_prompt_tokens: int = 16
     max_response_tokens: int = 6
     drop_long_prompts: bool = False  # False: prompts over max_prompt_tokens are an error (counted, listed)
@@ -212,6 +216,11 @@ class DataConfig:
         require("data", "demo_drop_carry", isinstance(self.demo_drop_carry, (int, float))
                  and not isinstance(self.demo_drop_carry, bool) and 0.0 <= self.demo_drop_carry <= 1.0,
                  self.demo_drop_carry, "a fraction in [0, 1]")
+        require("data", "demo_tool_use", isinstance(self.demo_tool_use, (int, float))
+                and not isinstance(self.demo_tool_use, bool) and 0.0 <= self.demo_tool_use <= 1.0,
+                self.demo_tool_use, "a fraction in [0, 1]")
+        if self.demo_tool_use and self.task != "addition":
+            raise ConfigError("data.demo_tool_use is for the addition task (its demonstrations call the add tool)")
         if self.task == "addition":
             space = (10 ** self.num_digits) ** 2
             if self.train_size + self.eval_size > space:
@@ -231,8 +240,8 @@ class DataConfig:
         require("data", "chat_template_kwargs", isinstance(self.chat_template_kwargs, dict) and all(
             isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in self.chat_template_kwargs.items()),
             self.chat_template_kwargs, "a mapping of names to plain values (e.g. {enable_thinking: false})")
-        if self.tokenizer not in ("auto", "builtin") and not path_present("data.tokenizer", self.tokenizer, "dir"):
-            raise ConfigError(f"data.tokenizer = {_show(self.tokenizer)}: expected 'auto', 'builtin' or a local "
+        if self.tokenizer not in ("auto", "builtin", "builtin_tools") and not path_present("data.tokenizer", self.tokenizer, "dir"):
+            raise ConfigError(f"data.tokenizer = {_show(self.tokenizer)}: expected 'auto', 'builtin', 'builtin_tools' or a local "
                               "tokenizer folder")
 
 
@@ -248,6 +257,52 @@ class RewardConfig:
 
 
 ENGINE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8_sim")
+
+
+AGENT_TRUNCATION_SIDES = ("right", "left")
+PREFIX_POLICIES = ("fail", "keep")
+
+
+@dataclass
+class AgentConfig:
+    """rollout.agent: multi-turn trajectories (megagspo.agent). name "" = single-turn rollouts."""
+
+    # "" (single turn) | tool_loop (the built-in agent: the model calls rollout.agent.tools until it answers) |
+    # environment (a registered stateful environment: rollout.agent.environment) | any agent registered with
+    # megagspo.agent.register_agent; checked in the preflight
+    name: str = ""
+    tools: list = field(default_factory=list)     # tool_loop: registered tool names (megagspo.agent.register_tool)
+    environment: str = ""                        # name = environment: a megagspo.agent.register_environment name
+    max_turns: int = 4                           # assistant turns per trajectory
+    # tokens after the first prompt, every turn and tool response included; a trajectory that reaches it ends as
+    # "truncated": reward 0, counted in agent/truncated_frac. Each turn samples at most data.max_response_tokens.
+    max_total_tokens: int = 256
+    max_tool_response_tokens: int = 64           # a longer tool response is cut (agent/tool_truncations)
+    tool_response_truncation: str = "right"      # right: keep its start | left: keep its end
+    tool_timeout_s: float = 10.0                 # a tool still running then is killed; the model reads an error
+    # Each turn the template's rendering of the conversation so far must equal the trajectory's tokens. fail: a
+    # template that rewrites history (Qwen3's dropped <think> blocks) stops the run naming the turn and token |
+    # keep: train on the tokens as sampled (what the engine saw), counting each rewrite in agent/prefix_rewrites
+    prefix_policy: str = "fail"
+
+    def __post_init__(self) -> None:
+        require("rollout.agent", "name", isinstance(self.name, str), self.name, "a string")
+        require("rollout.agent", "tools", isinstance(self.tools, list) and all(isinstance(t, str) for t in self.tools),
+                self.tools, "a list of registered tool names")
+        for key in ("max_turns", "max_total_tokens", "max_tool_response_tokens"):
+            pos_int("rollout.agent", key, getattr(self, key))
+        choice("rollout.agent", "tool_response_truncation", self.tool_response_truncation, AGENT_TRUNCATION_SIDES)
+        choice("rollout.agent", "prefix_policy", self.prefix_policy, PREFIX_POLICIES)
+        num("rollout.agent", "tool_timeout_s", self.tool_timeout_s, 0.0, 86400.0, lo_open=True)
+        if self.name == "tool_loop" and not self.tools:
+            raise ConfigError("rollout.agent.name = 'tool_loop' needs rollout.agent.tools (registered tool names)")
+        if self.name == "environment" and not self.environment:
+            raise ConfigError("rollout.agent.name = 'environment' needs rollout.agent.environment (a registered "
+                              "environment's name)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.name)
 
 
 @dataclass
@@ -289,6 +344,8 @@ class RolloutConfig:
     # unfinished responses continue from their prefix under them; each token keeps the version that sampled it.
     # The switch points follow the weights' arrival: such a run depends on timing, not only on the seed.
     partial: bool = False
+    # multi-turn, tool-calling trajectories (megagspo.agent); name "" = single-turn rollouts
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         require("rollout", "staleness", isinstance(self.staleness, int) and not isinstance(self.staleness, bool)

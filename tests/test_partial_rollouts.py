@@ -254,6 +254,7 @@ def test_the_producers_batches_keep_the_versions_through_dynamic_sampling_rounds
     from megagspo.rewards import score_batch
     from megagspo.rl.batch_maker import BatchMaker
     from megagspo.rl.producer import RewardRecipe
+    from megagspo.rollout.base import single_turn
     from moe.parallel import DPShare
 
     arch, by_version = states
@@ -264,7 +265,7 @@ def test_the_producers_batches_keep_the_versions_through_dynamic_sampling_rounds
     reward_fn = reward.build()
     # as the producer process builds it (megagspo.rl.producer.producer_main): its own share, engine and verifier
     maker = BatchMaker(RLBatchConfig(prompts_per_step=2, group_size=3, mini_batches=1),
-                       FilterConfig(enabled=True, max_rounds=4), DPShare(0, 1), _Prompts(), tok, engine.generate,
+                       FilterConfig(enabled=True, max_rounds=4), DPShare(0, 1), _Prompts(), tok, single_turn(engine.generate),
                        SamplingParams(**SAMPLING, generator=engine.seeded_generator(4)),
                        lambda texts, answers, stats: score_batch(reward_fn, texts, answers, stats))
     switch = _ArrivingAt(engine, by_version, at={1: 16})  # the first round asks 1 + 12 times at most: in the second

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from moe.json_files import JsonFileError, loads_bounded
 
-from .tasks import addition_examples, sloppy_demonstrations
+from .tasks import addition_examples, sloppy_demonstrations, tool_demonstrations
 from .tokenizer import load_tokenizer
 
 
@@ -31,12 +31,12 @@ class Example:
     prompt: object  # str, or a tuple of {"role", "content"} messages
     answer: str
     prompt_ids: tuple  # the model's input ids for the prompt (tokenizer.prompt_ids)
-    # What the cold-start SFT imitates when it differs from `answer` (data.demo_drop_carry); the reward and
-    # held-out accuracy always check `answer`.
-    demonstration: str | None = None
+    # What the cold-start SFT imitates when it differs from `answer` (data.demo_drop_carry), or a tuple of assistant
+    # turns (data.demo_tool_use: a tool call, then the answer); the reward and held-out accuracy always check `answer`.
+    demonstration: str | tuple | None = None
 
     @property
-    def demo(self) -> str:
+    def demo(self):
         """The cold-start SFT's target: the demonstration where there is one, else the answer."""
         return self.answer if self.demonstration is None else self.demonstration
 
@@ -218,8 +218,9 @@ def check_response_lengths(examples, tokenizer, max_response_tokens: int, where:
     extra = 1 if check == "sft" else 0  # a demonstration ends with the eos token
     over = []
     for ex in examples:
-        text = ex.demo if check == "sft" else ex.answer
-        n = len(tokenizer.encode(text)) + extra
+        # a multi-turn demonstration: each assistant turn is one response (data.max_response_tokens per turn)
+        texts = ([ex.demo] if isinstance(ex.demo, str) else list(ex.demo)) if check == "sft" else [ex.answer]
+        n, text = max((len(tokenizer.encode(t)) + extra, t) for t in texts)
         if n > max_response_tokens:
             over.append((n, text))
     if over:
@@ -273,11 +274,16 @@ def build_datasets(data_cfg, tokenizer=None, response_check="sft"):
     if (eval_long and not data_cfg.drop_long_prompts) or not held_out:
         encode_examples(eval_pairs, tokenizer, data_cfg.max_prompt_tokens, data_cfg.drop_long_prompts, where_eval,
                         train_long, rows=eval_rows)
-    if data_cfg.task == "addition" and data_cfg.demo_drop_carry:
-        demos = sloppy_demonstrations([(ex.prompt, ex.answer) for ex in train], data_cfg.demo_drop_carry,
-                                      data_cfg.seed)
+    if data_cfg.task == "addition" and (data_cfg.demo_drop_carry or data_cfg.demo_tool_use):
+        pairs = [(ex.prompt, ex.answer) for ex in train]
+        demos = sloppy_demonstrations(pairs, data_cfg.demo_drop_carry, data_cfg.seed)
+        stats_extra["sloppy_demonstrations"] = sum(d != ex.answer for ex, d in zip(train, demos))
+        if data_cfg.demo_tool_use:
+            demos = tool_demonstrations(pairs, demos, data_cfg.demo_tool_use, data_cfg.seed)
+            stats_extra["tool_demonstrations"] = sum(isinstance(d, tuple) for d in demos)
+            stats_extra["sloppy_demonstrations"] = sum(d != ex.answer and isinstance(d, str)
+                                                       for ex, d in zip(train, demos))
         train = [replace(ex, demonstration=d) if d != ex.answer else ex for ex, d in zip(train, demos)]
-        stats_extra["sloppy_demonstrations"] = sum(ex.demonstration is not None for ex in train)
     check_response_lengths(train, tokenizer, data_cfg.max_response_tokens, where_train, response_check)
     if response_check == "reward":
         check_response_lengths(held_out, tokenizer, data_cfg.max_response_tokens, where_eval, response_check)

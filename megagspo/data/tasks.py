@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 
+from megagspo.agent.hermes import format_tool_call
+
 
 def addition_examples(num_digits: int, train_size: int, eval_size: int, seed: int):
     """-> (train, held_out): lists of (prompt, answer) pairs; no problem appears in both."""
@@ -47,4 +49,20 @@ def sloppy_demonstrations(train: list, fraction: float, seed: int) -> list:
         draw = rng.random()  # one draw per problem, so the choice of a problem does not depend on the others'
         carries = carry_dropped(prompt) != answer
         out.append(carry_dropped(prompt) if carries and draw < fraction else answer)
+    return out
+
+
+def tool_demonstrations(train: list, demos: list, fraction: float, seed: int) -> list:
+    """Each training problem's demonstration: for `fraction` of them (drawn with `seed`, fixed per problem) two
+    assistant turns, a compact Hermes call to the `add` tool with the prompt's operands and then the sum it returns;
+    the others keep their one-turn demonstration from `demos` (the answer, or the carry dropped)."""
+    rng = random.Random(f"tool-demonstrations-{seed}")
+    out = []
+    for (prompt, answer), demo in zip(train, demos):
+        draw = rng.random()  # one draw per problem, so the choice of a problem does not depend on the others'
+        if draw < fraction:
+            a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+            out.append((format_tool_call("add", {"a": a, "b": b}, compact=True), answer))
+        else:
+            out.append(demo)
     return out

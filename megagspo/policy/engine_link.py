@@ -10,7 +10,7 @@ from typing import Callable, Optional
 from megagspo.config import Config
 from megagspo.policy.megatron_policy import MegatronPolicy
 from megagspo.rollout import RolloutEngine, RolloutOutput, SamplingParams
-from megagspo.rollout.base import WeightSwitch, drain
+from megagspo.rollout.base import WeightSwitch, drain, single_turn
 from moe.parallel import ParallelDims
 from moe.sharding import iter_full_state_buckets
 
@@ -86,6 +86,20 @@ class EngineLink:
         rollouts. `switch`: partial rollouts (RolloutEngine.generate)."""
         return self.dims.on_mp_rank0("rollout generation",
                                      lambda: self.engine.generate(prompt_ids, n, sampling, switch=switch))
+
+
+    def rollouts(self, agent=None) -> Callable[..., RolloutOutput]:
+        """The batch maker's rollout function (examples, n, sampling, switch=) -> RolloutOutput: single-turn
+        generation, or `agent`'s multi-turn trajectories (megagspo.agent.AgentRollouts), run whole on model-parallel
+        rank 0 (its tools run once) and shared with the TP x PP peers."""
+        if agent is None:
+            return single_turn(self.generate)
+
+        def run(examples, n: int, sampling: SamplingParams, switch=None) -> RolloutOutput:
+            return self.dims.on_mp_rank0("agent rollouts",
+                                         lambda: agent.run(self.engine.generate, examples, n, sampling, switch))
+
+        return run
 
 
 class _Counted:

@@ -59,7 +59,7 @@ class SequenceBatch:
 
     tokens_T: torch.Tensor = _per_token()                  # model input ids, int64
     targets_T: torch.Tensor = _per_token()                 # the token each position predicts, int64
-    loss_mask_T: torch.Tensor = _per_token()               # bool: the target is a generated response token
+    loss_mask_T: torch.Tensor = _per_token()               # bool: the target is a token the engine sampled
     rollout_logp_T: torch.Tensor = _per_token()            # float32: the engine's log-prob of that target (0 elsewhere)
     advantages_S: torch.Tensor = field(metadata={"per": "sequence"})  # float32, per sequence (eq. 7)
     lengths: List[int]                     # per sequence, on the host (select and the DP exchange keep them apart)
@@ -103,18 +103,19 @@ class SequenceBatch:
         policy's, when the step uses the engine's routes)."""
         lengths = sequence_lengths(out.prompt_ids, out.response_mask_RL)
         pieces = {"tokens": [], "targets": [], "mask": [], "logp": [], "version": []}
+        sampled_RL = out.sampled_RL  # multi-turn: tool, user and boundary tokens are context, never loss
         for r, (prompt, n) in enumerate(zip(out.prompt_ids, lengths)):
             p = len(prompt)
             full = torch.cat([torch.tensor(prompt, dtype=torch.long), out.response_ids_RL[r].long()])
-            mask = torch.cat([torch.zeros(p, dtype=torch.bool), out.response_mask_RL[r].bool()])
-            logp = torch.cat([torch.zeros(p), torch.where(out.response_mask_RL[r].bool(), out.logp_RL[r], 0.0)])
+            mask = torch.cat([torch.zeros(p, dtype=torch.bool), sampled_RL[r]])
+            logp = torch.cat([torch.zeros(p), torch.where(sampled_RL[r], out.logp_RL[r], 0.0)])
             pieces["tokens"].append(full[:n])
             pieces["targets"].append(full[1:n + 1])
             pieces["mask"].append(mask[1:n + 1])
             pieces["logp"].append(logp[1:n + 1].float())
             if out.version_RL is not None:
                 version = torch.cat([torch.zeros(p, dtype=torch.long),
-                                     torch.where(out.response_mask_RL[r].bool(), out.version_RL[r].long(), 0)])
+                                     torch.where(sampled_RL[r], out.version_RL[r].long(), 0)])
                 pieces["version"].append(version[1:n + 1])
         routes = None
         if out.routes_RPLyK is not None and route_spec is not None:
@@ -126,20 +127,24 @@ class SequenceBatch:
                    row_len, routes, route_spec if routes is not None else None, cat.get("version"))
 
     @classmethod
-    def from_demonstrations(cls, prompt_ids: list, answer_ids: list, pad_id: int, row_len: int) -> "SequenceBatch":
+    def from_demonstrations(cls, prompt_ids: list, answer_ids: list, pad_id: int, row_len: int,
+                            answer_masks: Optional[list] = None) -> "SequenceBatch":
         """Cold-start SFT's batch: prompt + answer (+ eos, the caller's) per sequence, the answer's tokens as the
-        loss targets. As SFT's padded rows always had, a sequence also holds its last token as an input (its target
-        pad_id, outside the loss) where the row has room for it (`row_len`: at least the longest prompt + the
-        longest answer - 1). No rollout log-probs or advantages: zeros."""
+        loss targets (`answer_masks`: only the answer tokens marked True, e.g. a multi-turn demonstration's
+        assistant turns, not its tool responses). As SFT's padded rows always had, a sequence also holds its last
+        token as an input (its target pad_id, outside the loss) where the row has room for it (`row_len`: at least
+        the longest prompt + the longest answer - 1). No rollout log-probs or advantages: zeros."""
         tokens, targets, mask, lengths = [], [], [], []
-        for prompt, answer in zip(prompt_ids, answer_ids):
+        for i, (prompt, answer) in enumerate(zip(prompt_ids, answer_ids)):
             full = torch.tensor(list(prompt) + list(answer) + [pad_id], dtype=torch.long)
             n = min(len(prompt) + len(answer), row_len)
             tokens.append(full[:n])
             targets.append(full[1:n + 1])
             # targets from the answer's first token to its last (not the appended pad)
-            target_at = torch.arange(1, n + 1)
-            mask.append((target_at >= len(prompt)) & (target_at < len(prompt) + len(answer)))
+            marked = torch.ones(len(answer), dtype=torch.bool) if answer_masks is None else \
+                torch.tensor(list(answer_masks[i]), dtype=torch.bool)
+            target_mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), marked, torch.zeros(1, dtype=torch.bool)])
+            mask.append(target_mask[1:n + 1])
             lengths.append(n)
         total = sum(lengths)
         return cls(torch.cat(tokens), torch.cat(targets), torch.cat(mask), torch.zeros(total),

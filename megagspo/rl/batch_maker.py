@@ -5,8 +5,10 @@ runs the phases apart: draw on the training thread, generate on its own, score w
 producer process (megagspo.rl.producer), which has no process group.
 
 What differs between them is injected, never branched on here:
-    generate      the engine's generate (in the trainer: the engine link's, which generates on model-parallel
-                  rank 0 and shares with its TP x PP peers; in the producer: its own engine's)
+    generate      the rollouts of examples: (examples, n, sampling, switch=) -> RolloutOutput, single-turn
+                  (megagspo.rollout.base.single_turn over an engine's generate) or an agent's multi-turn trajectories
+                  (megagspo.agent.AgentRollouts); in the trainer through the engine link, which runs it on
+                  model-parallel rank 0 and shares the result with its TP x PP peers; in the producer on its own engine
     score         texts, answers, RewardStats -> rewards (in the trainer under TP x PP: once per model-parallel group)
     any_short     whether a round must follow, given this rank's shortfall (in the trainer: any data-parallel rank
                   short, a collective, so every rank draws the same rounds; in the producer: this rank's own)
@@ -29,7 +31,7 @@ from megagspo.config_training import FilterConfig, GroupAdvantageConfig, RLBatch
 from megagspo.data.datasets import Example, PromptDataset
 from megagspo.rewards import RewardStats
 from megagspo.rl.dynamic_sampling import GroupFilter, merge_stats
-from megagspo.rollout.base import RolloutOutput, SamplingParams, WeightSwitch, response_texts
+from megagspo.rollout.base import RolloutOutput, SamplingParams, WeightSwitch, response_texts, trajectory_rewards
 from moe.parallel import DPShare
 
 
@@ -89,7 +91,7 @@ def filter_metrics(info: dict, prompts_per_step: int, dp_sum: Callable, dp_gathe
             "filter/filled_frac": filled / prompts_per_step}
 
 
-Generate = Callable[..., RolloutOutput]           # (prompt_ids, n, sampling, switch=) -> RolloutOutput
+Generate = Callable[..., RolloutOutput]           # (examples, n, sampling, switch=) -> RolloutOutput
 Score = Callable[[List[str], List[str], RewardStats], List[float]]
 
 
@@ -116,15 +118,14 @@ class BatchMaker:
         return self.share.of(self.prompts.sample(self.batch.prompts_per_step))
 
     def generate(self, prompts: List[Example], switch: Optional[WeightSwitch] = None) -> Rollouts:
-        return Rollouts(prompts, self._generate([ex.prompt_ids for ex in prompts], self.batch.group_size,
-                                                self.sampling, switch=switch))
+        return Rollouts(prompts, self._generate(prompts, self.batch.group_size, self.sampling, switch=switch))
 
     def rewards(self, rollouts: Rollouts) -> tuple:
         """(rewards_R, RewardStats) of the verifier on the rollouts' responses."""
         answers = [ex.answer for ex in rollouts.prompts for _ in range(self.batch.group_size)]
         stats = RewardStats()
         scores = self._score(response_texts(rollouts.out, self.tokenizer), answers, stats)
-        return torch.tensor(scores, dtype=torch.float32), stats
+        return torch.tensor(trajectory_rewards(rollouts.out, scores), dtype=torch.float32), stats
 
     def scored(self, rollouts: Rollouts, rollout_s: float = 0.0) -> ScoredRollouts:
         t0 = time.perf_counter()

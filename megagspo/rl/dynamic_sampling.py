@@ -34,42 +34,12 @@ def informative_groups(rewards_R: torch.Tensor, group_size: int) -> torch.Tensor
 
 def select_groups(out: RolloutOutput, groups: list, group_size: int) -> RolloutOutput:
     """The rows of the listed groups, in that order."""
-    rows = [g * group_size + i for g in groups for i in range(group_size)]
-    index = torch.tensor(rows, dtype=torch.long)
-    return RolloutOutput(
-        prompt_ids=[out.prompt_ids[r] for r in rows], response_ids_RL=out.response_ids_RL[index],
-        response_mask_RL=out.response_mask_RL[index], logp_RL=out.logp_RL[index],
-        routes_RPLyK=None if out.routes_RPLyK is None else out.routes_RPLyK[index],
-        version_RL=None if out.version_RL is None else out.version_RL[index])
-
-
-def _pad_to(t: torch.Tensor, length: int, dim: int, value) -> torch.Tensor:
-    if t.shape[dim] == length:
-        return t
-    shape = list(t.shape)
-    shape[dim] = length - t.shape[dim]
-    return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=dim)
+    return out.select_rows([g * group_size + i for g in groups for i in range(group_size)])
 
 
 def concat_outputs(outputs: list, pad_id: int) -> RolloutOutput:
-    """One RolloutOutput of several rounds' rows: responses right-padded to the longest (pad_id, mask False,
-    log-prob 0, version 0), routes padded with -1 (not fed) to the most positions."""
-    if len(outputs) == 1:
-        return outputs[0]
-    length = max(o.response_ids_RL.shape[1] for o in outputs)
-    routes = None
-    if outputs[0].routes_RPLyK is not None:
-        positions = max(o.routes_RPLyK.shape[1] for o in outputs)
-        routes = torch.cat([_pad_to(o.routes_RPLyK, positions, 1, -1) for o in outputs])
-    versions = None
-    if outputs[0].version_RL is not None:  # partial rollouts: every round's output has them
-        versions = torch.cat([_pad_to(o.version_RL, length, 1, 0) for o in outputs])
-    return RolloutOutput(
-        prompt_ids=[p for o in outputs for p in o.prompt_ids],
-        response_ids_RL=torch.cat([_pad_to(o.response_ids_RL, length, 1, pad_id) for o in outputs]),
-        response_mask_RL=torch.cat([_pad_to(o.response_mask_RL, length, 1, False) for o in outputs]),
-        logp_RL=torch.cat([_pad_to(o.logp_RL, length, 1, 0.0) for o in outputs]), routes_RPLyK=routes,
-        version_RL=versions)
+    """One RolloutOutput of several rounds' rows (RolloutOutput.concat: padded to the longest)."""
+    return RolloutOutput.concat(outputs, pad_id)
 
 
 def merge_stats(parts: list) -> RewardStats:

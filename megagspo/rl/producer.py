@@ -58,7 +58,9 @@ from megagspo.rewards import RewardStats, get_reward, score_batch
 from megagspo.rewards.bounded import with_time_limit
 from megagspo.rl.batch_maker import BatchMaker, Rollouts, ScoredRollouts
 from megagspo.rl.producer_pipes import STOPS, CommandsEnd, TestHooks, send_frame
+from megagspo.agent.runner import AgentRollouts
 from megagspo.rollout import SamplingParams, get_engine_class
+from megagspo.rollout.base import single_turn
 from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import DPShare
 
@@ -235,7 +237,9 @@ def producer_main(commands_end, results_end, slots) -> None:
     weights = ArrivingWeights(commands, engine)
     reward_fn = spec.reward.build()
     # each rank's producer on its own: rounds until its own share is full, scored here (no process group)
-    maker = BatchMaker(spec.batch, spec.filter, spec.share, dataset, spec.engine.tokenizer, engine.generate,
+    agent = AgentRollouts(spec.rollout.agent, spec.engine.tokenizer) if spec.rollout.agent.enabled else None
+    rollouts = single_turn(engine.generate) if agent is None else agent.rollouts(engine.generate)
+    maker = BatchMaker(spec.batch, spec.filter, spec.share, dataset, spec.engine.tokenizer, rollouts,
                        dataclasses.replace(spec.sampling, generator=generator),
                        lambda texts, answers, stats: score_batch(reward_fn, texts, answers, stats))
     switch = weights if spec.rollout.partial else None

@@ -156,8 +156,9 @@ def trainer_scoring(dims: ParallelDims, reward_fn: Callable[[str, str], float]) 
 def build_rollout_source(dims: ParallelDims, link: EngineLink, rl: RLConfig, rollout: RolloutConfig,
                          sampling: SamplingParams, tokenizer: Tokenizer, prompts: PromptDataset,
                          reward_fn: Callable[[str, str], float], ahead_seed: int, engine: EngineRecipe,
-                         reward: RewardRecipe) -> RolloutSource:
-    """The run's source; `engine` and `reward` say how a producer process builds its engine and verifier."""
+                         reward: RewardRecipe, agent=None) -> RolloutSource:
+    """The run's source; `engine` and `reward` say how a producer process builds its engine and verifier (and its
+    own agent, from rollout.agent); `agent` (megagspo.agent.AgentRollouts): multi-turn trajectories in the trainer."""
     cls = source_class(rollout.staleness, rl.filter.enabled, dims.mp_size, rollout.producer, rollout.engine,
                        rollout.partial, dims.world_size)
     if cls is Produced:
@@ -165,7 +166,7 @@ def build_rollout_source(dims: ParallelDims, link: EngineLink, rl: RLConfig, rol
                             sampling=sampling, seed=ahead_seed, steps=rl.steps, share=dims.dp_share)
         return Produced(dims, spec, prompts, rl.advantage, link)
     # in the trainer every data-parallel rank draws the same rounds: a round follows while any rank is short
-    maker = BatchMaker(rl.batch, rl.filter, dims.dp_share, prompts, tokenizer, link.generate, sampling,
+    maker = BatchMaker(rl.batch, rl.filter, dims.dp_share, prompts, tokenizer, link.rollouts(agent), sampling,
                        trainer_scoring(dims, reward_fn), any_short=lambda short: dims.dp_sum([float(short)])[0] > 0)
     if cls is OneStepAhead:
         return OneStepAhead(maker, rl.advantage, dims, link, rl.steps, ahead_seed, rollout.partial)

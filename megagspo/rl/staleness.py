@@ -15,7 +15,7 @@ def token_staleness(dims: ParallelDims, out: RolloutOutput, version: int, step: 
     each token's version from out.version_RL, else `version` (the batch's). With partial rollouts also how many
     responses were continued under newer weights, and the share of tokens sampled under a version older than their
     response's newest (the tokens an update overtook)."""
-    mask_RL = out.response_mask_RL.bool()
+    mask_RL = out.sampled_RL
     version_RL = out.versions_RL(version)
     stale_RL = (step - version_RL).double().masked_fill(~mask_RL, 0.0)
     newest_R1 = version_RL.masked_fill(~mask_RL, -1).amax(1, keepdim=True) if mask_RL.numel() else version_RL

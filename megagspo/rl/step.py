@@ -47,7 +47,7 @@ from megagspo.rl.schedule import lr_at
 from megagspo.rl.batch_maker import Rollouts, Scores
 from megagspo.rl.route_plan import RouteGap, RoutePlan
 from megagspo.rl.source_protocol import RolloutSource
-from megagspo.rl.step_metrics import batch_metrics, metrics_row, mismatch_by_version
+from megagspo.rl.step_metrics import agent_metrics, batch_metrics, metrics_row, mismatch_by_version
 from moe.optimizer import set_lr
 from moe.parallel import ParallelDims
 from moe.volatility import VolatilityTally
@@ -144,7 +144,7 @@ class RLStep:
         row.update(times)
         step_time = time.perf_counter() - t0
         row["time/step_s"] = step_time
-        row["throughput/tokens_per_s"] = (float(rollouts.out.response_mask_RL.sum()) * self.dims.dp_size) / step_time
+        row["throughput/tokens_per_s"] = (float(rollouts.out.sampled_RL.sum()) * self.dims.dp_size) / step_time
         return row
 
     # -------------------------------------------------------------------------------------------- stages
@@ -267,7 +267,7 @@ class RLStep:
         out, rewards_R = rollouts.out, scores.rewards_R
         local = {
             "reward": float(rewards_R.sum()), "correct": float((rewards_R >= 1.0).sum()),
-            "response_tokens": float(out.response_mask_RL.sum(1).float().sum()),
+            "response_tokens": float(out.sampled_RL.sum(1).float().sum()),
             "rows": float(out.response_ids_RL.shape[0]),
             "reward_errors": float(scores.stats.errors), "vol_changed": updates.volatility_changed,
             "vol_total": updates.volatility_total, "nonzero_adv": float((scores.advantages_R != 0).sum()),
@@ -277,6 +277,8 @@ class RLStep:
         row = metrics_row(total, self._union_over_dp(m), updates.grad_norms, updates.lr,
                           with_reference=self.reference is not None)
         row.update(batch_metrics(self.dims, batch.micro_batches))
+        if out.agent_rows is not None:  # multi-turn trajectories (rollout.agent): the same on every rank
+            row.update(agent_metrics(self.dims, out))
         return row
 
     def _union_over_dp(self, m: dict) -> dict:

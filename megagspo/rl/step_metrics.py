@@ -3,6 +3,7 @@ metrics merged over them (megagspo.rl.step.RLStep.summarize gathers both)."""
 
 from __future__ import annotations
 
+from megagspo.agent.tools import TOOL_ERRORS
 from moe.volatility import VolatilityTally
 
 # loss metrics logged as they are (unions over the data-parallel ranks): megagspo.algorithm.rollout_correction
@@ -72,3 +73,28 @@ def batch_metrics(dims, micro: list) -> dict:
             "batch/tokens_per_micro_batch_max": max(r[3] for r in per_rank),
             # the fullest data-parallel rank's real tokens over the ranks' mean (1 = balanced)
             "batch/dp_tokens_max_over_mean": max(r[0] for r in per_rank) * len(per_rank) / max(real, 1.0)}
+
+
+def agent_metrics(dims, out) -> dict:
+    """Multi-turn trajectories' metrics (out.agent_rows; collective over the data-parallel ranks): turns and tool
+    calls per trajectory, tool errors by kind, tool responses cut, template rewrites kept (prefix_policy keep), the
+    shares cut by the length budget or ended at the turn limit, and the loss-mask-1 share of the tokens after the
+    prompt (what the policy sampled, against tool, user and boundary tokens)."""
+    rows = out.agent_rows
+    local = {"rows": float(len(rows)), "turns": float(sum(r["turns"] for r in rows)),
+             "tool_calls": float(sum(r["tool_calls"] for r in rows)),
+             "tool_truncations": float(sum(r["tool_truncations"] for r in rows)),
+             "prefix_rewrites": float(sum(r.get("prefix_rewrites", 0) for r in rows)),
+             "truncated": float(sum(r["status"] == "truncated" for r in rows)),
+             "max_turns": float(sum(r["status"] == "max_turns" for r in rows)),
+             "sampled": float(out.sampled_RL.sum()), "tokens": float(out.response_mask_RL.sum())}
+    local.update({f"error/{kind}": float(sum(r["tool_errors"].get(kind, 0) for r in rows)) for kind in TOOL_ERRORS})
+    total = dict(zip(local, dims.dp_sum(list(local.values()))))
+    n = max(total["rows"], 1.0)
+    metrics = {"agent/turns_mean": total["turns"] / n, "agent/tool_calls_mean": total["tool_calls"] / n,
+               "agent/tool_errors": sum(total[f"error/{kind}"] for kind in TOOL_ERRORS),
+               "agent/tool_truncations": total["tool_truncations"], "agent/prefix_rewrites": total["prefix_rewrites"],
+               "agent/truncated_frac": total["truncated"] / n, "agent/max_turns_frac": total["max_turns"] / n,
+               "agent/mask1_frac": total["sampled"] / max(total["tokens"], 1.0)}
+    metrics.update({f"agent/tool_errors/{kind}": total[f"error/{kind}"] for kind in TOOL_ERRORS})
+    return metrics

@@ -8,7 +8,7 @@ experts per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence
+from typing import Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence
 
 import torch
 
@@ -33,7 +33,11 @@ class RolloutOutput:
     over the same input tokens would replay (R3); None unless recorded.
     version_RL: int64, the policy version whose weights sampled each generated token (and gave its logp_RL), 0
     past the response; set by a generation that switched weights part-way (partial rollouts, `WeightSwitch`),
-    None when one version generated every token (the caller knows which)."""
+    None when one version generated every token (the caller knows which).
+    Multi-turn trajectories (megagspo.agent): the "response" is everything after the first prompt, sampled turns and
+    the tool / user / template-boundary tokens between them; response_mask_RL marks all of it, loss_mask_RL only the
+    sampled tokens (the only ones with a log-prob, a version and a loss), and agent_rows holds each row's turns,
+    tool calls and errors, status, final text and the reward an environment gave (JSON-able)."""
 
     prompt_ids: list  # R lists of prompt token ids
     response_ids_RL: torch.Tensor
@@ -41,21 +45,58 @@ class RolloutOutput:
     logp_RL: torch.Tensor
     routes_RPLyK: Optional[torch.Tensor] = None
     version_RL: Optional[torch.Tensor] = None
+    loss_mask_RL: Optional[torch.Tensor] = None   # bool, multi-turn only: the sampled tokens (None: response_mask_RL)
+    agent_rows: Optional[list] = None             # multi-turn only: one dict per row (megagspo.agent.trajectory)
 
-    TENSORS: ClassVar[tuple] = ("response_ids_RL", "response_mask_RL", "logp_RL", "routes_RPLyK", "version_RL")
+    TENSORS: ClassVar[tuple] = ("response_ids_RL", "response_mask_RL", "logp_RL", "routes_RPLyK", "version_RL",
+                                "loss_mask_RL")
+
+    @property
+    def sampled_RL(self) -> torch.Tensor:
+        """bool: the tokens the engine sampled (the loss's tokens): loss_mask_RL, or every response token."""
+        return (self.response_mask_RL if self.loss_mask_RL is None else self.loss_mask_RL).bool()
+
+    def select_rows(self, rows: Sequence[int]) -> "RolloutOutput":
+        """These rows, in this order."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        picked = {name: t[index] for name in self.TENSORS if (t := getattr(self, name)) is not None}
+        return RolloutOutput(prompt_ids=[self.prompt_ids[r] for r in rows], **picked,
+                             agent_rows=None if self.agent_rows is None else [self.agent_rows[r] for r in rows])
+
+    @classmethod
+    def concat(cls, outputs: Sequence["RolloutOutput"], pad_id: int) -> "RolloutOutput":
+        """One output of several outputs' rows: responses right-padded to the longest (pad_id, masks False,
+        log-prob 0, version 0), routes padded with -1 (not fed) to the most positions."""
+        if len(outputs) == 1:
+            return outputs[0]
+        length = max(o.response_ids_RL.shape[1] for o in outputs)
+        fills = {"response_ids_RL": pad_id, "response_mask_RL": False, "logp_RL": 0.0, "version_RL": 0,
+                 "loss_mask_RL": False, "routes_RPLyK": -1}
+        tensors = {}
+        for name in cls.TENSORS:
+            if getattr(outputs[0], name) is None:
+                continue
+            width = max(getattr(o, name).shape[1] for o in outputs) if name == "routes_RPLyK" else length
+            tensors[name] = torch.cat([_pad_dim1(getattr(o, name), width, fills[name]) for o in outputs])
+        rows = None if outputs[0].agent_rows is None else [row for o in outputs for row in o.agent_rows]
+        return cls(prompt_ids=[p for o in outputs for p in o.prompt_ids], **tensors, agent_rows=rows)
 
     def state_dict(self) -> dict:
         """The checkpoint form, {"tensors": {name: Tensor}, "meta": JSON-able}: the tensors that exist, by their
         field names, and the prompts' ids. Log-probs are kept only where generated: padding may hold -inf, which a
         checkpoint's finiteness check refuses, and every reader masks it."""
         tensors = {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
-        tensors["logp_RL"] = self.logp_RL.masked_fill(~self.response_mask_RL.bool(), 0.0)
-        return {"tensors": tensors, "meta": {"prompt_ids": [list(p) for p in self.prompt_ids]}}
+        tensors["logp_RL"] = self.logp_RL.masked_fill(~self.sampled_RL, 0.0)
+        meta = {"prompt_ids": [list(p) for p in self.prompt_ids]}
+        if self.agent_rows is not None:
+            meta["agent_rows"] = [dict(row) for row in self.agent_rows]
+        return {"tensors": tensors, "meta": meta}
 
     @classmethod
     def from_state(cls, tensors: Dict[str, torch.Tensor], meta: dict) -> "RolloutOutput":
         """The output `state_dict` wrote (missing optional tensors: None)."""
-        return cls(prompt_ids=meta["prompt_ids"], **{name: tensors.get(name) for name in cls.TENSORS})
+        return cls(prompt_ids=meta["prompt_ids"], **{name: tensors.get(name) for name in cls.TENSORS},
+                   agent_rows=meta.get("agent_rows"))
 
     def versions_RL(self, version: int) -> torch.Tensor:
         """The sampling version of every token: version_RL, or `version` (the one the batch was started with)
@@ -65,9 +106,38 @@ class RolloutOutput:
         return torch.full(self.response_ids_RL.shape, int(version), dtype=torch.long)
 
 
+def _pad_dim1(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    shape = list(t.shape)
+    shape[1] = width - t.shape[1]
+    return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
+
+
 def response_texts(out: RolloutOutput, tokenizer) -> List[str]:
-    """Each response's generated tokens decoded (what a verifier reads): the one place responses are decoded."""
+    """What a verifier reads of each row: the generated tokens decoded (the one place responses are decoded), or a
+    trajectory's final answer (its last assistant turn outside tool calls)."""
+    if out.agent_rows is not None:
+        return [row["final_text"] for row in out.agent_rows]
     return [tokenizer.decode(r[m.bool()].tolist()) for r, m in zip(out.response_ids_RL, out.response_mask_RL)]
+
+
+def trajectory_rewards(out: RolloutOutput, scores: List[float]) -> List[float]:
+    """The verifier's scores with what a trajectory says of itself: an environment's own reward replaces the score,
+    and a trajectory cut at its length budget (status "truncated") scores 0 (its answer was never finished)."""
+    if out.agent_rows is None:
+        return scores
+    return [0.0 if row["status"] == "truncated" else (s if row.get("reward") is None else float(row["reward"]))
+            for s, row in zip(scores, out.agent_rows)]
+
+
+def single_turn(generate: Callable[..., RolloutOutput]) -> Callable[..., RolloutOutput]:
+    """An engine's generate(prompt ids, n, sampling, switch=) as a rollout function of examples (anything with
+    `prompt_ids`): what the batch maker calls when no agent runs multi-turn trajectories."""
+    def rollouts(examples, n: int, sampling: SamplingParams, switch: Optional[WeightSwitch] = None) -> RolloutOutput:
+        return generate([ex.prompt_ids for ex in examples], n, sampling, switch=switch)
+
+    return rollouts
 
 
 class WeightSwitch(Protocol):

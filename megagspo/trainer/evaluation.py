@@ -5,14 +5,14 @@ rollout engine, the tokenizer, the reward, the held-out examples and the samplin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from megagspo.data.tokenizer import Tokenizer
 from megagspo.rewards import RewardStats, score_batch
 from megagspo.rollout import RolloutEngine, SamplingParams
-from megagspo.rollout.base import response_texts
+from megagspo.rollout.base import response_texts, single_turn, trajectory_rewards
 from moe.parallel import ParallelDims
 
 
@@ -28,6 +28,7 @@ class Evaluator:
     samples: int                     # rl.eval.samples: sampled answers per problem (0: greedy only)
     temperature: float
     top_p: float
+    agent: Optional[object] = None   # megagspo.agent.AgentRollouts: held-out problems solved with the run's tools
 
     @torch.no_grad()
     def __call__(self) -> dict:
@@ -50,18 +51,19 @@ class Evaluator:
         """This data-parallel rank's share: [problems, greedy correct, response tokens, sampled correct, verifier
         time-outs (greedy and sampled)]."""
         examples = self.held_out[self.dims.dp_rank::self.dims.dp_size]
-        out = engine.generate([ex.prompt_ids for ex in examples], 1, SamplingParams(self.max_response_tokens, greedy=True))
+        rollouts = single_turn(engine.generate) if self.agent is None else self.agent.rollouts(engine.generate)
+        out = rollouts(examples, 1, SamplingParams(self.max_response_tokens, greedy=True))
         stats = RewardStats()
-        scores = score_batch(self.reward_fn, response_texts(out, self.tokenizer), [ex.answer for ex in examples], stats)
+        scores = trajectory_rewards(out, score_batch(self.reward_fn, response_texts(out, self.tokenizer),
+                                                     [ex.answer for ex in examples], stats))
         correct = sum(1.0 for s in scores if s >= 1.0)
         n_s = self.samples
         sampled_correct = 0.0
         if n_s:
-            sampled = engine.generate([ex.prompt_ids for ex in examples], n_s,
-                                      SamplingParams(self.max_response_tokens, temperature=self.temperature,
-                                                     top_p=self.top_p))
-            scores_s = score_batch(self.reward_fn, response_texts(sampled, self.tokenizer),
-                                   [ex.answer for ex in examples for _ in range(n_s)], stats)
+            sampled = rollouts(examples, n_s, SamplingParams(self.max_response_tokens, temperature=self.temperature,
+                                                             top_p=self.top_p))
+            scores_s = trajectory_rewards(sampled, score_batch(self.reward_fn, response_texts(sampled, self.tokenizer),
+                                                               [ex.answer for ex in examples for _ in range(n_s)], stats))
             sampled_correct = sum(1.0 for s in scores_s if s >= 1.0) / n_s
-        return [float(len(examples)), correct, float(out.response_mask_RL.sum()), sampled_correct,
+        return [float(len(examples)), correct, float(out.sampled_RL.sum()), sampled_correct,
                 float(stats.timeouts)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from megagspo.config import SFTConfig
 from megagspo.data.datasets import PromptDataset
@@ -37,6 +37,9 @@ class ColdStartSFT:
     engine: EngineLink
     evaluate: Callable[[], dict]     # held-out evaluation (megagspo.trainer.evaluation.Evaluator)
     hooks: RunHooks
+    # example -> (ids after the prompt, loss mask): a multi-turn demonstration's assistant turns and, at mask 0, the
+    # tool responses between them (megagspo.agent.AgentRollouts.demonstration); None: answer + eos, all in the loss
+    demonstration: Optional[Callable] = None
 
     def __call__(self) -> dict:
         """Cold start: cross-entropy on prompt -> answer+eos demonstrations (train split only)."""
@@ -101,8 +104,13 @@ class ColdStartSFT:
         """prompt + demonstration (Example.demo: the answer unless data.demo_drop_carry) + eos of each example of
         `batch`, as a SequenceBatch on the model's device -> (it, the natural row length before TP alignment)."""
         tok = self.tokenizer
-        answers = [tok.encode(ex.demo) + [tok.eos_id] for ex in batch]  # demonstration, else answer
+        masks = None
+        if self.demonstration is None:
+            answers = [tok.encode(ex.demo) + [tok.eos_id] for ex in batch]  # demonstration, else answer
+        else:
+            answers, masks = zip(*(self.demonstration(ex) for ex in batch))
         prompt_ids = [list(ex.prompt_ids) for ex in batch]
         natural = max(map(len, prompt_ids)) + max(map(len, answers)) - 1
-        seqs = SequenceBatch.from_demonstrations(prompt_ids, answers, tok.pad_id, self.dims.seq_length(natural))
+        seqs = SequenceBatch.from_demonstrations(prompt_ids, list(answers), tok.pad_id, self.dims.seq_length(natural),
+                                                 answer_masks=masks)
         return seqs.to(self.policy.device), natural

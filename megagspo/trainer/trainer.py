@@ -64,6 +64,7 @@ class Trainer:
         # everything that can be wrong with the input is checked before any compute
         inputs = read_run_inputs(cfg, reward_fn)
         self.tokenizer, self.reward_fn, self.data_stats = inputs.tokenizer, inputs.reward_fn, inputs.data_stats
+        self.agent = inputs.agent  # rollout.agent's multi-turn trajectories, or None
         # the run's one description of its process layout: sizes, ranks, groups and the step's collectives
         self.dims, _, _ = setup_parallel(cfg.parallel, cfg.seed)
         # ---- one owner per run folder, before anything in it is read for writing or moved ----
@@ -120,16 +121,16 @@ class Trainer:
                          stop_requested=self.stop.requested, preempted=self._preempted)
         self.evaluator = Evaluator(self.dims, self.link.current_engine, self.tokenizer, self.reward_fn,
                                    inputs.held_out, cfg.data.max_response_tokens, cfg.rl.eval.samples,
-                                   cfg.rollout.temperature, cfg.rollout.top_p)
+                                   cfg.rollout.temperature, cfg.rollout.top_p, inputs.agent)
         self.sft = ColdStartSFT(self.dims, self.policy, self.tokenizer, self.train_ds, cfg.sft, self.link,
-                                self.evaluator, hooks)
+                                self.evaluator, hooks, None if inputs.agent is None else inputs.agent.demonstration)
         sampling = SamplingParams(cfg.data.max_response_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p)
         source = build_rollout_source(
             self.dims, self.link, cfg.rl, cfg.rollout, sampling, self.tokenizer, self.train_ds, self.reward_fn,
             ahead_seed=cfg.seed * 7919 + 104_729 + self.dims.dp_rank,
             engine=EngineRecipe(cfg.rollout.engine, self.arch, self.tokenizer, engine_kwargs(cfg)),
-            reward=RewardRecipe(cfg.reward.name, cfg.reward.timeout_s, self.injected_reward))
+            reward=RewardRecipe(cfg.reward.name, cfg.reward.timeout_s, self.injected_reward), agent=inputs.agent)
         self.step = RLStep(self.dims, self.policy, self.link, inputs.loss_fn, inputs.loss_cfg, self.reference,
                            cfg.rl, source, self.tokenizer, self.sample_gen)
 
@@ -197,6 +198,8 @@ class Trainer:
             self.stop.uninstall()
             self.run_lock.release()
             getattr(self.reward_fn, "close", lambda: None)()  # the verifier's worker, if any
+            if self.agent is not None:
+                self.agent.close()  # the tools' workers
             if hasattr(self, "step"):
                 self.step.source.close()  # the rollout producer process, if any
 
