@@ -518,6 +518,13 @@ class Config:
             return init_from
         return _recorded_tokenizer(init_from) or "builtin"
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """A sequence's tokens at most: the prompt, then one response, or a multi-turn trajectory's
+        rollout.agent.max_total_tokens (every turn and tool response)."""
+        after = self.rollout.agent.max_total_tokens if self.rollout.agent.enabled else self.data.max_response_tokens
+        return self.data.max_prompt_tokens + after
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -137,7 +137,7 @@ def dry_run(cfg: Config, *, missing_paths=(), require_fitting: bool = True,
 
     rl = cfg.rl
     loss = _describe_loss(rl)
-    seq_tokens = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
+    seq_tokens = cfg.max_sequence_tokens
     samples_per_rank = rl.batch.prompts_per_step // shape.dp_size * rl.batch.group_size
     # One forward/backward holds rl.batch.micro_batch_size sequences of this rank's share of a mini-batch (0 = the
     # whole share) at the maximum length; the trainer accumulates gradients over the micro-batches of a

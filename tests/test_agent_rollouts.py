@@ -320,3 +320,49 @@ def test_a_hook_built_trajectory_that_breaks_the_invariants_is_refused():
     with pytest.raises(ValueError, match="differ in length"):
         Trajectory(prompt_ids=[1], ids=[3], sampled=[True, True], logp=[0.0]).check("x")
     assert stack_trajectories([Trajectory([1], [3], [True], [-0.5])], 0).loss_mask_RL.tolist() == [[True]]
+
+
+def test_the_sglang_engine_serves_a_three_turn_trajectory_by_ids(tmp_path):
+    """Token in, token out through SGLang's /generate: each turn's request carries the trajectory's ids so far
+    (never text), the server's ids come back as they are, and the routes are appended per turn."""
+    import base64
+
+    import numpy as np
+
+    from megagspo.rollout.sglang import SGLangEngine, SGLangEngineConfig
+    from test_sglang_engine import ARCH, FakeSGLang
+
+    def scripted(k, ids, item):
+        tokens = TOK.encode(answer_script(TOK.decode_with_specials(ids), turns=2)) + [TOK.eos_id]
+        meta = item["meta_info"]
+        meta["output_token_logprobs"] = [[-0.5, t, None] for t in tokens]
+        meta["completion_tokens"] = meta["output_token_logprobs_length"] = len(tokens)
+        meta["finish_reason"] = {"type": "stop", "matched": TOK.eos_id}
+        routes = np.zeros((len(ids) + len(tokens) - 1, ARCH.num_hidden_layers, ARCH.num_experts_per_tok), np.int32)
+        routes[..., 0] = len(fake.posted("/generate"))  # which request recorded the position
+        meta["routed_experts"] = base64.b64encode(routes.tobytes()).decode()
+        return {"output_ids": tokens, "meta_info": meta}
+
+    fake = FakeSGLang()
+    fake.mutate = scripted
+    try:
+        engine = SGLangEngine(ARCH, TOK, config=SGLangEngineConfig(urls=[fake.url], sync_dir=str(tmp_path / "sync"),
+                                                                   routing_replay="r3"))
+        agent = AgentRollouts(TOOLS, TOK)
+        out = agent.run(engine.generate, [example(18, 25)], 1, SAMPLING)
+        agent.close()
+    finally:
+        fake.close()
+    bodies = fake.posted("/generate")
+    assert len(bodies) == 3 and all("text" not in b for b in bodies)
+    prompt = list(example(18, 25).prompt_ids)
+    n = int(out.response_mask_RL[0].sum())
+    full = prompt + out.response_ids_RL[0, :n].tolist()
+    for body in bodies:  # every turn's input is a prefix of the final trajectory, extended exactly
+        ids = body["input_ids"][0]
+        assert ids == full[:len(ids)]
+    turn = 22 + len(TOK.encode("<tool_response>43</tool_response>"))  # a call with its eos, then the tool's text
+    assert [len(b["input_ids"][0]) for b in bodies] == [len(prompt), len(prompt) + turn, len(prompt) + 2 * turn]
+    assert out.agent_rows[0]["turns"] == 3 and out.agent_rows[0]["final_text"] == "43"
+    routes = out.routes_RPLyK[0, :len(full) - 1, 0, 0].tolist()  # MoE layers only; [.., 0] = the request
+    assert routes == [1] * (len(prompt) + 21) + [2] * turn + [3] * (n - turn - 22)

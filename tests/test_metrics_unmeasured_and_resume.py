@@ -30,6 +30,7 @@ def test_sampled_accuracy_is_absent_when_not_measured():
     import torch
 
     from megagspo.data import build_datasets
+    from megagspo.rollout.base import RolloutOutput
 
     cfg = load_config("configs/tiny_cpu.yaml", ["data.train_size=20", "data.eval_size=6"])
     tok, _, held_out, _ = build_datasets(cfg.data)
@@ -40,7 +41,8 @@ def test_sampled_accuracy_is_absent_when_not_measured():
             calls.append((n, params.greedy))
             rows = len(prompts) * n
             ids = torch.tensor([tok.encode("1") + [tok.eos_id]] * rows)
-            return SimpleNamespace(response_ids_RL=ids, response_mask_RL=torch.ones_like(ids, dtype=torch.bool))
+            return RolloutOutput([list(p) for p in prompts for _ in range(n)], ids,
+                                 torch.ones_like(ids, dtype=torch.bool), torch.zeros(ids.shape))
 
     def evaluator(samples):
         engine = Engine()

@@ -301,12 +301,12 @@ def test_resume_step_rule():
 # --------------------------------------------------------- 4. verifier time-outs in held-out evaluation
 def test_held_out_time_outs_are_counted_and_said():
     import torch
-    from types import SimpleNamespace
 
     from megagspo.config import load_config
     from megagspo.data import build_datasets
     from megagspo.metrics_log import cold_start_line, final_line
     from megagspo.rewards.bounded import with_time_limit
+    from megagspo.rollout.base import RolloutOutput
     from megagspo.trainer.evaluation import Evaluator
 
     cfg = load_config(CONFIG, ["data.train_size=20", "data.eval_size=3"])
@@ -324,7 +324,8 @@ def test_held_out_time_outs_are_counted_and_said():
     class Engine:  # every response is "1" + eos
         def generate(self, prompts, n, params):
             ids = torch.tensor([tok.encode("1") + [tok.eos_id]] * (len(prompts) * n))
-            return SimpleNamespace(response_ids_RL=ids, response_mask_RL=torch.ones_like(ids, dtype=torch.bool))
+            return RolloutOutput([list(p) for p in prompts for _ in range(n)], ids,
+                                 torch.ones_like(ids, dtype=torch.bool), torch.zeros(ids.shape))
 
     def hangs(response, answer):  # as math-verify on a hostile reference answer: cut off at the limit
         while True:

@@ -135,7 +135,9 @@ def single_turn(generate: Callable[..., RolloutOutput]) -> Callable[..., Rollout
     """An engine's generate(prompt ids, n, sampling, switch=) as a rollout function of examples (anything with
     `prompt_ids`): what the batch maker calls when no agent runs multi-turn trajectories."""
     def rollouts(examples, n: int, sampling: SamplingParams, switch: Optional[WeightSwitch] = None) -> RolloutOutput:
-        return generate([ex.prompt_ids for ex in examples], n, sampling, switch=switch)
+        prompt_ids = [ex.prompt_ids for ex in examples]
+        # an engine without partial rollouts may not take `switch` at all
+        return generate(prompt_ids, n, sampling) if switch is None else generate(prompt_ids, n, sampling, switch=switch)
 
     return rollouts
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megagspo.agent.loop import available_agents, available_environments
+from megagspo.agent.tools import available_tools
 from megagspo.algorithm.registry import LossOptionError
 from megagspo.config import Config, ConfigError
 from megagspo.kernels.policy_losses import check_loss_impl
@@ -53,6 +55,7 @@ def check_components(cfg: Config, world: int = 1) -> None:
             raise ConfigError(f"rollout.sglang: {exc}; valid keys: {valid}") from None
         except ValueError as exc:
             raise ConfigError(f"rollout.sglang: {exc}") from None
+    _check_agent(cfg, choice)
     try:
         check_loss_impl(cfg.rl)
     except LossOptionError as exc:
@@ -71,9 +74,27 @@ def preflight(cfg: Config, world: int, vocab_size: int, *, init_from_present: bo
     # batch sizes over the ranks, and the sizes the model is built from (arch_file / init_from's config.json /
     # the recipe) over TP / EP / PP
     shape = check_layout(cfg, world, arch)
-    need = cfg.data.max_prompt_tokens + cfg.data.max_response_tokens
+    need = cfg.max_sequence_tokens
     if need > arch.max_position_embeddings:
-        raise ConfigError(f"data.max_prompt_tokens + data.max_response_tokens = {need} exceeds "
+        after = "rollout.agent.max_total_tokens" if cfg.rollout.agent.enabled else "data.max_response_tokens"
+        raise ConfigError(f"data.max_prompt_tokens + {after} = {need} exceeds "
                           f"model.max_position_embeddings = {arch.max_position_embeddings}")
     init_source = preflight_init_from(cfg.model, arch) if init_from_present else None
     return Preflight(shape, arch, init_source)
+
+
+def _check_agent(cfg: Config, choice) -> None:
+    """rollout.agent's registry names, and what its trajectories need of the tokenizer and the demonstrations."""
+    agent = cfg.rollout.agent
+    if agent.enabled:
+        choice("rollout.agent.name", agent.name, available_agents())
+        if agent.name == "environment":
+            choice("rollout.agent.environment", agent.environment, available_environments())
+        if cfg.data.tokenizer == "builtin":
+            raise ConfigError("rollout.agent needs a tokenizer with a chat format: data.tokenizer = builtin has no "
+                              "tool tokens (use data.tokenizer=builtin_tools, or a local HF tokenizer folder)")
+    for name in agent.tools:
+        choice("rollout.agent.tools", name, available_tools())
+    if cfg.data.demo_tool_use and "add" not in agent.tools:
+        raise ConfigError("data.demo_tool_use demonstrates calls to the add tool: set rollout.agent.name=tool_loop "
+                          "with rollout.agent.tools=[add]")
