@@ -4,13 +4,14 @@ Both expose: vocab_size, pad_id, bos_id (None where the tokenizer has none, as Q
 that ends a demonstration), eos_ids (every token that ends a generated response: the tokenizer's eos plus
 `generation_config.json`'s eos_token_id list), prompt_format ("chat" or "plain"), prompt_ids(prompt) -> the
 model's input ids for one prompt (a string, or a chat message list under the chat format), encode(str) ->
-list[int] (no special tokens) and decode(list[int]) -> str (stops at the first of eos_ids, skips special tokens).
+list[int] (no special tokens), decode(list[int]) -> str (stops at the first of eos_ids, skips special tokens)
+and decode_with_specials(list[int]) -> str (every token, specials as written: lossless, for the agent's prefix check).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Union
+from typing import NoReturn, Union
 
 from megagspo.errors import first_line
 from megagspo.errors import show_value as _show
@@ -32,17 +33,32 @@ def has_tokenizer_files(path: str) -> bool:
 
 
 class BuiltinTokenizer:
-    """Digits, arithmetic symbols and a space; ids 0..2 are <pad>, <bos>, <eos>. Plain prompts only."""
+    """Digits, arithmetic symbols and a space; ids 0..2 are <pad>, <bos>, <eos>. Plain prompts only.
+
+    tools=True (the "builtin_tools" tokenizer, for a tiny tool-use job): the same ids 0..19 first, then every
+    other printable ASCII character and "\n" (so tool error texts encode), then the tool tags and the word
+    tokens of a compact Hermes call to the built-in `add` tool, merged as a BPE would have merged them.
+    encode is a greedy longest match, and "<bos>", "<eos>", "<pad>" in the text are those specials (the
+    builtin chat renderer, megagspo.agent.chat, writes them).
+    """
 
     SPECIALS = ("<pad>", "<bos>", "<eos>")
     CHARS = "0123456789+-*=() "
+    TOOL_WORDS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                  '"name"', '"arguments"', '"add"', '"a"', '"b"')
 
-    def __init__(self, prompt_format: str = "auto") -> None:
+    def __init__(self, prompt_format: str = "auto", tools: bool = False) -> None:
         if prompt_format == "chat":
             raise ValueError("data.prompt_format = 'chat' needs a tokenizer with a chat template; the built-in "
                              "tokenizer has none (use data.tokenizer=<local HF tokenizer folder>)")
         self.itos = list(self.SPECIALS) + list(self.CHARS)
+        if tools:  # appended after ids 0..19: the plain tokenizer's ids (and a golden test's metrics) stay put
+            printable = [chr(c) for c in range(0x20, 0x7F) if chr(c) not in self.CHARS]
+            self.itos += printable + ["\n"] + list(self.TOOL_WORDS)
         self.stoi = {c: i for i, c in enumerate(self.itos)}
+        self.tools = tools
+        # multi-character tokens, longest first: the greedy match tries them before single characters
+        self._words = sorted((t for t in self.itos if len(t) > 1), key=len, reverse=True) if tools else []
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
         self.eos_ids = (self.eos_id,)
         self.prompt_format = "plain"
@@ -52,13 +68,27 @@ class BuiltinTokenizer:
         return len(self.itos)
 
     def encode(self, text: str) -> list[int]:
-        try:
-            return [self.stoi[c] for c in text]
-        except KeyError as exc:  # the text is shown cut to 200 characters: a prompt may be megabytes long
-            shown = repr(text) if len(text) <= 200 else f"{text[:200]!r}... ({len(text)} characters)"
-            raise ValueError(f"built-in tokenizer cannot encode character {exc.args[0]!r} (first at character "
-                             f"{text.index(exc.args[0])}) in {shown}; it knows {self.CHARS!r} (use "
-                             "data.tokenizer=<local HF tokenizer folder>)") from None
+        if not self.tools:
+            try:
+                return [self.stoi[c] for c in text]
+            except KeyError as exc:
+                self._unknown(text, text.index(exc.args[0]))
+        ids, at = [], 0
+        while at < len(text):
+            word = next((w for w in self._words if text.startswith(w, at)), None)
+            if word is None and text[at] not in self.stoi:
+                self._unknown(text, at)
+            word = word or text[at]
+            ids.append(self.stoi[word])
+            at += len(word)
+        return ids
+
+    def _unknown(self, text: str, at: int) -> NoReturn:
+        # the text is shown cut to 200 characters: a prompt may be megabytes long
+        shown = repr(text) if len(text) <= 200 else f"{text[:200]!r}... ({len(text)} characters)"
+        knows = "printable ASCII and newline" if self.tools else repr(self.CHARS)
+        raise ValueError(f"built-in tokenizer cannot encode character {text[at]!r} (first at character {at}) in "
+                         f"{shown}; it knows {knows} (use data.tokenizer=<local HF tokenizer folder>)") from None
 
     def prompt_ids(self, prompt) -> list[int]:
         if not isinstance(prompt, str):
@@ -74,6 +104,16 @@ class BuiltinTokenizer:
                 break
             if i in (self.pad_id, self.bos_id) or i >= len(self.itos):
                 continue
+            out.append(self.itos[i])
+        return "".join(out)
+
+    def decode_with_specials(self, ids) -> str:
+        """Every token's text, specials as written, past any eos: the lossless view a prefix check compares."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(self.itos):
+                raise ValueError(f"token id {i} lies outside the built-in tokenizer's {len(self.itos)} ids")
             out.append(self.itos[i])
         return "".join(out)
 
@@ -96,10 +136,23 @@ def _token_ids(value, where: str) -> list[int]:
     return values
 
 
-class HFTokenizer:
-    """A local Hugging Face tokenizer folder (no downloads), with its chat template and generation config."""
+def _check_tools(tools) -> list[dict] | None:
+    """The tool schemas a chat template renders (OpenAI / Qwen3: {"type": "function", "function": {...}})."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError(f"tools must be a list of tool schemas (dicts), got {_show(tools)}")
+    return [dict(t) for t in tools]
 
-    def __init__(self, path: str, prompt_format: str = "auto", chat_template_kwargs: dict | None = None) -> None:
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer folder (no downloads), with its chat template and generation config.
+
+    tools: tool schemas the chat template renders into every chat prompt (Qwen3: the system block's <tools>).
+    """
+
+    def __init__(self, path: str, prompt_format: str = "auto", chat_template_kwargs: dict | None = None,
+                 tools: list[dict] | None = None) -> None:
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"data.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
         if not os.path.isdir(path):
@@ -148,6 +201,11 @@ class HFTokenizer:
             else "plain"
         self.path = path
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.tools = _check_tools(tools)
+        if self.tools is not None and self.prompt_format == "plain":
+            raise ValueError(f"tools are given but tokenizer {path!r} formats prompts as plain text: tool schemas "
+                             "are rendered by a chat template (use data.prompt_format = 'chat' with a tokenizer "
+                             "that has one)")
 
     @property
     def vocab_size(self) -> int:
@@ -165,12 +223,16 @@ class HFTokenizer:
                                  "tokenizer that has a chat template)")
             return self.tok.encode(prompt, add_special_tokens=True)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        return self.tok.encode(self.render_chat(messages, True, self.tools), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The chat template's text for `messages` (with data.chat_template_kwargs, and `tools` when given)."""
+        extra = {"tools": tools} if tools is not None else {}
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                **self.chat_template_kwargs)
+            return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False, **extra, **self.chat_template_kwargs)
         except Exception as exc:  # noqa: BLE001 - a template error (jinja) names the problem; keep it
             raise ValueError(f"the chat template failed on this prompt: {type(exc).__name__}: {exc}") from None
-        return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
@@ -179,14 +241,29 @@ class HFTokenizer:
             ids = ids[:min(ends)]
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def decode_with_specials(self, ids) -> str:
+        """Every token's text, specials as written, past any eos: the lossless view a prefix check compares."""
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
 
 # Either tokenizer: the run's one interface (encode, decode, pad_id, eos_id, render)
 Tokenizer = Union[BuiltinTokenizer, HFTokenizer]
 
 
-def load_tokenizer(spec: str, prompt_format: str = "auto", chat_template_kwargs: dict | None = None):
-    if spec == "builtin":
+def load_tokenizer(spec: str, prompt_format: str = "auto", chat_template_kwargs: dict | None = None,
+                   tools: list[dict] | None = None):
+    """The tokenizer data.tokenizer names: "builtin", "builtin_tools" (the built-in one with tool tokens) or a
+    local HF tokenizer folder.
+
+    tools: schemas an HF chat template renders into prompts; "builtin_tools" takes them but renders none (its
+    tiny model learns its one tool from demonstrations); plain "builtin" has no tokens to call a tool with.
+    """
+    if spec in ("builtin", "builtin_tools"):
         if chat_template_kwargs:
             raise ValueError("data.chat_template_kwargs is set, but the built-in tokenizer has no chat template")
-        return BuiltinTokenizer(prompt_format)
-    return HFTokenizer(spec, prompt_format, chat_template_kwargs)
+        if spec == "builtin" and tools is not None:
+            raise ValueError("tools are given, but the 'builtin' tokenizer has no tool tokens (use "
+                             "data.tokenizer=builtin_tools, or a local HF tokenizer folder)")
+        _check_tools(tools)
+        return BuiltinTokenizer(prompt_format, tools=spec == "builtin_tools")
+    return HFTokenizer(spec, prompt_format, chat_template_kwargs, tools)

@@ -19,22 +19,93 @@ import random
 from dataclasses import dataclass
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen3's tool and thinking tags: added (not special) tokens, as in Qwen3's tokenizer, appended after the BPE so
+# its merges and ids stay as they were.
+ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
 # The Qwen3 chat layout: each message framed by <|im_start|>role ... <|im_end|>, then the assistant's turn
-# opened; enable_thinking=false pre-fills an empty thinking block, as Qwen3's own template does.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
+# opened; enable_thinking=false pre-fills an empty thinking block. With tools: Qwen3's system block listing
+# them; structured tool_calls written as Hermes <tool_call> blocks; consecutive tool results grouped in one
+# user turn as <tool_response> blocks. Lines are joined stripped: every newline rendered is a '\n' literal.
+_TEMPLATE_LINES = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within ' }}
+    {{- '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, ' }}
+    {{- '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages and messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+@LAST_QUERY@
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        @DROP_THINKING@
+        {{- '<|im_start|>assistant\n' + content }}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or not loop.first %}{{- '\n' }}{%- endif %}
+                {%- set call = tool_call.function if tool_call.function else tool_call %}
+                {{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' }}
+                {%- if call.arguments is string %}{{- call.arguments }}
+                {%- else %}{{- call.arguments | tojson }}{%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}
+"""
+# Qwen3's last real user query: the last user message that is not a pure <tool_response> block.
+_LAST_QUERY = r"""
+{%- set ns = namespace(last_query_index=messages|length - 1, searching=true) %}
+{%- for message in messages[::-1] %}
+    {%- set wrapped = message.content is string and message.content.startswith('<tool_response>') %}
+    {%- set wrapped = wrapped and message.content.endswith('</tool_response>') %}
+    {%- if ns.searching and message.role == 'user' and message.content is string and not wrapped %}
+        {%- set ns.searching = false %}{%- set ns.last_query_index = messages|length - 1 - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+"""
+# Qwen3 keeps only the answer of an assistant turn before that query: the content after its </think>.
+_DROP_THINKING = r"""
+{%- if loop.index0 < ns.last_query_index and '</think>' in content %}
+    {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+{%- endif %}
+"""
+
+
+def _template(drops_thinking: bool) -> str:
+    text = _TEMPLATE_LINES.replace("@LAST_QUERY@", _LAST_QUERY if drops_thinking else "") \
+        .replace("@DROP_THINKING@", _DROP_THINKING if drops_thinking else "")
+    return "".join(line.strip() for line in text.splitlines())
+
+
+# Keeps history: assistant turns render as given, so a conversation re-renders as the tokens it was sampled as.
+CHAT_TEMPLATE = _template(drops_thinking=False)
+# Rewrites history as Qwen3's own template does: an assistant turn before the last real user query loses its
+# <think>...</think> part, so the prompt of the turn after that query no longer extends the sampled tokens.
+CHAT_TEMPLATE_DROPS_THINKING = _template(drops_thinking=True)
+CHAT_TEMPLATES = {"keeps_history": CHAT_TEMPLATE, "drops_thinking": CHAT_TEMPLATE_DROPS_THINKING}
 INSTRUCTION = "Put the final answer after ####."
 
 
 @dataclass(frozen=True)
 class TinyHFSpec:
-    """Sizes of the tiny model and data; validated on construction."""
+    """Sizes of the tiny model and data, and its chat template (a CHAT_TEMPLATES name); validated on construction."""
 
     hidden_size: int = 64
     num_hidden_layers: int = 2
@@ -50,9 +121,15 @@ class TinyHFSpec:
     eval_rows: int = 16
     max_shard_bytes: int = 0  # > 0: a sharded checkpoint with model.safetensors.index.json
     seed: int = 0
+    chat_template: str = "keeps_history"  # or "drops_thinking": Qwen3's rewriting of history (CHAT_TEMPLATES)
 
     def __post_init__(self) -> None:
+        if self.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"TinyHFSpec.chat_template must be one of {', '.join(CHAT_TEMPLATES)}, "
+                             f"got {self.chat_template!r}")
         for name, value in self.__dict__.items():
+            if name == "chat_template":
+                continue
             if not isinstance(value, int) or value < 0 or (value == 0 and name not in ("max_shard_bytes", "seed")):
                 raise ValueError(f"TinyHFSpec.{name} must be a positive integer, got {value!r}")
         if self.tokenizer_vocab < 256 + len(SPECIAL_TOKENS):
@@ -77,7 +154,7 @@ def math_rows(count: int, seed: int) -> list[dict]:
     return rows
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int):
+def _train_tokenizer(texts: list[str], vocab_size: int, chat_template: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -87,20 +164,45 @@ def _train_tokenizer(texts: list[str], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        chat_template=chat_template)
+    tokenizer.add_tokens(list(ADDED_TOKENS))  # ids after the BPE's: its merges and ids are unchanged
+    return tokenizer
+
+
+def _generation_config(tokenizer):
+    """Stop on either end token, as Qwen3's generation config does."""
+    from transformers import GenerationConfig
+
+    ends = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    return GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+
+
+def tiny_tokenizer(spec: TinyHFSpec = TinyHFSpec()):
+    """The tiny BPE tokenizer (trained on the spec's math rows) with the spec's chat template and Qwen3's tags."""
+    train, held_out = math_rows(spec.train_rows, spec.seed), math_rows(spec.eval_rows, spec.seed + 1)
+    corpus = [m["content"] + "\n" + r["answer"] for r in train + held_out for m in r["prompt"]]
+    return _train_tokenizer(corpus, spec.tokenizer_vocab, CHAT_TEMPLATES[spec.chat_template])
+
+
+def build_tiny_hf_tokenizer(out: str, spec: TinyHFSpec = TinyHFSpec()) -> str:
+    """Write only the tokenizer and generation config into `out` (no weights: a second, for tokenizer tests)."""
+    os.makedirs(out, exist_ok=True)
+    tokenizer = tiny_tokenizer(spec)
+    tokenizer.save_pretrained(out)
+    _generation_config(tokenizer).save_pretrained(out)
+    return out
 
 
 def build_tiny_hf_model(out: str, spec: TinyHFSpec = TinyHFSpec()) -> dict:
     """Write the model folder (weights, config, tokenizer, generation config) and math_{train,eval}.jsonl
     into `out`; returns {"model": out, "train": path, "eval": path, "vocab_size": model vocabulary}."""
     import torch
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     os.makedirs(out, exist_ok=True)
     train, held_out = math_rows(spec.train_rows, spec.seed), math_rows(spec.eval_rows, spec.seed + 1)
-    corpus = [m["content"] + "\n" + r["answer"] for r in train + held_out for m in r["prompt"]]
-    tokenizer = _train_tokenizer(corpus, spec.tokenizer_vocab)
+    tokenizer = tiny_tokenizer(spec)
     vocab = -(-len(tokenizer) // spec.vocab_multiple) * spec.vocab_multiple
     config = Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=2 * spec.hidden_size,
@@ -113,10 +215,7 @@ def build_tiny_hf_model(out: str, spec: TinyHFSpec = TinyHFSpec()) -> dict:
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     torch.manual_seed(spec.seed)
     model = Qwen3MoeForCausalLM(config).eval()
-    # Stop on either end token, as Qwen3's generation config does.
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")],
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    model.generation_config = _generation_config(tokenizer)
     shard = {"max_shard_size": spec.max_shard_bytes} if spec.max_shard_bytes else {}
     model.save_pretrained(out, **shard)
     tokenizer.save_pretrained(out)
@@ -132,8 +231,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder to write (created)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-shard-bytes", type=int, default=0, help="> 0: write a sharded checkpoint")
+    parser.add_argument("--chat-template", choices=sorted(CHAT_TEMPLATES), default="keeps_history",
+                        help="drops_thinking: Qwen3's template, which drops earlier turns' <think> blocks")
     args = parser.parse_args(argv)
-    made = build_tiny_hf_model(args.out, TinyHFSpec(seed=args.seed, max_shard_bytes=args.max_shard_bytes))
+    made = build_tiny_hf_model(args.out, TinyHFSpec(seed=args.seed, max_shard_bytes=args.max_shard_bytes,
+                                                    chat_template=args.chat_template))
     print(f"tiny Qwen3-MoE (vocabulary {made['vocab_size']}) with its tokenizer in {made['model']}; "
           f"data {made['train']}, {made['eval']}")
     return 0
