@@ -85,7 +85,7 @@ def export_hf(ckpt: dict, out: str) -> list:
     engine.update_weights(ckpt["state"])
     model = engine.model.to("cpu")
     source = source_folder(ckpt)
-    tok_dir = "" if ckpt["tokenizer"] == "builtin" else ckpt["tokenizer"]
+    tok_dir = "" if ckpt["tokenizer"] in ("builtin", "builtin_tools") else ckpt["tokenizer"]
     notes = []
     for folder in (source, tok_dir):  # its generation_config.json is copied below: never pass on a hostile one
         if folder and os.path.isfile(os.path.join(folder, GENERATION_CONFIG)):

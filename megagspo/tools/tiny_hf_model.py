@@ -80,10 +80,19 @@ _LAST_QUERY = r"""
     {%- endif %}
 {%- endfor %}
 """
-# Qwen3 keeps only the answer of an assistant turn before that query: the content after its </think>.
+# Qwen3 splits an assistant turn at its </think> (or takes message.reasoning_content): a turn before that query
+# keeps only its answer; a turn after it is written again as <think>\n{reasoning}\n</think>\n\n{answer}, and the
+# last turn so even without reasoning (an empty thinking block Qwen3 writes into a final assistant turn).
 _DROP_THINKING = r"""
-{%- if loop.index0 < ns.last_query_index and '</think>' in content %}
+{%- set reasoning = '' %}
+{%- if message.reasoning_content is defined and message.reasoning_content is not none %}
+    {%- set reasoning = message.reasoning_content %}
+{%- elif '</think>' in content %}
+    {%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
     {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+{%- endif %}
+{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}
+    {%- set content = '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') %}
 {%- endif %}
 """
 
@@ -97,7 +106,8 @@ def _template(drops_thinking: bool) -> str:
 # Keeps history: assistant turns render as given, so a conversation re-renders as the tokens it was sampled as.
 CHAT_TEMPLATE = _template(drops_thinking=False)
 # Rewrites history as Qwen3's own template does: an assistant turn before the last real user query loses its
-# <think>...</think> part, so the prompt of the turn after that query no longer extends the sampled tokens.
+# <think>...</think> part (so the prompt of the turn after that query no longer extends the sampled tokens), and
+# the turns after it are re-normalised around their thinking block.
 CHAT_TEMPLATE_DROPS_THINKING = _template(drops_thinking=True)
 CHAT_TEMPLATES = {"keeps_history": CHAT_TEMPLATE, "drops_thinking": CHAT_TEMPLATE_DROPS_THINKING}
 INSTRUCTION = "Put the final answer after ####."
