@@ -14,3 +14,15 @@
 
 This package drives a rollout engine; it never imports the trainer, the step or the policy.
 """
+
+from .chat import ChatFormat, PrefixMismatch, chat_format
+from .hermes import ParsedTurn, ToolCallRequest, format_tool_call, parse_tool_calls
+from .loop import (AgentContext, AgentSample, EnvStep, Environment, Episode, register_agent, register_environment)
+from .runner import AgentFailed, AgentRollouts
+from .tools import Tool, ToolCaller, ToolResult, register_tool
+from .trajectory import Trajectory, TurnOutput
+
+__all__ = ["AgentContext", "AgentFailed", "AgentRollouts", "AgentSample", "ChatFormat", "EnvStep", "Environment",
+           "Episode", "ParsedTurn", "PrefixMismatch", "Tool", "ToolCallRequest", "ToolCaller", "ToolResult",
+           "Trajectory", "TurnOutput", "chat_format", "format_tool_call", "parse_tool_calls", "register_agent",
+           "register_environment", "register_tool"]

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol
 
-from megagspo.config import AgentConfig
 from megagspo.rollout.base import SamplingParams
 
 from .chat import ChatFormat, PrefixMismatch
 from .hermes import parse_tool_calls
 from .tools import ToolCaller
 from .trajectory import Trajectory
+
+if TYPE_CHECKING:  # the config describes a run; the agent package never needs it loaded (megagspo.data imports
+    # the agent's Hermes writer while megagspo.config is still importing megagspo.data)
+    from megagspo.config import AgentConfig
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ token; any other exception of an agent names the agent and the sample.
 from __future__ import annotations
 
 import threading
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
-from megagspo.config import AgentConfig
 from megagspo.rollout.base import RolloutOutput, SamplingParams, WeightSwitch
 
 from .chat import ChatFormat, PrefixMismatch, chat_format
@@ -22,6 +21,10 @@ from .loop import AgentContext, AgentSample, build_agent
 from .tools import ToolCaller, get_tool
 from .trajectory import stack_trajectories
 from .turns import SampleEngine, TurnBatcher
+
+if TYPE_CHECKING:  # the config describes a run; the agent package never needs it loaded (megagspo.data imports
+    # the agent's Hermes writer while megagspo.config is still importing megagspo.data)
+    from megagspo.config import AgentConfig
 
 
 class AgentFailed(RuntimeError):
