@@ -366,3 +366,42 @@ def test_the_sglang_engine_serves_a_three_turn_trajectory_by_ids(tmp_path):
     assert out.agent_rows[0]["turns"] == 3 and out.agent_rows[0]["final_text"] == "43"
     routes = out.routes_RPLyK[0, :len(full) - 1, 0, 0].tolist()  # MoE layers only; [.., 0] = the request
     assert routes == [1] * (len(prompt) + 21) + [2] * turn + [3] * (n - turn - 22)
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo"])
+def test_losses_kl_and_mismatch_metrics_read_only_the_sampled_tokens(name):
+    """A batch of trajectories through the registered loss with a KL term and the rollout log-probs (the mismatch
+    metrics): whatever the policy, old, reference and rollout log-probs hold at tool / boundary tokens (NaN
+    placeholders included), the loss, its gradient and every metric are the same; the gradient there is 0."""
+    from megagspo.algorithm import KLConfig
+    from megagspo.algorithm.packing import PackedBatch
+    from megagspo.algorithm.registry import get_loss
+
+    engine = ScriptedEngine(lambda text: answer_script(text, turns=int(text[6]) % 2 + 1))
+    out = rollouts(TOOLS, engine, [example(11, 22), example(12, 30), example(45, 19)], n=2)
+    seqs = SequenceBatch.from_rollouts(out, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]), TOK.pad_id, 128)
+    mask = seqs.loss_mask_T
+    assert 0 < int(mask.sum()) < int((seqs.targets_T != TOK.pad_id).sum())  # tool tokens are there, unmasked
+    gen = torch.Generator().manual_seed(48)
+    draw = {k: -torch.rand(seqs.num_tokens, generator=gen, dtype=torch.float64) for k in ("logp", "old", "ref")}
+    rollout = seqs.rollout_logp_T.double()
+
+    def run(garbage: bool):
+        def at_context(x, fill):
+            return torch.where(mask, x, fill) if garbage else x
+        logp = at_context(draw["logp"], torch.full_like(draw["logp"], 3.0)).clone().requires_grad_(True)
+        batch = PackedBatch(logp_T=logp, loss_mask_T=mask, cu_seqlens_S1=seqs.cu_seqlens_S1,
+                            num_global_sequences=seqs.num_sequences, num_global_tokens=float(mask.sum()),
+                            old_logp_T=at_context(draw["old"], torch.full_like(logp, -7.0)),
+                            ref_logp_T=at_context(draw["ref"], torch.full_like(logp, 5.0)),
+                            rollout_logp_T=at_context(rollout, torch.full_like(logp, float("nan"))),
+                            advantages_S=seqs.advantages_S.double())
+        fn = get_loss(name)
+        loss, metrics = fn(batch, fn.Config(kl=KLConfig(coef=0.1, estimator="k3")))
+        loss.backward()
+        return loss.detach(), logp.grad, {k: float(v) for k, v in metrics.items()}
+
+    clean, dirty = run(False), run(True)
+    assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
+    assert torch.all(dirty[1][~mask] == 0)
+    assert clean[2] == dirty[2] and any(k.startswith("mismatch/") for k in clean[2])
