@@ -1,5 +1,6 @@
 # megagspo: every target installs what it needs, by dependency, into $(VENV).
 #   make train       the main job: GSPO on a tiny Qwen3-MoE, CPU, embedded defaults
+#   make train-tools the tool-use main job: multi-turn trajectories with an add tool (configs/tiny_tools_cpu.yaml)
 #   make test        install everything, then run the whole test suite
 #   make ablate      routing-replay ablation v2: an fp8_sim engine against the fp32 trainer on a small MoE, 5 arms x
 #                    4 settings x 3 seeds, report (ABLATION=configs/ablations/moe_volatile_cpu.yaml: v1, no engine gap)
@@ -28,7 +29,7 @@ EXT_STAMP := $(VENV)/.ext-built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 CU_SOURCES := $(shell find csrc -name '*.cu' 2>/dev/null)
 
-.PHONY: install ext train ablate smoke test test-fast cuda-check gpu-wheels gpu-check clean
+.PHONY: install ext train train-tools ablate smoke test test-fast cuda-check gpu-wheels gpu-check clean
 
 install: $(INSTALLED) $(EXT_STAMP)
 
@@ -51,6 +52,9 @@ ext: $(EXT_STAMP)
 
 train: install
 	$(BIN)/megagspo train --config configs/tiny_cpu.yaml $(ARGS)
+
+train-tools: install
+	$(BIN)/megagspo train --config configs/tiny_tools_cpu.yaml $(ARGS)
 
 # One run per core (the recipe's threads: 1); rerunning skips finished runs and resumes interrupted ones.
 ABLATE_JOBS ?= $(shell nproc 2>/dev/null || echo 1)

@@ -29,6 +29,8 @@ FORBIDDEN = {
                            "megagspo/algorithm/ is pure tensor math: no model, process group or run code"),
     "megagspo.rollout": (("megagspo.trainer", "megagspo.rl", "megagspo.policy"),
                          "megagspo/rollout/ must not run training code"),
+    "megagspo.agent": (("megagspo.trainer", "megagspo.rl", "megagspo.policy", "megagspo.checkpoint"),
+                       "megagspo/agent/ drives a rollout engine: it runs no training code"),
     "megagspo.rewards": (("megagspo.trainer", "megagspo.rl", "megagspo.policy", "megagspo.rollout", "moe", "megatron",
                           "torch.distributed"),
                          "megagspo/rewards/ are verifiers fn(response, answer): no model or process group"),
