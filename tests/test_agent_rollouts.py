@@ -405,3 +405,24 @@ def test_losses_kl_and_mismatch_metrics_read_only_the_sampled_tokens(name):
     assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
     assert torch.all(dirty[1][~mask] == 0)
     assert clean[2] == dirty[2] and any(k.startswith("mismatch/") for k in clean[2])
+
+
+def test_the_examples_in_docs_agents_md_run():
+    """docs/agents.md's tool, environment and agent examples, executed as written, then used."""
+    import os
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "agents.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    assert len(blocks) == 3
+    namespace = {"PRICES": {"pen": 1.5}}
+    for block in blocks:
+        exec(compile(block, "docs/agents.md", "exec"), namespace)
+    from megagspo.agent.tools import ToolCaller, get_tool
+
+    price = ToolCaller([get_tool("lookup_price")], 5.0).call("lookup_price", {"item": "pen", "quantity": 2})
+    assert price.error is None and price.text == "3.0"
+    guesses = ScriptedEngine(lambda text: "7" if text.count("higher") + text.count("lower") < 1 else "3")
+    out = rollouts(AgentConfig(name="environment", environment="guess_number"), guesses, [example(1, 2)])
+    assert out.agent_rows[0]["turns"] == 2 and out.agent_rows[0]["reward"] == 1.0
+    out = rollouts(AgentConfig(name="two_tries"), ScriptedEngine(lambda text: "5"), [example(1, 2)])
+    assert out.agent_rows[0]["turns"] == 2 and out.agent_rows[0]["final_text"] == "5"
