@@ -208,27 +208,25 @@ _AGENTS: Dict[str, Callable[[AgentContext], object]] = {}
 _ENVIRONMENTS: Dict[str, Callable[[], Environment]] = {}
 
 
-def register_agent(name: str):
-    """Register an agent factory `(AgentContext) -> object with run(sample, engine, sampling) -> Trajectory`."""
+def _registrar(table: dict, kind: str, name: str):
     def deco(factory):
-        if name in _AGENTS:
-            raise ValueError(f"agent {name!r} is already registered")
-        _AGENTS[name] = factory
+        if name in table:
+            raise ValueError(f"{kind} {name!r} is already registered")
+        table[name] = factory
         return factory
 
     return deco
+
+
+def register_agent(name: str):
+    """Register an agent factory `(AgentContext) -> object with run(sample, engine, sampling) -> Trajectory`."""
+    return _registrar(_AGENTS, "agent", name)
 
 
 def register_environment(name: str):
     """Register an environment class (or any factory of Environment objects), used by rollout.agent.name =
     environment with rollout.agent.environment = name."""
-    def deco(factory):
-        if name in _ENVIRONMENTS:
-            raise ValueError(f"environment {name!r} is already registered")
-        _ENVIRONMENTS[name] = factory
-        return factory
-
-    return deco
+    return _registrar(_ENVIRONMENTS, "environment", name)
 
 
 def available_agents() -> List[str]:
