@@ -89,3 +89,97 @@ def tiny_trainer(overrides, **trainer_kwargs):
     from megagspo.trainer.trainer import Trainer
 
     return Trainer(load_config(TINY_RECIPE, overrides), quiet=True, **trainer_kwargs)
+
+
+# The child of CliRuns: reads one JSON argv per line on stdin, runs `megagspo.cli.main(argv)`, answers one JSON line
+# {"rc", "stdout", "stderr"} on the pipe that was its stdout (fd 1 then points at its stderr, so that a stray write
+# cannot corrupt an answer). sys.stdout / sys.stderr stay the same objects for good, each sending a run's text to
+# that run's buffer: a handler that kept the stream of an earlier run (logging's) writes to the current one.
+_CLI_RUNS_CHILD = r"""
+import io, json, os, sys, traceback
+
+class Captured(io.TextIOBase):
+    def __init__(self, fd):
+        self.fd, self.text = fd, io.StringIO()
+    encoding = "utf-8"
+    def writable(self):
+        return True
+    def write(self, s):
+        return self.text.write(s)
+    def fileno(self):
+        return self.fd
+    def isatty(self):
+        return False
+    def take(self):
+        text, self.text = self.text.getvalue(), io.StringIO()
+        return text
+
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout, sys.stderr = Captured(1), Captured(2)
+from megagspo.cli import main
+for line in sys.stdin:
+    try:
+        rc = main(json.loads(line))
+    except SystemExit as exc:  # argparse's errors
+        rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - a fresh process would print it and exit 1
+        traceback.print_exc()
+        rc = 1
+    answers.write(json.dumps({"rc": rc, "stdout": sys.stdout.take(), "stderr": sys.stderr.take()}) + "\n")
+    answers.flush()
+"""
+
+
+class CliRuns:
+    """`python -m megagspo.cli ARGV` runs made one after another in ONE child process (cwd REPO, env `env`): a run
+    costs its own work, not again the seconds of a fresh process's imports and start-up. For runs that are only
+    read afterwards (metrics, output, files); a run to be signalled or killed needs a process of its own.
+    run(argv) takes the CLI's arguments (or a whole `python -m megagspo.cli ...` command line) and returns a
+    subprocess.CompletedProcess. A run here logs and writes what a fresh process's run does (the CLI keeps no state
+    between runs); what a process prints once is printed by its first run only (the 'logged patches' line, a
+    Python warning, a Megatron log line), so a command whose every stderr line is checked gets a process of its
+    own. A run past `timeout` kills the child: that run and the later ones fail."""
+
+    def __init__(self, env: dict, log_path: str):
+        import subprocess
+        import sys
+
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-c", _CLI_RUNS_CHILD], cwd=REPO, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+
+    def run(self, argv: list, timeout: float = 600):
+        import json
+        import subprocess
+        import threading
+
+        argv = list(argv)
+        if argv[1:3] == ["-m", "megagspo.cli"]:
+            argv = argv[3:]
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
+        try:
+            line = self.proc.stdout.readline()
+        finally:
+            timer.cancel()
+        if not line:
+            self._log.flush()
+            with open(self.log_path) as f:
+                raise AssertionError(f"the CliRuns child ended (exit {self.proc.wait()}; killed after {timeout} s if "
+                                     f"it ran that long) in {argv}: {f.read()[-4000:]}")
+        answer = json.loads(line)
+        return subprocess.CompletedProcess(argv, answer["rc"], answer["stdout"], answer["stderr"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - a child that does not end on EOF is killed
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self._log.close()

@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+from helpers import CliRuns
 from multiprocess import cpu_pinned_env, run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,9 +82,25 @@ def _assert_same_metrics(reference_dir, run_dir):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def cli(tmp_path_factory):
+    """One process for the module's runs that are only read afterwards (each a `megagspo train`): a run costs its
+    training, not a fresh start-up. The runs a test kills or signals have processes of their own."""
+    runs = CliRuns(_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
+
+
+def _served(cli, cmd, rc=0, timeout=240):
+    """_run's checks on a run made by `cli`."""
+    proc = cli.run(cmd, timeout=timeout)
+    assert proc.returncode == rc, f"{' '.join(cmd)} -> {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cli, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    _run(_cmd(out, "ref"))
+    _served(cli, _cmd(out, "ref"))
     rows = _rows(out / "ref")
     assert len([r for r in rows if r["phase"] == "rl"]) == 6
     rl = [r for r in rows if r["phase"] == "rl"]
@@ -92,7 +109,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_step_then_resume_equals_uninterrupted(uninterrupted, tmp_path):
+def test_sigkill_mid_step_then_resume_equals_uninterrupted(cli, uninterrupted, tmp_path):
     run_dir = tmp_path / "k"
     proc = _start_and_wait(_cmd(tmp_path, "k"), run_dir, min_rl_rows=3)  # killed during step 3 (or 4)
     proc.send_signal(signal.SIGKILL)
@@ -100,13 +117,13 @@ def test_sigkill_mid_step_then_resume_equals_uninterrupted(uninterrupted, tmp_pa
     assert proc.returncode == -signal.SIGKILL
     assert os.path.isdir(run_dir / "checkpoints" / "step_000002")
     assert not os.path.exists(run_dir / "checkpoints" / "step_000006")
-    out = _run(_cmd(tmp_path, "k", "--resume"))
+    out = _served(cli, _cmd(tmp_path, "k", "--resume"))
     assert "resuming from" in out.stdout
     _assert_same_metrics(uninterrupted, run_dir)
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_exits_nonzero_and_resume_equals(uninterrupted, tmp_path):
+def test_sigterm_checkpoints_exits_nonzero_and_resume_equals(cli, uninterrupted, tmp_path):
     run_dir = tmp_path / "t"
     # checkpoints only on the signal (and at the end / after SFT): the one found must come from SIGTERM
     proc = _start_and_wait(_cmd(tmp_path, "t", "checkpoint.every_steps=0"), run_dir, min_rl_rows=1)
@@ -119,19 +136,19 @@ def test_sigterm_checkpoints_exits_nonzero_and_resume_equals(uninterrupted, tmp_
     saved = max(steps)
     assert 1 <= saved < 6 and f"after RL step {saved};" in err
     assert _rl_steps_logged(run_dir) == list(range(saved))
-    _run(_cmd(tmp_path, "t", "checkpoint.every_steps=0", "--resume"))
+    _served(cli, _cmd(tmp_path, "t", "checkpoint.every_steps=0", "--resume"))
     _assert_same_metrics(uninterrupted, run_dir)
 
 
 @pytest.mark.slow
-def test_truncated_newest_shard_falls_back_to_previous(uninterrupted, tmp_path):
+def test_truncated_newest_shard_falls_back_to_previous(cli, uninterrupted, tmp_path):
     run_dir = tmp_path / "ref"
     shutil.copytree(uninterrupted, run_dir)
     ckpts = run_dir / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["step_000002", "step_000004", "step_000006"]  # keep_last = 3
     shard = ckpts / "step_000006" / "model" / "__0_0.distcp"
     os.truncate(shard, os.path.getsize(shard) // 2)
-    out = _run(_cmd(tmp_path, "ref", "--resume"))
+    out = _served(cli, _cmd(tmp_path, "ref", "--resume"))
     assert ("checkpoint step_000006 is corrupt (model/__0_0.distcp has" in out.stdout
             and "falling back to step_000004" in out.stdout), out.stdout
     assert "resuming from" in out.stdout and "step_000004" in out.stdout
@@ -167,7 +184,7 @@ def _reload_body(rank, world_size, ckpt_dir, cfg_overrides):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_checkpoint_from_ep2_resumes_at_ep1(tmp_path):
+def test_checkpoint_from_ep2_resumes_at_ep1(cli, tmp_path):
     small = ["rl.steps=2", "checkpoint.every_steps=1"]
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
           "megagspo.cli", "train", *ARGS, *small, "parallel.expert_parallel=2", f"log.out_dir={tmp_path}",
@@ -195,7 +212,7 @@ def test_checkpoint_from_ep2_resumes_at_ep1(tmp_path):
                  for n, w in state["model_index"].items()}
         stored = read_full_state_dict(str(ckpt / "optimizer"), index)
         assert all(torch.equal(opt[f"{kind}/{n}"], t) for n, t in stored.items())
-    out = _run(_cmd(tmp_path, "ep", "rl.steps=3", "--resume"))  # 1 process, EP=1
+    out = _served(cli, _cmd(tmp_path, "ep", "rl.steps=3", "--resume"))  # 1 process, EP=1
     assert "resumed on 1" in out.stdout
     rl = [r for r in _rows(tmp_path / "ep") if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [0, 1, 2]

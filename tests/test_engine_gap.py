@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, CliRuns
 from multiprocess import cpu_pinned_env
 
 # a small MoE with routing near its top-k boundaries (the ablation testbed's experts; 2 layers), one update per
@@ -34,39 +32,46 @@ RUN = ["sft.steps=12", "sft.batch_size=32", "reward.name=digit_match", "rl.steps
 UNTIMED = ("time/", "throughput/")
 
 
-def _rl_rows(tmp_path, name, *extra):
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process for the module's runs (each `megagspo train`): a run costs its training, not a fresh start-up."""
     env = cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "megagspo.cli", "train", "--config", "configs/tiny_cpu.yaml", *RUN,
-                           *extra, f"name={name}", f"log.out_dir={tmp_path}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    runs = CliRuns(env, str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
+
+
+def _rl_rows(cli, tmp_path, name, *extra):
+    proc = cli.run(["train", "--config", "configs/tiny_cpu.yaml", *RUN, *extra, f"name={name}",
+                    f"log.out_dir={tmp_path}"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(tmp_path / name / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     return [{k: v for k, v in r.items() if not k.startswith(UNTIMED)} for r in rows if r.get("phase") == "rl"]
 
 
-def test_fp32_engine_on_policy_has_no_gap_and_replay_changes_nothing(tmp_path):
+def test_fp32_engine_on_policy_has_no_gap_and_replay_changes_nothing(cli, tmp_path):
     """The CPU engine samples with the trainer's fp32 weights: its routes are the trainer's (route gap 0), so
     R2 and R3 replay the routes the router picks anyway and every metric equals the run without replay; R2's
     replayed routes equal the live ones (one mini-batch: the weights of its recompute)."""
-    plain = _rl_rows(tmp_path, "none", "rl.route_gap=true")
+    plain = _rl_rows(cli, tmp_path, "none", "rl.route_gap=true")
     assert all(r["mismatch/route_pair_frac"] == 0.0 == r["mismatch/route_token_frac"] for r in plain)
     assert all(r["mismatch/k3_kl"] < 1e-9 for r in plain), [r["mismatch/k3_kl"] for r in plain]  # fp32 rounding
     assert any(r["moe/expert_volatility"] > 0 for r in plain), "the test needs routes that move in an update"
     for arm in ("r2", "r3"):
-        rows = _rl_rows(tmp_path, arm, f"rl.routing_replay={arm}", "rl.route_gap=true")
+        rows = _rl_rows(cli, tmp_path, arm, f"rl.routing_replay={arm}", "rl.route_gap=true")
         assert [r["replay/route_override_pair_frac"] for r in rows] == [0.0] * len(rows)
         assert [{k: v for k, v in r.items() if not k.startswith("replay/")} for r in rows] == plain, arm
 
 
 @pytest.mark.parametrize("engine_dtype", ["bf16", "fp8_sim"])
-def test_a_lower_precision_engine_shows_a_gap_that_r3_narrows(tmp_path, engine_dtype):
+def test_a_lower_precision_engine_shows_a_gap_that_r3_narrows(cli, tmp_path, engine_dtype):
     """bf16 / fp8_sim engine against the fp32 trainer: some (token, layer) top-k sets differ between the engine and
     the trainer at the same weights; on the same first batch (same seed, same engine), replaying the engine's
     routes (R3) brings pi_old closer to the engine: a lower k3 KL and |d logp| than without replay, and the update
     overrides the live routers' choices."""
-    plain = _rl_rows(tmp_path, "none", f"rollout.engine_dtype={engine_dtype}")
-    r3 = _rl_rows(tmp_path, "r3", f"rollout.engine_dtype={engine_dtype}", "rl.routing_replay=r3")
+    plain = _rl_rows(cli, tmp_path, "none", f"rollout.engine_dtype={engine_dtype}")
+    r3 = _rl_rows(cli, tmp_path, "r3", f"rollout.engine_dtype={engine_dtype}", "rl.routing_replay=r3")
     first, first_r3 = plain[0], r3[0]
     assert first["mismatch/route_pair_frac"] > 0 and first["mismatch/route_token_frac"] > 0
     assert first["mismatch/route_token_frac"] >= first["mismatch/route_pair_frac"]

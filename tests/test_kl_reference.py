@@ -25,8 +25,9 @@ import torch
 
 from test_algo_common import F64, gen, random_packed  # noqa: F401 - gen is a fixture (prints its seed)
 
-from test_checkpoint_resume import ARGS as RESUME_ARGS, VOLATILE, _env, _run
+from test_checkpoint_resume import ARGS as RESUME_ARGS, VOLATILE, _env, _served
 
+from helpers import CliRuns
 from megagspo.algorithm import PackedBatch, get_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,10 +138,19 @@ def _rl_rows(run_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def cli(tmp_path_factory):
+    """One process for the module's `megagspo` runs that are only read afterwards: a run costs its work, not a
+    fresh start-up. The run the resume test kills has a process of its own."""
+    cli_runs = CliRuns(_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield cli_runs
+    cli_runs.close()
+
+
+@pytest.fixture(scope="module")
+def runs(cli, tmp_path_factory):
     out = tmp_path_factory.mktemp("kl")
-    _run(_cmd(out, "kl", "rl.kl_coef=0.1"))
-    _run(_cmd(out, "nokl"))
+    _served(cli, _cmd(out, "kl", "rl.kl_coef=0.1"))
+    _served(cli, _cmd(out, "nokl"))
     return out
 
 
@@ -176,7 +186,7 @@ def test_reference_on_disk_is_the_cold_start_policy(runs):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_with_kl_equals_uninterrupted(runs, tmp_path):
+def test_sigkill_then_resume_with_kl_equals_uninterrupted(cli, runs, tmp_path):
     run_dir = tmp_path / "k"
     proc = subprocess.Popen(_cmd(tmp_path, "k", "rl.kl_coef=0.1"), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -192,15 +202,16 @@ def test_sigkill_then_resume_with_kl_equals_uninterrupted(runs, tmp_path):
     # a corrupt reference is refused (never silently replaced by the resumed policy's weights)
     good = (run_dir / "reference.safetensors").read_bytes()
     (run_dir / "reference.safetensors").write_bytes(good[:-8] + bytes(8))
-    out = _run(_cmd(tmp_path, "k", "rl.kl_coef=0.1", "--resume"), rc=2)
+    out = _served(cli, _cmd(tmp_path, "k", "rl.kl_coef=0.1", "--resume"), rc=2)
     assert "reference.safetensors: sha256 differs" in out.stdout + out.stderr
     (run_dir / "reference.safetensors").write_bytes(good)
-    out = _run(_cmd(tmp_path, "k", "rl.kl_coef=0.1", "--resume"))
+    out = _served(cli, _cmd(tmp_path, "k", "rl.kl_coef=0.1", "--resume"))
     assert "resuming from" in out.stdout
     assert _rl_rows(run_dir) == _rl_rows(runs / "kl")
     # another run resumed from this run's checkpoint finds the reference next to that checkpoint, continues
     # exactly, and keeps a verified copy in its own folder for its own later resumes
-    out = _run(_cmd(tmp_path, "b", "rl.kl_coef=0.1", f"checkpoint.resume={run_dir / 'checkpoints' / 'step_000002'}"))
+    out = _served(cli, _cmd(tmp_path, "b", "rl.kl_coef=0.1",
+                            f"checkpoint.resume={run_dir / 'checkpoints' / 'step_000002'}"))
     assert "resuming from" in out.stdout
     assert _rl_rows(tmp_path / "b") == _rl_rows(runs / "kl")
     assert (tmp_path / "b" / "reference.safetensors").read_bytes() == good
@@ -236,11 +247,11 @@ def test_planner_adds_the_reference_weights():
     assert round((on.total_gib - off.total_gib) * GIB) == 2 * (2104 + 576)
 
 
-def test_plan_command_names_the_reference():
+def test_plan_command_names_the_reference(cli):
     # The planner labels the weights with model.precision (the reference is kept in the policy's precision);
     # given explicitly so that this check does not depend on the precision the recipe file declares.
-    out = _run([sys.executable, "-m", "megagspo.cli", "plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml",
-                "rl.kl_coef=0.01", "model.precision=bf16"])
+    out = _served(cli, [sys.executable, "-m", "megagspo.cli", "plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml",
+                        "rl.kl_coef=0.01", "model.precision=bf16"])
     assert "reference model weights (bf16, frozen, KL)" in out.stdout and "KL coef 0.01" in out.stdout
-    out = _run([sys.executable, "-m", "megagspo.cli", "plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml"])
+    out = _served(cli, [sys.executable, "-m", "megagspo.cli", "plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml"])
     assert "reference model weights" not in out.stdout

@@ -13,13 +13,11 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import yaml
 
-from helpers import REPO
+from helpers import REPO, CliRuns
 from multiprocess import cpu_pinned_env
 
 TINY = ["sft.steps=1", "sft.batch_size=4", "rl.batch.prompts_per_step=2", "rl.batch.group_size=2",
@@ -32,10 +30,13 @@ def _args(out_dir, *extra):
     return ["train", "--config", CONFIG, *TINY, f"log.out_dir={out_dir}", "name=r", *extra]
 
 
-def _cli(*args):
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process for the module's `megagspo` runs: a run costs its work, not a fresh start-up."""
     env = cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    runs = CliRuns(env, str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
 
 
 def _snapshot(root):
@@ -54,10 +55,10 @@ def _lines(text):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
+def finished(cli, tmp_path_factory):
     """A finished 2-step run (synchronous rollouts), a checkpoint after each step."""
     out = tmp_path_factory.mktemp("finished")
-    proc = _cli(*_args(out, "rl.steps=2"))
+    proc = cli.run(_args(out, "rl.steps=2"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -94,12 +95,12 @@ def test_the_rollout_keys_define_the_run():
     assert changes([], ["rollout.producer=thread"]) == []  # staleness 0: no producer either way
 
 
-def test_allowed_changes_are_kept_in_the_runs_record(finished, tmp_path):
+def test_allowed_changes_are_kept_in_the_runs_record(cli, finished, tmp_path):
     """checkpoint.allow_config_change=true: the run continues; summary.json says that steps 1-2 ran at
     staleness 0 and step 3 at 1, and so do the first lines of config.yaml, which holds the values in force now."""
     shutil.copytree(finished / "r", tmp_path / "r", symlinks=True)
-    proc = _cli(*_args(tmp_path, "--resume", "rl.steps=3", "rollout.staleness=1", "rollout.producer=thread",
-                       "checkpoint.allow_config_change=true"))
+    proc = cli.run(_args(tmp_path, "--resume", "rl.steps=3", "rollout.staleness=1", "rollout.producer=thread",
+                         "checkpoint.allow_config_change=true"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "continuing with changed settings (checkpoint.allow_config_change): rollout.staleness: 0 in the " \
            "checkpoint, 1 now" in proc.stdout, proc.stdout
@@ -114,12 +115,12 @@ def test_allowed_changes_are_kept_in_the_runs_record(finished, tmp_path):
 
 
 # ------------------------------------------------------------------------------------- 5. a finished run
-def test_a_resume_of_a_finished_run_prints_its_summary_and_rewrites_nothing(finished, tmp_path):
+def test_a_resume_of_a_finished_run_prints_its_summary_and_rewrites_nothing(cli, finished, tmp_path):
     shutil.copytree(finished / "r", tmp_path / "r", symlinks=True)
     before = _snapshot(tmp_path)
     summary = json.load(open(tmp_path / "r" / "summary.json"))
     assert {"init/timeouts", "cold_start/timeouts", "final/timeouts"} <= set(summary)  # item 8
-    proc = _cli(*_args(tmp_path, "--resume", "rl.steps=2"))
+    proc = cli.run(_args(tmp_path, "--resume", "rl.steps=2"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"megagspo train: --resume: {tmp_path / 'r'} holds a finished run: step_000002 is after RL step 2, the " \
            "last of rl.steps = 2; nothing to continue, nothing rewritten" in proc.stdout, proc.stdout

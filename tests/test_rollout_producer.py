@@ -25,7 +25,9 @@ import time
 
 import pytest
 
-from test_checkpoint_resume import _assert_same_metrics, _rl_steps_logged, _rows, _run, _start_and_wait, _env
+from helpers import CliRuns
+from test_checkpoint_resume import (_assert_same_metrics, _env, _rl_steps_logged, _rows, _run, _served,
+                                    _start_and_wait)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config", "configs/tiny_cpu.yaml", "sft.steps=2", "sft.batch_size=8", "rl.steps=4",
@@ -49,12 +51,21 @@ STALE2 = ["rollout.staleness=2", "rl.filter.enabled=true", "rl.filter.max_rounds
 
 
 @pytest.fixture(scope="module")
-def stale2(tmp_path_factory):
+def cli(tmp_path_factory):
+    """One process for the module's runs that are only read afterwards (each a `megagspo train`): a run costs its
+    training, not a fresh start-up. The runs a test kills or signals have processes of their own."""
+    runs = CliRuns(_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="module")
+def stale2(cli, tmp_path_factory):
     """The uninterrupted N = 2 run with dynamic sampling, with its timed rows (the volatile time/ entries kept)."""
     import json
 
     out = tmp_path_factory.mktemp("n2")
-    _run(_cmd(out, "ref", *STALE2))
+    _served(cli, _cmd(out, "ref", *STALE2))
     with open(out / "ref" / "metrics.jsonl") as f:
         timed = [json.loads(line) for line in f if line.strip()]
     return out / "ref", [r for r in timed if r.get("phase") == "rl"]
@@ -81,7 +92,7 @@ def test_dynamic_sampling_runs_in_the_producer(stale2):
     assert [r["reward/nonzero_adv_frac"] for r in rows] == [1.0 - r["filter/filled_frac"] for r in rows]
 
 
-def test_partial_rollouts_run_in_the_producer_and_log_their_versions(tmp_path):
+def test_partial_rollouts_run_in_the_producer_and_log_their_versions(cli, tmp_path):
     """rollout.partial: the producer loads weights that arrive mid-batch and continues its responses under them
     (where the switches fall depends on timing: tests/test_partial_rollouts.py pins them). What holds whatever the
     timing: no token older than N, versions only fresher than without partial rollouts, the partial metrics in
@@ -90,7 +101,7 @@ def test_partial_rollouts_run_in_the_producer_and_log_their_versions(tmp_path):
     proc = _start_and_wait(_cmd(tmp_path, "partial", *args), tmp_path / "partial", min_rl_rows=2)
     proc.send_signal(signal.SIGKILL)  # with the queue's batches (and their tokens' versions) in the checkpoint
     proc.communicate(timeout=30)
-    out = _run(_cmd(tmp_path, "partial", *args, "--resume"))
+    out = _served(cli, _cmd(tmp_path, "partial", *args, "--resume"))
     assert "resuming from" in out.stdout
     rows = _rl(tmp_path / "partial")
     assert [r["step"] for r in rows][-1] == 3
@@ -102,14 +113,14 @@ def test_partial_rollouts_run_in_the_producer_and_log_their_versions(tmp_path):
         assert 0.0 <= r["rollout/continued_response_frac"] <= 1.0
 
 
-def test_partial_rollouts_on_the_thread_hand_the_weights_over(tmp_path):
+def test_partial_rollouts_on_the_thread_hand_the_weights_over(cli, tmp_path):
     """rollout.partial with the one-step-ahead thread (SGLang's path): the weights after each update go to the
     generating thread, or load after it when its batch was done first, so the engine enters every step holding
     them. Until a response is continued (timing: here generation is far shorter than the update), the run logs
     the metrics of the thread without partial rollouts, plus the version metrics."""
     one = ["rollout.staleness=1", "checkpoint.every_steps=0", "rl.steps=3", "rollout.producer=thread"]
-    _run(_cmd(tmp_path, "plain", *one))
-    _run(_cmd(tmp_path, "partial", *one, "rollout.partial=true"))
+    _served(cli, _cmd(tmp_path, "plain", *one))
+    _served(cli, _cmd(tmp_path, "partial", *one, "rollout.partial=true"))
     plain, partial = _rl(tmp_path / "plain"), _rl(tmp_path / "partial")
     assert len(partial) == 3
     added = ("rollout/", "mismatch/abs_log_ratio_current_version", "mismatch/abs_log_ratio_older_version")
@@ -122,23 +133,23 @@ def test_partial_rollouts_on_the_thread_hand_the_weights_over(tmp_path):
         assert {k: v for k, v in p.items() if not k.startswith(added)} == r
 
 
-def test_staleness_one_equals_the_one_step_ahead_thread(tmp_path):
+def test_staleness_one_equals_the_one_step_ahead_thread(cli, tmp_path):
     one = ["rollout.staleness=1", "checkpoint.every_steps=0", "rl.steps=3"]
-    _run(_cmd(tmp_path, "thread", *one, "rollout.producer=thread"))
-    _run(_cmd(tmp_path, "process", *one, "rollout.producer=process"))
+    _served(cli, _cmd(tmp_path, "thread", *one, "rollout.producer=thread"))
+    _served(cli, _cmd(tmp_path, "process", *one, "rollout.producer=process"))
     thread, process = _rows(tmp_path / "thread"), _rows(tmp_path / "process")
     new = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/stale_token_frac")
     assert [r.get("rollout/staleness_max") for r in process if r["phase"] == "rl"] == [0.0, 1.0, 1.0]
     assert [{k: v for k, v in r.items() if k not in new} for r in process] == thread
 
 
-def test_killed_and_resumed_at_staleness_two_equals_uninterrupted(tmp_path, stale2):
+def test_killed_and_resumed_at_staleness_two_equals_uninterrupted(cli, tmp_path, stale2):
     """The checkpoint after step n holds the batches generated with versions older than n (the queue) and the
     producer's state after the last of them; the resumed producer continues from it with the checkpoint's weights."""
     proc = _start_and_wait(_cmd(tmp_path, "k", *STALE2), tmp_path / "k", min_rl_rows=2)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
-    out = _run(_cmd(tmp_path, "k", *STALE2, "--resume"))
+    out = _served(cli, _cmd(tmp_path, "k", *STALE2, "--resume"))
     assert "resuming from" in out.stdout
     _assert_same_metrics(stale2[0], tmp_path / "k")
 
@@ -244,7 +255,7 @@ def _as_filed_by_ec55d2c(step_dir) -> None:
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_a_producer_checkpoint_filed_by_ec55d2c_still_resumes_exactly(tmp_path, stale2):
+def test_a_producer_checkpoint_filed_by_ec55d2c_still_resumes_exactly(cli, tmp_path, stale2):
     """The producer's state has a key of its own ("producer"); a checkpoint written by ec55d2c, which filed it under
     the one-step-ahead thread's key, resumes through the part's legacy key and logs the uninterrupted run's
     metrics."""
@@ -254,7 +265,7 @@ def test_a_producer_checkpoint_filed_by_ec55d2c_still_resumes_exactly(tmp_path, 
     step_dir = tmp_path / "step_000002"
     shutil.copytree(ref_dir / "checkpoints" / "step_000002", step_dir)
     _as_filed_by_ec55d2c(step_dir)
-    out = _run(_cmd(tmp_path, "legacy", *STALE2, f"checkpoint.resume={step_dir}"))
+    out = _served(cli, _cmd(tmp_path, "legacy", *STALE2, f"checkpoint.resume={step_dir}"))
     assert "resuming from" in out.stdout and "not a bit-for-bit replay" not in out.stdout
     _assert_same_metrics(ref_dir, tmp_path / "legacy")
 
@@ -480,7 +491,8 @@ def _megagspo_lines(err_lines):
     return [ln.rstrip("\n") for ln in err_lines if ln.startswith("megagspo")]
 
 
-def test_sigterm_while_the_trainer_waits_on_a_dying_producer_checkpoints_and_exits_143(tmp_path, watch, stale2):
+def test_sigterm_while_the_trainer_waits_on_a_dying_producer_checkpoints_and_exits_143(cli, tmp_path, watch,
+                                                                                        stale2):
     """Step 1 waits for its batch with half of it received (the producer held mid-frame) when SIGTERM comes, then
     the producer is SIGKILLed: before, that wait never ended ("finishing the current step" and nothing more). Now
     the producer is restarted, the step finishes, the checkpoint is written: one stop line, exit 143; --resume
@@ -503,7 +515,7 @@ def test_sigterm_while_the_trainer_waits_on_a_dying_producer_checkpoints_and_exi
         lines[1].startswith("megagspo train: stopped by SIGTERM after RL step 2; checkpoint ") and \
         "step_000002 written; continue with --resume" in lines[1], watched.tail()
     assert "Traceback" not in "".join(watched.err) and len(watched.deaths()) == 1, watched.tail()
-    _run(_cmd(tmp_path, "term", *STALE2, "--resume"))
+    _served(cli, _cmd(tmp_path, "term", *STALE2, "--resume"))
     _assert_same_metrics(stale2[0], watched.run_dir)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from devices import DEVICES, child_env
+from helpers import CliRuns
 from multiprocess import cpu_pinned_env, run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +43,22 @@ def _run(cmd, timeout=240):
     return proc
 
 
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process for the module's single-process `megagspo` runs: a run costs its work, not a fresh start-up."""
+    runs = CliRuns(_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
+
+
+def _served(cli, cmd, timeout=240):
+    """_run's check on a run made by `cli`."""
+    proc = cli.run(cmd, timeout=timeout)
+    assert proc.returncode == 0, \
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
 def _check_run(run_dir, steps):
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     rl = [r for r in rows if r["phase"] == "rl"]
@@ -61,24 +78,24 @@ def _check_run(run_dir, steps):
 
 
 @pytest.mark.slow
-def test_short_train_run_and_export(tmp_path):
-    _run([sys.executable, "-m", "megagspo.cli", "train", "--config", "configs/tiny_cpu.yaml", *SHORT,
-          "threads=1", "name=short", f"log.out_dir={tmp_path}"])
+def test_short_train_run_and_export(cli, tmp_path):
+    _served(cli, [sys.executable, "-m", "megagspo.cli", "train", "--config", "configs/tiny_cpu.yaml", *SHORT,
+                  "threads=1", "name=short", f"log.out_dir={tmp_path}"])
     _check_run(tmp_path / "short", 3)
-    out = _run([sys.executable, "-m", "megagspo.cli", "export", "--checkpoint", str(tmp_path / "short")])
+    out = _served(cli, [sys.executable, "-m", "megagspo.cli", "export", "--checkpoint", str(tmp_path / "short")])
     assert os.path.isfile(tmp_path / "short" / "hf" / "config.json"), out.stdout
 
 
 @pytest.mark.slow
-def test_short_run_grpo_with_r2_replay_and_rollout_old_logp(tmp_path):
-    _run([sys.executable, "-m", "megagspo.cli", "train", "--config", "configs/tiny_cpu.yaml", *SHORT,
-          "threads=1", "rl.steps=2", "rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28",
-          "rl.routing_replay=r2", "name=a", f"log.out_dir={tmp_path}"])
+def test_short_run_grpo_with_r2_replay_and_rollout_old_logp(cli, tmp_path):
+    _served(cli, [sys.executable, "-m", "megagspo.cli", "train", "--config", "configs/tiny_cpu.yaml", *SHORT,
+                  "threads=1", "rl.steps=2", "rl.loss=grpo", "rl.clip_low=0.2", "rl.clip_high=0.28",
+                  "rl.routing_replay=r2", "name=a", f"log.out_dir={tmp_path}"])
     rows, _ = _check_run(tmp_path / "a", 2)
     # R2 replays pi_old's routes: the training forward uses exactly pi_old's experts.
-    _run([sys.executable, "-m", "megagspo.cli", "train", "--config", "configs/tiny_cpu.yaml", *SHORT,
-          "threads=1", "rl.steps=2", "rl.loss=gspo_token", "rl.old_logp=rollout", "name=b",
-          f"log.out_dir={tmp_path}"])
+    _served(cli, [sys.executable, "-m", "megagspo.cli", "train", "--config", "configs/tiny_cpu.yaml", *SHORT,
+                  "threads=1", "rl.steps=2", "rl.loss=gspo_token", "rl.old_logp=rollout", "name=b",
+                  f"log.out_dir={tmp_path}"])
     _check_run(tmp_path / "b", 2)
 
 
