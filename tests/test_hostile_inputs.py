@@ -18,7 +18,7 @@ import pytest
 
 from megagspo.checkpoint import REQUIRED, verify, write_checkpoint
 from megagspo.checkpoint.store import sha256_file
-from helpers import REPO
+from helpers import REPO, CliRuns
 from multiprocess import cpu_pinned_env
 
 TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=1", "rl.batch.prompts_per_step=2", "rl.batch.group_size=2",
@@ -88,10 +88,29 @@ def _cli_inprocess(capsys, *args):
     return rc, capsys.readouterr().err
 
 
+def _env():
+    return cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def _cli_subprocess(*args):
-    env = cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "megagspo.cli", "train", *args], cwd=REPO, env=env,
+    """`megagspo train` in a process of its own (a run that fails mid-way)."""
+    proc = subprocess.run([sys.executable, "-m", "megagspo.cli", "train", *args], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=180)
+    return proc.returncode, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process, not this one, for the module's refused `megagspo train` commands that get as far as a process
+    group: a command costs its work, not a fresh start-up."""
+    runs = CliRuns(_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
+
+
+def _cli_served(cli, *args):
+    """`megagspo train` made by `cli`."""
+    proc = cli.run(["train", *args], timeout=180)
     return proc.returncode, proc.stderr
 
 
@@ -360,7 +379,7 @@ def test_every_torch_load_in_the_package_is_weights_only():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["other_model", "all_corrupt"])
-def test_bad_checkpoints_on_resume_fail_cleanly_and_are_left_alone(run, case):
+def test_bad_checkpoints_on_resume_fail_cleanly_and_are_left_alone(cli, run, case):
     tmp, run_dir = run
     target = tmp / "other"
     if case == "other_model":
@@ -375,8 +394,8 @@ def test_bad_checkpoints_on_resume_fail_cleanly_and_are_left_alone(run, case):
         needle = "no intact checkpoint"
     other_before = _snapshot(target)
     # resume another folder's checkpoint, with the intact run `r` as the output folder: neither may change
-    rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
-                              f"checkpoint.resume={target}")
+    rc, err = _cli_served(cli, "--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
+                          f"checkpoint.resume={target}")
     assert rc == 2 and needle in err, err[-3000:]
     assert "Traceback" not in err
     assert _snapshot(target) == other_before
@@ -391,39 +410,39 @@ def test_resume_with_nothing_to_resume_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_resume_refuses_changed_settings_naming_each(run):
+def test_resume_refuses_changed_settings_naming_each(cli, run):
     tmp, _ = run
-    rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
-                              "--resume", "rl.loss.name=grpo", "seed=3", "rl.optim.lr=0.0002")  # lr: not run-defining
+    rc, err = _cli_served(cli, "--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
+                          "--resume", "rl.loss.name=grpo", "seed=3", "rl.optim.lr=0.0002")  # lr: not run-defining
     assert rc == 2, err[-3000:]
     assert "rl.loss.name: 'gspo' in the checkpoint, 'grpo' now" in err and "seed: 0 in the checkpoint, 3 now" in err
     assert "rl.optim.lr" not in err and "checkpoint.allow_config_change=true" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
-def test_a_second_owner_is_refused_and_the_folder_is_left_alone(run):
+def test_a_second_owner_is_refused_and_the_folder_is_left_alone(cli, run):
     """While another process owns the run folder, neither a fresh run nor a resume touches it."""
     from megagspo.checkpoint.run_lock import RunFolderLock
 
     tmp, run_dir = run
     with RunFolderLock(str(run_dir), "the first trainer"):
         for extra in ([], ["--resume"]):
-            rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
-                                      *extra)
+            rc, err = _cli_served(cli, "--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp}", "name=r",
+                                  *extra)
             assert rc == 2 and f"is in use by the first trainer (pid {os.getpid()} on" in err, err[-3000:]
             assert "Traceback" not in err
     # the fixture checks that every file of the run is byte-identical
 
 
 @pytest.mark.slow
-def test_a_trainer_owns_its_run_folder_until_it_ends(tmp_path):
+def test_a_trainer_owns_its_run_folder_until_it_ends(cli, tmp_path):
     from megagspo.config import load_config
     from megagspo.trainer.trainer import Trainer
 
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"),
                       [*TINY, "sft.steps=0", "rl.steps=0", f"log.out_dir={tmp_path}", "name=owned"])
     trainer = Trainer(cfg, quiet=True)
-    rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp_path}", "name=owned")
+    rc, err = _cli_served(cli, "--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp_path}", "name=owned")
     assert rc == 2 and f"is in use by megagspo sft (pid {os.getpid()} on" in err, err[-3000:]
     trainer.train(rl=False)  # ends the run: the folder is free again
     with open(tmp_path / "owned" / ".megagspo.lock") as f:
@@ -456,9 +475,9 @@ def test_a_fresh_start_that_fails_its_checks_leaves_the_run_resumable(run, capsy
 
 
 @pytest.mark.slow
-def test_an_output_folder_that_is_a_file_is_one_clear_line(tmp_path):
+def test_an_output_folder_that_is_a_file_is_one_clear_line(cli, tmp_path):
     (tmp_path / "file").write_text("not a folder")
-    rc, err = _cli_subprocess("--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp_path / 'file'}")
+    rc, err = _cli_served(cli, "--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={tmp_path / 'file'}")
     assert rc == 2 and err.strip().splitlines()[-1].startswith("megagspo train: error:"), err[-3000:]
     assert "not a directory" in err and str(tmp_path / "file") in err and "Traceback" not in err
 

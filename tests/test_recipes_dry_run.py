@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, CliRuns
 from multiprocess import cpu_pinned_env
 
 RECIPES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
@@ -20,9 +20,16 @@ SHORT = ["sft.steps=2", "sft.batch_size=16", "rl.steps=2", "rl.prompts_per_step=
          "rl.mini_batches=2", "rl.eval_every=2", "data.train_size=200", "data.eval_size=20", "log.progress=false"]
 
 
-def _megagspo(*args, timeout=180, env=None):
-    return subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=cpu_pinned_env() if env is None else env)
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process for the module's `megagspo` commands: a command costs its work, not a fresh start-up."""
+    runs = CliRuns(cpu_pinned_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
+
+
+def _megagspo(cli, *args, timeout=180):
+    return cli.run(list(args), timeout=timeout)
 
 
 def test_recipes_exist_for_the_cluster_and_the_cpu():
@@ -43,15 +50,15 @@ def _generated_inputs(recipe: str, tmp_path) -> list:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_passes_dry_run(recipe, tmp_path):
-    proc = _megagspo("train", "--dry-run", "--config", recipe, *_generated_inputs(recipe, tmp_path))
+def test_every_recipe_passes_dry_run(cli, recipe, tmp_path):
+    proc = _megagspo(cli, "train", "--dry-run", "--config", recipe, *_generated_inputs(recipe, tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "is valid for" in proc.stdout
     assert "total (" in proc.stdout  # the memory plan was printed
 
 
-def test_30b_gspo_recipe_has_the_paper_settings_and_a_plan_that_fits():
-    proc = _megagspo("plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml")
+def test_30b_gspo_recipe_has_the_paper_settings_and_a_plan_that_fits(cli):
+    proc = _megagspo(cli, "plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "30.53B parameters, 3.35B active" in proc.stdout
     assert "8 ranks = TP 1 x PP 1 x EP 8" in proc.stdout
@@ -64,7 +71,7 @@ def test_30b_gspo_recipe_has_the_paper_settings_and_a_plan_that_fits():
         ("gspo", 3e-4, 4e-4, 4, 0.0)
 
 
-def test_16gpu_pp2_recipe_differs_from_the_ep16_one_only_in_layout_and_plans_its_bubble():
+def test_16gpu_pp2_recipe_differs_from_the_ep16_one_only_in_layout_and_plans_its_bubble(cli):
     import yaml
 
     with open(os.path.join(REPO, "configs/qwen3_30b_a3b_gspo_16gpu.yaml")) as f:
@@ -76,7 +83,7 @@ def test_16gpu_pp2_recipe_differs_from_the_ep16_one_only_in_layout_and_plans_its
     for cfg in (ep16, pp2):
         cfg.pop("name"), cfg.pop("parallel")
     assert pp2 == ep16
-    proc = _megagspo("plan", "--config", "configs/qwen3_30b_a3b_gspo_16gpu_pp2.yaml")
+    proc = _megagspo(cli, "plan", "--config", "configs/qwen3_30b_a3b_gspo_16gpu_pp2.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "16 ranks = TP 1 x PP 2 x EP 8 (dense data-parallel 8)" in proc.stdout
     # 32 prompts x 8 / 8 DP ranks / 4 mini-batches = 8 sequences -> 4 micro-batches of 2: bubble 1 / (4 + 1)
@@ -96,14 +103,14 @@ def test_grpo_arms_differ_only_in_routing_replay():
     assert with_replay == without
 
 
-def test_plan_refuses_a_recipe_that_cannot_fit_naming_the_largest_term():
-    proc = _megagspo("plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml", "parallel.gpu_memory_gib=40")
+def test_plan_refuses_a_recipe_that_cannot_fit_naming_the_largest_term(cli):
+    proc = _megagspo(cli, "plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml", "parallel.gpu_memory_gib=40")
     assert proc.returncode == 2
     assert "largest term is 'optimizer" in proc.stderr or "largest term is 'activations'" in proc.stderr, proc.stderr
 
 
-def test_plan_refuses_a_layout_that_does_not_divide():
-    proc = _megagspo("plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml", "parallel.expert_parallel=3",
+def test_plan_refuses_a_layout_that_does_not_divide(cli):
+    proc = _megagspo(cli, "plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml", "parallel.expert_parallel=3",
                      "parallel.world_size=9", "rl.prompts_per_step=18")
     assert proc.returncode == 2
     assert "num_experts=128 is not divisible by parallel.expert_parallel=3" in proc.stderr, proc.stderr
@@ -140,8 +147,8 @@ def test_layout_is_checked_against_the_init_from_folders_architecture(tmp_path):
         check_layout(recipe(six, "parallel.expert_parallel=4"), 8)
 
 
-def test_dry_run_reports_cluster_paths_it_cannot_see():
-    proc = _megagspo("train", "--dry-run", "--config", "configs/qwen3_30b_a3b_gspo.yaml")
+def test_dry_run_reports_cluster_paths_it_cannot_see(cli):
+    proc = _megagspo(cli, "train", "--dry-run", "--config", "configs/qwen3_30b_a3b_gspo.yaml")
     assert "not on this machine (checked when the run starts): data.train_path = /data/gsm8k/main/train-00000-of-00001.parquet" in proc.stdout
 
 
