@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 
+from helpers import CliRuns
 from multiprocess import cpu_pinned_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,27 +30,41 @@ TINY = ["sft.steps=1", "sft.batch_size=4", "rl.prompts_per_step=2", "rl.group_si
 DEEP = "[" * 100_000 + "]" * 100_000
 
 
+def _env():
+    return cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def _cli(*args, timeout=300):
-    env = cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=REPO, env=env, capture_output=True,
+    """A `megagspo` command in a fresh process (the deeply nested inputs: a fresh interpreter's stack)."""
+    return subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
-def _train(out_dir, name, *extra):
-    proc = _cli("train", "--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={out_dir}", f"name={name}", *extra)
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process for the module's other `megagspo` commands (cli.run(args)): a command costs its work, not a
+    fresh start-up."""
+    cli_runs = CliRuns(_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield cli_runs
+    cli_runs.close()
+
+
+def _train(cli, out_dir, name, *extra):
+    proc = cli.run(["train", "--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={out_dir}", f"name={name}",
+                    *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return os.path.join(out_dir, name)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(cli, tmp_path_factory):
     """A finished 2-step run A (checkpoint.pt + step_000000..2), then a fresh run B (another seed) over the same
     folder that stops before writing checkpoint.pt (log.save_checkpoint=false: as if interrupted), and an
     untouched copy of A."""
     out = tmp_path_factory.mktemp("runs")
-    first = _train(out, "r", "rl.steps=2")
+    first = _train(cli, out, "r", "rl.steps=2")
     shutil.copytree(first, out / "a_only")
-    second = _train(out, "r", "rl.steps=1", "seed=5", "log.save_checkpoint=false", "--overwrite")
+    second = _train(cli, out, "r", "rl.steps=1", "seed=5", "log.save_checkpoint=false", "--overwrite")
     return {"out": out, "run": second, "a_only": str(out / "a_only")}
 
 
@@ -81,7 +96,7 @@ def test_a_stale_checkpoint_pt_is_moved_aside_and_never_read(runs):
 
 
 @pytest.mark.slow
-def test_init_from_and_export_of_the_run_folder_take_the_same_checkpoint(runs, tmp_path):
+def test_init_from_and_export_of_the_run_folder_take_the_same_checkpoint(cli, runs, tmp_path):
     from megagspo.config import load_config
     from megagspo.data.tokenizer import BuiltinTokenizer
     from megagspo.policy.init_weights import preflight_init_from
@@ -92,23 +107,23 @@ def test_init_from_and_export_of_the_run_folder_take_the_same_checkpoint(runs, t
     from megagspo.checkpoint.state import load_run_checkpoint
 
     assert _same_state(source.full_state, load_run_checkpoint(run)["state"])
-    proc = _cli("export", "--checkpoint", run, "--out", str(tmp_path / "hf"))
+    proc = cli.run(["export", "--checkpoint", run, "--out", str(tmp_path / "hf")])
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_a_checkpoint_pt_older_than_the_current_run_is_refused(runs, tmp_path):
+def test_a_checkpoint_pt_older_than_the_current_run_is_refused(cli, runs, tmp_path):
     """A folder left by the earlier code: a fresh run moved checkpoints/ aside but not checkpoint.pt, and was
     interrupted before its first checkpoint. checkpoint.pt predates config.yaml (rewritten by every run)."""
     folder = tmp_path / "legacy"
     folder.mkdir()
     shutil.copy2(os.path.join(runs["a_only"], "checkpoint.pt"), folder / "checkpoint.pt")
     (folder / "config.yaml").write_text(open(os.path.join(runs["a_only"], "config.yaml")).read())
-    proc = _cli("export", "--checkpoint", str(folder), "--out", str(tmp_path / "hf"))
+    proc = cli.run(["export", "--checkpoint", str(folder), "--out", str(tmp_path / "hf")])
     assert proc.returncode == 2 and "left by an earlier run" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "hf").exists()
     # the file itself, named explicitly, is still read
-    proc = _cli("export", "--checkpoint", str(folder / "checkpoint.pt"), "--out", str(tmp_path / "hf2"))
+    proc = cli.run(["export", "--checkpoint", str(folder / "checkpoint.pt"), "--out", str(tmp_path / "hf2")])
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -257,7 +272,7 @@ def test_a_deeply_nested_kl_reference_record_is_a_clear_error(tmp_path):
 # ------------------------------------------------------------------------------- item 4: non-finite weights
 @pytest.mark.slow
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_non_finite_hf_weights_are_refused_when_read(kit, tmp_path, value):
+def test_non_finite_hf_weights_are_refused_when_read(cli, kit, tmp_path, value):
     from safetensors.torch import load_file, save_file
 
     folder = shutil.copytree(kit["model"], tmp_path / "hf")
@@ -265,7 +280,7 @@ def test_non_finite_hf_weights_are_refused_when_read(kit, tmp_path, value):
     key = next(k for k in sorted(tensors) if "experts.1.up_proj" in k or "mlp.experts.gate_up_proj" in k)
     tensors[key].view(-1)[7] = value
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    proc = _cli("train", *_hf_args(kit, folder, tmp_path / "runs"), "sft.steps=1", "rl.steps=1")
+    proc = cli.run(["train", *_hf_args(kit, folder, tmp_path / "runs"), "sft.steps=1", "rl.steps=1"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and key in proc.stderr and "NaN or infinite" in proc.stderr, \
         proc.stderr[-3000:]
@@ -273,7 +288,7 @@ def test_non_finite_hf_weights_are_refused_when_read(kit, tmp_path, value):
 
 
 @pytest.mark.slow
-def test_non_finite_weights_in_a_megagspo_state_are_refused_by_the_dry_run(runs, tmp_path):
+def test_non_finite_weights_in_a_megagspo_state_are_refused_by_the_dry_run(cli, runs, tmp_path):
     from safetensors.torch import save_file
 
     from megagspo.checkpoint.state import load_run_checkpoint
@@ -282,8 +297,8 @@ def test_non_finite_weights_in_a_megagspo_state_are_refused_by_the_dry_run(runs,
     key = sorted(state)[3]
     state[key].view(-1)[0] = float("nan")
     save_file(state, str(tmp_path / "w.safetensors"))
-    proc = _cli("train", "--dry-run", "--config", "configs/tiny_cpu.yaml", *TINY,
-                f"model.init_from={tmp_path / 'w.safetensors'}", f"log.out_dir={tmp_path / 'runs'}")
+    proc = cli.run(["train", "--dry-run", "--config", "configs/tiny_cpu.yaml", *TINY,
+                    f"model.init_from={tmp_path / 'w.safetensors'}", f"log.out_dir={tmp_path / 'runs'}"])
     assert proc.returncode == 2 and key in proc.stderr and "NaN or infinite" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
@@ -316,7 +331,7 @@ def _poison_chunk(sub_dir: str, value: float) -> tuple:
 
 
 @pytest.mark.slow
-def test_a_nan_weight_in_the_newest_checkpoint_falls_back_for_export_and_resume(runs, tmp_path):
+def test_a_nan_weight_in_the_newest_checkpoint_falls_back_for_export_and_resume(cli, runs, tmp_path):
     """A step checkpoint whose checksums agree (re-written by whoever wrote the NaN) but which holds a NaN
     weight: export and --resume both say which file and tensor, and take the previous checkpoint."""
     run = tmp_path / "r"
@@ -325,12 +340,12 @@ def test_a_nan_weight_in_the_newest_checkpoint_falls_back_for_export_and_resume(
     newest = run / "checkpoints" / "step_000002"
     shard, key = _poison_chunk(str(newest / "model"), float("nan"))
     _rewrite_manifest(str(newest))
-    proc = _cli("export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"))
+    proc = cli.run(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")])
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     said = f"step_000002 is corrupt (model/{shard}: {key} holds NaN or infinite values); falling back to step_000001"
     assert said in proc.stdout, proc.stdout
-    proc = _cli("train", "--config", "configs/tiny_cpu.yaml", *TINY, "rl.steps=3", f"log.out_dir={tmp_path}",
-                "name=r", "--resume")
+    proc = cli.run(["train", "--config", "configs/tiny_cpu.yaml", *TINY, "rl.steps=3", f"log.out_dir={tmp_path}",
+                    "name=r", "--resume"])
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert said in proc.stdout and "resuming from" in proc.stdout, proc.stdout[-3000:]
 
@@ -409,14 +424,14 @@ def test_a_metadata_file_claiming_a_huge_tensor_falls_back(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_non_finite_checkpoint_pt_is_refused_by_export_naming_the_tensor(runs, tmp_path):
+def test_a_non_finite_checkpoint_pt_is_refused_by_export_naming_the_tensor(cli, runs, tmp_path):
     from megagspo.checkpoint.guards import safe_torch_load
 
     ckpt = safe_torch_load(os.path.join(runs["a_only"], "checkpoint.pt"))
     key = sorted(ckpt["state"])[2]
     ckpt["state"][key].view(-1)[1] = float("inf")
     torch.save(ckpt, tmp_path / "checkpoint.pt")
-    proc = _cli("export", "--checkpoint", str(tmp_path / "checkpoint.pt"), "--out", str(tmp_path / "hf"))
+    proc = cli.run(["export", "--checkpoint", str(tmp_path / "checkpoint.pt"), "--out", str(tmp_path / "hf")])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"{tmp_path / 'checkpoint.pt'}: 1 tensor(s) hold NaN or infinite values ({key})" in proc.stderr, \
         proc.stderr
@@ -504,10 +519,10 @@ def test_export_refuses_a_hostile_generation_config_in_the_source_folder(kit, tm
 
 # ------------------------------------------------------------------- the dry run and an HF folder's values
 @pytest.mark.slow
-def test_the_dry_run_says_values_are_checked_at_start_up_and_check_weights_reads_them(kit, tmp_path):
+def test_the_dry_run_says_values_are_checked_at_start_up_and_check_weights_reads_them(cli, kit, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    proc = _cli("train", "--dry-run", *_hf_args(kit, kit["model"], tmp_path / "runs"))
+    proc = cli.run(["train", "--dry-run", *_hf_args(kit, kit["model"], tmp_path / "runs")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NaN / inf weights are refused at start-up" in proc.stdout and "--check-weights" in proc.stdout
     folder = shutil.copytree(kit["model"], tmp_path / "hf")
@@ -515,9 +530,9 @@ def test_the_dry_run_says_values_are_checked_at_start_up_and_check_weights_reads
     key = sorted(tensors)[5]
     tensors[key].view(-1)[3] = float("nan")
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    proc = _cli("train", "--dry-run", "--check-weights", *_hf_args(kit, folder, tmp_path / "runs"))
+    proc = cli.run(["train", "--dry-run", "--check-weights", *_hf_args(kit, folder, tmp_path / "runs")])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"{key} holds NaN or infinite values" in proc.stderr, proc.stderr
-    proc = _cli("train", "--dry-run", "--check-weights", *_hf_args(kit, kit["model"], tmp_path / "runs"))
+    proc = cli.run(["train", "--dry-run", "--check-weights", *_hf_args(kit, kit["model"], tmp_path / "runs")])
     assert proc.returncode == 0 and "every value read and finite" in proc.stdout, proc.stderr[-3000:]
     assert not (tmp_path / "runs").exists()
