@@ -6,8 +6,6 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -17,6 +15,7 @@ from megagspo.ablation.report import claims, load_results, mean_std, smooth
 from megagspo.config import flatten_keys
 from megagspo.ablation.runner import run_state
 from megagspo.config import ConfigError
+from helpers import CliRuns
 from multiprocess import cpu_pinned_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,14 +225,21 @@ SHORT = ["sft.steps=4", "sft.batch_size=16", "rl.steps=3", "rl.batch.prompts_per
          "rl.batch.mini_batches=2", "rl.eval.every=2", "data.train_size=200", "data.eval_size=20"]
 
 
-def _ablate(args, timeout=300):
-    env = cpu_pinned_env(PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))  # CPU runs, any host
-    return subprocess.run([sys.executable, "-m", "megagspo.cli", "ablate", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.slow
 def test_short_ablation_end_to_end(tmp_path):
+    env = cpu_pinned_env(PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))  # CPU runs, any host
+    cli = CliRuns(env, str(tmp_path / "cli.log"))  # the three `megagspo ablate` commands in one process
+
+    def _ablate(args, timeout=300):
+        return cli.run(["ablate", *args], timeout=timeout)
+
+    try:
+        _short_ablation_end_to_end(tmp_path, _ablate)
+    finally:
+        cli.close()
+
+
+def _short_ablation_end_to_end(tmp_path, _ablate):
     out = str(tmp_path / "abl")
     proc = _ablate(["--config", RECIPE, "--out", out, "--seeds", "0", "--jobs", "2", *SHORT])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

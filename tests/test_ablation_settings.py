@@ -244,8 +244,7 @@ def test_short_arms_x_settings_ablation_end_to_end(tmp_path):
     """2 arms x 2 settings x 1 seed of the default testbed, a few steps: each cell runs in its own folder with
     its setting's updates per batch, the report holds every cell, the per-setting and per-arm plots and the
     on- vs off-policy claims; a rerun finds all done."""
-    import json
-
+    from helpers import CliRuns
     from multiprocess import cpu_pinned_env
 
     recipe = os.path.join(REPO, "configs", "ablations", "moe_volatile_cpu.yaml")
@@ -254,10 +253,15 @@ def test_short_arms_x_settings_ablation_end_to_end(tmp_path):
     out = str(tmp_path / "abl")
     args = ["--config", recipe, "--out", out, "--seeds", "0", "--arms", "grpo,grpo_r3", "--jobs", "2", *short]
     env = cpu_pinned_env(PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cli = CliRuns(env, str(tmp_path / "cli.log"))  # both `megagspo ablate` commands in one process
+    try:
+        _short_arms_x_settings_ablation(recipe, out, lambda: cli.run(["ablate", *args], timeout=600))
+    finally:
+        cli.close()
 
-    def ablate():
-        return subprocess.run([sys.executable, "-m", "megagspo.cli", "ablate", *args], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=600)
+
+def _short_arms_x_settings_ablation(recipe, out, ablate):
+    import json
 
     proc = ablate()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
