@@ -53,3 +53,15 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, uninterrupted):
     out = _run(_cmd(tmp_path, "k", *extra, "--resume"))
     assert "resuming from" in out.stdout
     _assert_same_metrics(run_dir, tmp_path / "k")
+
+
+def test_partial_rollouts_continue_trajectories_under_newer_weights_in_the_producer(tmp_path):
+    """The producer at N = 2 with partial rollouts and R3: trajectories whose later turns (or later tokens) were
+    sampled by newer weights train as one sequence each; every consumed token is at most N versions old. Which
+    tokens switch follows the weights' arrival (timing), so only the bounds are asserted."""
+    _run(_cmd(tmp_path, "partial", *STALE2, "rollout.partial=true", "rl.routing_replay=r3", "rl.steps=4",
+              "checkpoint.every_steps=0"))
+    rl = [r for r in _rows(tmp_path / "partial") if r.get("phase") == "rl"]
+    assert len(rl) == 4 and [r["rollout/staleness_max"] <= min(r["step"], 2) for r in rl] == [True] * 4
+    for row in rl:
+        assert 0.0 <= row["rollout/older_version_token_frac"] <= 1.0 and row["agent/turns_mean"] >= 1.0
