@@ -36,7 +36,7 @@ from megagspo.config_moves import move_old_keys, old_keys_in, warn_moved
 # the training phases' sections, loaded here and named from here too (megagspo.config.RLConfig, ...)
 from megagspo.config_training import (FORMER_BOOLEANS, SPELLED, SPELLED_CHOICES, EvalConfig, FilterConfig,  # noqa: F401
                                       OptimConfig, RLBatchConfig, RLConfig, RLLossConfig, SFTConfig)
-from megagspo.data.tokenizer import PROMPT_FORMATS, has_tokenizer_files
+from megagspo.data.tokenizer import BUILTIN_TOKENIZERS, PROMPT_FORMATS, has_tokenizer_files
 from megagspo.errors import ConfigError
 from megagspo.errors import show_value as _show
 from moe.architecture import Qwen3MoeArchitecture
@@ -240,9 +240,10 @@ class DataConfig:
         require("data", "chat_template_kwargs", isinstance(self.chat_template_kwargs, dict) and all(
             isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in self.chat_template_kwargs.items()),
             self.chat_template_kwargs, "a mapping of names to plain values (e.g. {enable_thinking: false})")
-        if self.tokenizer not in ("auto", "builtin", "builtin_tools") and not path_present("data.tokenizer", self.tokenizer, "dir"):
-            raise ConfigError(f"data.tokenizer = {_show(self.tokenizer)}: expected 'auto', 'builtin', 'builtin_tools' or a local "
-                              "tokenizer folder")
+        if self.tokenizer not in ("auto", *BUILTIN_TOKENIZERS) and \
+                not path_present("data.tokenizer", self.tokenizer, "dir"):
+            raise ConfigError(f"data.tokenizer = {_show(self.tokenizer)}: expected 'auto', 'builtin', 'builtin_tools' "
+                              "or a local tokenizer folder")
 
 
 @dataclass

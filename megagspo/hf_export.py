@@ -21,6 +21,7 @@ import re
 import shutil
 
 from megagspo.data import load_tokenizer
+from megagspo.data.tokenizer import BUILTIN_TOKENIZERS
 from megagspo.rollout import HFRolloutEngine
 from moe.architecture import Qwen3MoeArchitecture
 from moe.hf_checkpoint import is_hf_model_folder
@@ -85,7 +86,7 @@ def export_hf(ckpt: dict, out: str) -> list:
     engine.update_weights(ckpt["state"])
     model = engine.model.to("cpu")
     source = source_folder(ckpt)
-    tok_dir = "" if ckpt["tokenizer"] in ("builtin", "builtin_tools") else ckpt["tokenizer"]
+    tok_dir = "" if ckpt["tokenizer"] in BUILTIN_TOKENIZERS else ckpt["tokenizer"]
     notes = []
     for folder in (source, tok_dir):  # its generation_config.json is copied below: never pass on a hostile one
         if folder and os.path.isfile(os.path.join(folder, GENERATION_CONFIG)):

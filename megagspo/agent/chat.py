@@ -77,7 +77,7 @@ class ChatFormat(ABC):
         if not messages:
             raise ValueError("suffix_ids needs the messages that follow the assistant turn (got none)")
         full = self.render(list(self.base) + list(messages), add_generation_prompt=True)
-        head = self.render(list(self.base), add_generation_prompt=False)
+        head = self._head
         if not full.startswith(head):
             at = _first_difference(head, full)
             raise ValueError(f"the chat template renders the base conversation differently once these messages "
@@ -122,7 +122,7 @@ class ChatFormat(ABC):
             try:
                 head = self.render(list(base), add_generation_prompt=False)
                 if all(self.render(list(base) + probe, True).startswith(head) for probe in _PROBES):
-                    self.base = base
+                    self.base, self._head = base, head  # the base's rendering, the same for every suffix
                     return
             except ValueError:  # a template may refuse a base (e.g. one with no real query): try the next
                 continue
@@ -161,7 +161,7 @@ class HFChatFormat(ChatFormat):
 
     def _end_of_turn(self) -> int:
         """The first token after the base assistant's content: it must be one the engine stops on."""
-        head = self.render(list(self.base), add_generation_prompt=False)
+        head = self._head
         answer = self.base[-1]["content"]
         ids = self.encode(head[head.rfind(answer) + len(answer):])
         if not ids or ids[0] not in self.tokenizer.eos_ids:

@@ -277,12 +277,10 @@ def build_datasets(data_cfg, tokenizer=None, response_check="sft"):
     if data_cfg.task == "addition" and (data_cfg.demo_drop_carry or data_cfg.demo_tool_use):
         pairs = [(ex.prompt, ex.answer) for ex in train]
         demos = sloppy_demonstrations(pairs, data_cfg.demo_drop_carry, data_cfg.seed)
-        stats_extra["sloppy_demonstrations"] = sum(d != ex.answer for ex, d in zip(train, demos))
         if data_cfg.demo_tool_use:
             demos = tool_demonstrations(pairs, demos, data_cfg.demo_tool_use, data_cfg.seed)
             stats_extra["tool_demonstrations"] = sum(isinstance(d, tuple) for d in demos)
-            stats_extra["sloppy_demonstrations"] = sum(d != ex.answer and isinstance(d, str)
-                                                       for ex, d in zip(train, demos))
+        stats_extra["sloppy_demonstrations"] = sum(isinstance(d, str) and d != ex.answer for ex, d in zip(train, demos))
         train = [replace(ex, demonstration=d) if d != ex.answer else ex for ex, d in zip(train, demos)]
     check_response_lengths(train, tokenizer, data_cfg.max_response_tokens, where_train, response_check)
     if response_check == "reward":

@@ -18,6 +18,7 @@ from megagspo.errors import show_value as _show
 from moe.json_files import read_json
 
 PROMPT_FORMATS = ("auto", "chat", "plain")
+BUILTIN_TOKENIZERS = ("builtin", "builtin_tools")  # data.tokenizer values that name no folder
 
 # Files a Hugging Face tokenizer folder holds: tokenizer.json (fast tokenizers), or a tokenizer_config.json
 # with the slow tokenizer's vocabulary files beside it.
@@ -258,7 +259,7 @@ def load_tokenizer(spec: str, prompt_format: str = "auto", chat_template_kwargs:
     tools: schemas an HF chat template renders into prompts; "builtin_tools" takes them but renders none (its
     tiny model learns its one tool from demonstrations); plain "builtin" has no tokens to call a tool with.
     """
-    if spec in ("builtin", "builtin_tools"):
+    if spec in BUILTIN_TOKENIZERS:
         if chat_template_kwargs:
             raise ValueError("data.chat_template_kwargs is set, but the built-in tokenizer has no chat template")
         if spec == "builtin" and tools is not None:

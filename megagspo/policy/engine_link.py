@@ -87,7 +87,6 @@ class EngineLink:
         return self.dims.on_mp_rank0("rollout generation",
                                      lambda: self.engine.generate(prompt_ids, n, sampling, switch=switch))
 
-
     def rollouts(self, agent=None) -> Callable[..., RolloutOutput]:
         """The batch maker's rollout function (examples, n, sampling, switch=) -> RolloutOutput: single-turn
         generation, or `agent`'s multi-turn trajectories (megagspo.agent.AgentRollouts), run whole on model-parallel

@@ -51,6 +51,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megagspo.agent.runner import AgentRollouts
 from megagspo.config import RolloutConfig
 from megagspo.config_training import FilterConfig, RLBatchConfig
 from megagspo.data.tokenizer import Tokenizer
@@ -58,9 +59,8 @@ from megagspo.rewards import RewardStats, get_reward, score_batch
 from megagspo.rewards.bounded import with_time_limit
 from megagspo.rl.batch_maker import BatchMaker, Rollouts, ScoredRollouts
 from megagspo.rl.producer_pipes import STOPS, CommandsEnd, TestHooks, send_frame
-from megagspo.agent.runner import AgentRollouts
 from megagspo.rollout import SamplingParams, get_engine_class
-from megagspo.rollout.base import single_turn
+from megagspo.rollout.base import rollout_function
 from moe.architecture import Qwen3MoeArchitecture
 from moe.parallel import DPShare
 
@@ -238,8 +238,8 @@ def producer_main(commands_end, results_end, slots) -> None:
     reward_fn = spec.reward.build()
     # each rank's producer on its own: rounds until its own share is full, scored here (no process group)
     agent = AgentRollouts(spec.rollout.agent, spec.engine.tokenizer) if spec.rollout.agent.enabled else None
-    rollouts = single_turn(engine.generate) if agent is None else agent.rollouts(engine.generate)
-    maker = BatchMaker(spec.batch, spec.filter, spec.share, dataset, spec.engine.tokenizer, rollouts,
+    maker = BatchMaker(spec.batch, spec.filter, spec.share, dataset, spec.engine.tokenizer,
+                       rollout_function(engine.generate, agent),
                        dataclasses.replace(spec.sampling, generator=generator),
                        lambda texts, answers, stats: score_batch(reward_fn, texts, answers, stats))
     switch = weights if spec.rollout.partial else None

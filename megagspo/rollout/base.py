@@ -131,6 +131,12 @@ def trajectory_rewards(out: RolloutOutput, scores: List[float]) -> List[float]:
             for s, row in zip(scores, out.agent_rows)]
 
 
+def rollout_function(generate: Callable[..., RolloutOutput], agent=None) -> Callable[..., RolloutOutput]:
+    """The rollouts of examples on an engine's generate: single-turn, or `agent`'s multi-turn trajectories
+    (megagspo.agent.AgentRollouts, passed in: this package never imports the agent)."""
+    return single_turn(generate) if agent is None else agent.rollouts(generate)
+
+
 def single_turn(generate: Callable[..., RolloutOutput]) -> Callable[..., RolloutOutput]:
     """An engine's generate(prompt ids, n, sampling, switch=) as a rollout function of examples (anything with
     `prompt_ids`): what the batch maker calls when no agent runs multi-turn trajectories."""

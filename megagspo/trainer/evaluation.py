@@ -12,7 +12,7 @@ import torch
 from megagspo.data.tokenizer import Tokenizer
 from megagspo.rewards import RewardStats, score_batch
 from megagspo.rollout import RolloutEngine, SamplingParams
-from megagspo.rollout.base import response_texts, single_turn, trajectory_rewards
+from megagspo.rollout.base import response_texts, rollout_function, trajectory_rewards
 from moe.parallel import ParallelDims
 
 
@@ -51,7 +51,7 @@ class Evaluator:
         """This data-parallel rank's share: [problems, greedy correct, response tokens, sampled correct, verifier
         time-outs (greedy and sampled)]."""
         examples = self.held_out[self.dims.dp_rank::self.dims.dp_size]
-        rollouts = single_turn(engine.generate) if self.agent is None else self.agent.rollouts(engine.generate)
+        rollouts = rollout_function(engine.generate, self.agent)
         out = rollouts(examples, 1, SamplingParams(self.max_response_tokens, greedy=True))
         stats = RewardStats()
         scores = trajectory_rewards(out, score_batch(self.reward_fn, response_texts(out, self.tokenizer),
