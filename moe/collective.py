@@ -36,6 +36,16 @@ def sum_over(values, group) -> list:
     return t.tolist()
 
 
+def max_over(values, group) -> list:
+    """Python numbers, each the largest over the ranks of `group` (None: every process), as floats."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def run_on_rank0(what: str, fn: Callable[[], T], group=None, peer_error: Optional[Type[Exception]] = None) -> T:
     """fn() on rank 0 of `group` (None: every process) only, its result broadcast to the group (it must
     pickle). If fn raises, rank 0 broadcasts the error instead and re-raises it; each peer raises

@@ -72,6 +72,12 @@ APIS: dict = {a.name: a for a in (
     CudaOnlyApi("torch.nn.Module.cuda", "nn/modules/module.py:Module.cuda",
                 "tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda",
                 "moves the Megatron model to this process's GPU"),
+    CudaOnlyApi("torch.cuda.reset_peak_memory_stats", "cuda/memory.py:reset_peak_memory_stats",
+                "tests/test_gpu_trainer.py::test_producer_with_partial_rollouts_and_r3_on_cuda",
+                "the caching allocator's peak counters, reset where a memory/ metric's window starts"),
+    CudaOnlyApi("torch.cuda.max_memory_reserved", "cuda/memory.py:max_memory_reserved",
+                "tests/test_gpu_trainer.py::test_producer_with_partial_rollouts_and_r3_on_cuda",
+                "the caching allocator's peak reserved bytes: the memory/ metrics of a CUDA process"),
 )}
 
 # The supported range (requirements/torch-range.txt): the GPU image's torch up to the CPU pin, both checked by CI
@@ -297,3 +303,13 @@ def cuda_ipc_collect() -> None:
 
 def module_to_cuda(module: torch.nn.Module, device) -> torch.nn.Module:
     return _call("torch.nn.Module.cuda", module.cuda, device)
+
+
+def reset_peak_memory(device) -> None:
+    """Restart the caching allocator's peak counters of `device` (a CUDA device)."""
+    _call("torch.cuda.reset_peak_memory_stats", torch.cuda.reset_peak_memory_stats, device)
+
+
+def max_memory_reserved(device) -> int:
+    """The caching allocator's peak reserved bytes on `device` since its counters were last reset."""
+    return _call("torch.cuda.max_memory_reserved", torch.cuda.max_memory_reserved, device)

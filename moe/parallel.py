@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Type, TypeVar
 import torch
 
 from moe import cuda_calls
-from moe.collective import run_on_rank0, sum_over
+from moe.collective import max_over, run_on_rank0, sum_over
 from moe.cpu_shim import apply_cpu_shim, initialize_cpu_rng
 from moe.device import use_cuda
 
@@ -236,6 +236,10 @@ class ParallelDims:
     def dp_sum(self, values: List[float]) -> List[float]:
         """Python numbers summed elementwise over the data-parallel group (float64)."""
         return sum_over(values, self.dp_group)
+
+    def world_max(self, values: List[float]) -> List[float]:
+        """Python numbers, each the largest over every process of the run."""
+        return max_over(values, None)
 
     def dp_gather(self, values: List[float]) -> List[List[float]]:
         """Every data-parallel rank's `values` (a list of one length on every rank), rank by rank."""

@@ -29,8 +29,8 @@ ARGS = ["--config", "configs/tiny_cpu.yaml", "sft.steps=4", "sft.batch_size=16",
         "data.train_size=200", "data.eval_size=20", "log.progress=false", "log.plots=false",
         "log.tensorboard=false", "threads=1", "checkpoint.every_steps=2",
         "reward.name=digit_match"]  # partial credit: nonzero advantages from step 0, so the policy really moves
-# wall-clock measurements differ between any two runs; everything else must be identical
-VOLATILE = ("time/", "throughput/")
+# wall-clock and memory measurements differ between any two runs; everything else must be identical
+VOLATILE = ("time/", "throughput/", "memory/")
 
 
 def _env():

@@ -81,6 +81,8 @@ STAND_INS = {
     "torch.cuda.current_device": lambda fn, args, kwargs: 0,
     "torch.cuda.set_device": lambda fn, args, kwargs: None,
     "torch.cuda.ipc_collect": lambda fn, args, kwargs: None,
+    "torch.cuda.reset_peak_memory_stats": lambda fn, args, kwargs: None,
+    "torch.cuda.max_memory_reserved": lambda fn, args, kwargs: 0,
     "torch.nn.Module.cuda": lambda fn, args, kwargs: fn.__self__,
 }
 # ... and, checking against a recorded torch, a call the installed torch would refuse for its own reasons (2.13's
@@ -213,6 +215,15 @@ def drive_ipc_collect():
     object.__new__(SGLangIpcCodec).release()
 
 
+def drive_peak_memory():
+    """The memory/ metrics of a CUDA process: a step's window reset, then its peak read."""
+    from megagspo.rl.peak_memory import PeakMemory
+
+    memory = PeakMemory(torch.device("cuda", 0))
+    memory.start()
+    memory.peak_gib()
+
+
 def _run_driver(api_name, monkeypatch, record: dict | None) -> list:
     driver = DRIVERS[api_name]
     if driver is _adamw_body:
@@ -237,6 +248,8 @@ DRIVERS = {
     "torch.cuda.set_device": drive_cuda_device,
     "torch.nn.Module.cuda": drive_cuda_device,
     "torch.cuda.ipc_collect": drive_ipc_collect,
+    "torch.cuda.reset_peak_memory_stats": drive_peak_memory,
+    "torch.cuda.max_memory_reserved": drive_peak_memory,
 }
 
 

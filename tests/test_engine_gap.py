@@ -29,7 +29,7 @@ RUN = ["sft.steps=12", "sft.batch_size=32", "reward.name=digit_match", "rl.steps
        "model.moe_intermediate_size=32", "model.router_aux_loss_coef=1.0", "rl.optim.lr=0.002", "threads=1",
        "log.progress=false", "log.plots=false", "log.tensorboard=false", "log.save_checkpoint=false",
        "checkpoint.every_steps=0"]
-UNTIMED = ("time/", "throughput/")
+UNTIMED = ("time/", "throughput/", "memory/")
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,12 @@ def test_goal_verdicts_read_the_benchmarks_json(tmp_path):
     assert hidden[1].startswith("missed: memory 1.38x the cap") and "speed" not in hidden[1]
     text = gpu_goals.summary(str(out), 470, 12, False)
     assert "step       met" in text and json.load(open(out / "summary.json"))["goals"]["gspo"]["verdict"] == "missed by 1.25x"
+    # the trainer runs' figures (tests/test_gpu_trainer.py's _report): reported, with both processes' peaks
+    _write(out, "producer.json", {"steps": 4, "tokens_per_s": 5321.4, "memory/trainer_peak_gib": 1.25,
+                                  "memory/producer_peak_gib": 0.5})
+    assert gpu_goals.verdict_run("producer", str(out)) == {"producer": (
+        "5321 RL tokens/s (median of 4 steps), trainer peak 1.25 GiB, producer peak 0.50 GiB", "reported")}
+    assert gpu_goals.verdict_run("tiny", str(out)) == {"tiny": ("no result", "missing")}
     # the thresholds: < 200 TF/s is "not done", >= 277 the stretch
     _write(out, "step.json", {"results": [{"path": "grouped+sdpa", "fwd_bwd_tflops": 190.0}]})
     assert gpu_goals.verdict_step(str(out))["step"][1] == "missed (< 200: not done)"

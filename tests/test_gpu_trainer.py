@@ -2,7 +2,8 @@
 `megagspo train` command a user runs: cold-start SFT, a few RL steps with Megatron's DDP and distributed
 optimizer on CUDA, the embedded engine fed the weights bucket by bucket, checkpoints, and a resume that
 continues the run. Cases: fp32 and bf16 GSPO; bf16 GSPO through the fused CUDA loss kernel
-(`rl.loss_impl=kernels`); bf16 GRPO with R2 routing replay (routes recorded on CUDA and replayed).
+(`rl.loss_impl=kernels`); bf16 GRPO with R2 routing replay (routes recorded on CUDA and replayed); bf16 GSPO
+with the rollout producer process at staleness 2, partial rollouts and R3 (two processes on one GPU).
 
 What is asserted is what the GPU is responsible for: the SFT loss falls, every RL metric is finite with a
 non-zero gradient, the engine generated from the synced weights (responses of non-zero length), checkpoints were
@@ -41,6 +42,25 @@ def _train(tmp_path, name, *extra, config="configs/tiny_cpu.yaml"):
         return rows, json.load(f)
 
 
+def _report(name: str, doc: dict) -> None:
+    """tools/gpu_check.sh's stages name a folder (MEGAGSPO_GPU_REPORT) where a run's figures go as <name>.json, for
+    the verdict table (tools/gpu_goals.py)."""
+    folder = os.environ.get("MEGAGSPO_GPU_REPORT")
+    if folder:
+        with open(os.path.join(folder, f"{name}.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+def _rl_figures(rows) -> dict:
+    """What a GPU window records of a run: RL tokens per second (median over the steps after the first, which
+    compiles and warms the allocator) and the processes' peak memory over the run."""
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    later = sorted(r["throughput/tokens_per_s"] for r in rl[1:]) or [rl[0]["throughput/tokens_per_s"]]
+    peaks = {key: max(r[key] for r in rl) for key in ("memory/trainer_peak_gib", "memory/producer_peak_gib")
+             if all(key in r for r in rl)}
+    return {"steps": len(rl), "tokens_per_s": later[len(later) // 2], **peaks}
+
+
 def _check_trained(tmp_path, name, rows, summary, precision):
     assert summary["device"].startswith("cuda") and summary["precision"] == precision
     sft = [r["sft/loss"] for r in rows if r.get("phase") == "sft"]
@@ -63,6 +83,7 @@ def _check_trained(tmp_path, name, rows, summary, precision):
 def test_tiny_recipe_trains_on_cuda(tmp_path, precision):
     rows, summary = _train(tmp_path, precision, f"model.precision={precision}")
     _check_trained(tmp_path, precision, rows, summary, precision)
+    _report(f"tiny-{precision}", _rl_figures(rows))
 
 
 @pytest.mark.gpu
@@ -94,3 +115,20 @@ def test_bf16_run_resumed_on_cuda_continues(tmp_path):
     assert [r["step"] for r in rl] == [0, 1, 2, 3]
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rl[2:])
     assert summary["device"].startswith("cuda") and summary["precision"] == "bf16"
+
+
+@pytest.mark.gpu
+def test_producer_with_partial_rollouts_and_r3_on_cuda(tmp_path):
+    """rollout.staleness = 2 in the producer process, with partial rollouts and R3: the producer owns a CUDA engine
+    beside the trainer's model on the same GPU, receives the weights by version while it generates, and hands over
+    its responses' routes, which the update replays. Every consumed token is at most 2 versions old, and both
+    processes' peak memory is logged on every step (recorded for the GPU window's table)."""
+    rows, summary = _train(tmp_path, "producer", "model.precision=bf16", "rollout.staleness=2",
+                           "rollout.partial=true", "rl.routing_replay=r3")
+    _check_trained(tmp_path, "producer", rows, summary, "bf16")
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    assert all(r["rollout/staleness_max"] <= min(r["step"], 2) for r in rl), [r["rollout/staleness_max"] for r in rl]
+    for r in rl:
+        # each process holds a model on the GPU: more than a few MiB reserved, less than the device
+        assert 0.001 < r["memory/trainer_peak_gib"] < 200 and 0.001 < r["memory/producer_peak_gib"] < 200, r
+    _report("producer", _rl_figures(rows))

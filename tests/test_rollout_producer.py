@@ -80,6 +80,9 @@ def test_versions_of_consumed_tokens_and_the_queue_bound(stale2):
     assert [r["rollout/stale_token_frac"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert all(0 <= r["time/queue_depth"] <= 2 for r in rows), [r["time/queue_depth"] for r in rows]
     assert all(r["time/trainer_wait_s"] >= 0 and r["time/producer_idle_s"] >= 0 for r in rows)
+    # both processes' peaks, each a resident set of a process holding torch and a model (the producer's engine)
+    assert all(0.1 < r["memory/trainer_peak_gib"] < 1024 and 0.1 < r["memory/producer_peak_gib"] < 1024
+               for r in rows), [(r["memory/trainer_peak_gib"], r["memory/producer_peak_gib"]) for r in rows]
     assert rows[1]["mismatch/abs_log_ratio"] > rows[0]["mismatch/abs_log_ratio"]  # stale batches, measured so
 
 

@@ -24,6 +24,7 @@ FIELDS = [
     "clip/seq_frac", "clip/tok_frac", "clip/seq_low_frac", "clip/seq_high_frac", "kl/approx_old", "entropy/mean",
     "moe/expert_volatility", "grad_norm", "lr", "loss", "ratio/mean", "throughput/tokens_per_s",
     "time/rollout_s", "time/reward_s", "time/old_logp_s", "time/train_s", "time/sync_s", "time/eval_s", "time/step_s",
+    "memory/trainer_peak_gib",
 ]
 
 SHORT = ["sft.steps=4", "sft.batch_size=16", "rl.steps=3", "rl.prompts_per_step=4", "rl.group_size=4",
@@ -69,6 +70,8 @@ def _check_run(run_dir, steps):
         bad = {k: v for k, v in row.items() if not isinstance(v, str) and not math.isfinite(v)}
         assert not bad, f"non-finite metrics {bad}"
         assert 0.0 <= row["reward/mean"] <= 1.0 and 0.0 <= row["eval/accuracy"] <= 1.0
+        # a process holding torch, Megatron and a model has a resident set of well over 100 MiB; below 1 TiB
+        assert 0.1 < row["memory/trainer_peak_gib"] < 1024, row["memory/trainer_peak_gib"]
     assert any(r["phase"] == "cold_start" for r in rows)
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert "cold_start/accuracy" in summary and "final/accuracy" in summary

@@ -39,8 +39,8 @@ BASE = ["threads=1", "data.train_size=200", "data.eval_size=8", "rl.batch.prompt
         "log.save_checkpoint=false",
         # the init the learning rates and tolerances below were measured at (the main job's recipe uses 0.05)
         "model.initializer_range=0.02"]
-# Metrics that depend on wall time, not on the computation.
-_TIMING = ("time/", "throughput/")
+# Metrics that depend on wall time or on the process's memory accounting, not on the computation.
+_TIMING = ("time/", "throughput/", "memory/")
 # Metrics that describe how the batch was laid out (padding, tokens per micro-batch), which packed and padded
 # runs differ in by design: not compared between runs.
 _LAYOUT = ("batch/",)

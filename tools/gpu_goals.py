@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The verdicts of tools/gpu_check.sh: one line per goal from the benchmarks' --json files, and the final table.
 
-    python tools/gpu_goals.py step|logits|hidden|peers OUT      one stage's verdict line (gpu_check.sh's cause column)
+    python tools/gpu_goals.py step|logits|hidden|peers|tiny|producer OUT   one stage's verdict line (the cause column)
     python tools/gpu_goals.py summary OUT [--budget S] ...      the table (stdout) and OUT/summary.json
 
 Standard library only: it must print on a host where torch or the project does not import. The goals (issue 25):
@@ -11,6 +11,8 @@ Standard library only: it must print on a host where torch or the project does n
              backward <= 1.3 x a read plus a write
   gspo       segmented GSPO loss, 32,768 tokens, forward+backward: <= 2 x a trivial elementwise kernel
   hidden     log-probs from hidden states, T = 16,384, H = 2,048, V = 151,936: >= 475 TFLOP/s at <= 0.65 GiB extra
+  tiny       the tiny recipe in bf16 through `megagspo train` (tests/test_gpu_trainer.py): RL tokens/s, reported
+  producer   the same with the producer process at staleness 2, partial rollouts and R3: both processes' peak memory
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import sys
 
 # the trainer end to end right after the build: a first window learns in two minutes whether the trainer runs
-STAGES = ["env", "install", "build", "tiny-bf16", "contract", "t-model", "t-kernels", "step", "varlen", "lp-logits",
+STAGES = ["env", "install", "build", "tiny-bf16", "contract", "producer", "t-model", "t-kernels", "step", "varlen", "lp-logits",
           "lp-hidden", "packing", "gpu-tests", "peers"]
 GOALS = {  # name: (file, what, goal text)
     "step": ("step.json", "model step fwd+bwd TFLOP/s (k >= 4)", ">= 240 (stretch 277; < 200 not done)"),
@@ -30,6 +32,8 @@ GOALS = {  # name: (file, what, goal text)
     "logits-bwd": ("logits.json", "log-prob bwd from logits / read+write", "<= 1.3x"),
     "gspo": ("logits.json", "segmented GSPO loss fwd+bwd / trivial kernel", "<= 2x"),
     "hidden": ("hidden.json", "log-probs from hidden states", ">= 475 TF/s at <= 0.65 GiB extra"),
+    "tiny": ("tiny-bf16.json", "the tiny recipe's RL steps, bf16, end to end", "reported beside the CPU's"),
+    "producer": ("producer.json", "N = 2 producer + partial + R3: both processes' peak memory", "reported"),
 }
 
 
@@ -109,7 +113,20 @@ def verdict_peers(out: str) -> dict:
     return {"peers": ("; ".join(rows) or "no peer ran", "context")}
 
 
-VERDICTS = {"step": verdict_step, "logits": verdict_logits, "hidden": verdict_hidden, "peers": verdict_peers}
+def verdict_run(kind: str, out: str) -> dict:
+    """A trainer run's figures (tests/test_gpu_trainer.py writes them): RL tokens/s and the processes' peaks."""
+    doc = _load(out, GOALS[kind][0])
+    if not doc or doc.get("tokens_per_s") is None:
+        return {kind: ("no result", "missing")}
+    parts = [f"{doc['tokens_per_s']:.0f} RL tokens/s (median of {doc.get('steps', '?')} steps)"]
+    for key, who in (("memory/trainer_peak_gib", "trainer"), ("memory/producer_peak_gib", "producer")):
+        if doc.get(key) is not None:
+            parts.append(f"{who} peak {doc[key]:.2f} GiB")
+    return {kind: (", ".join(parts), "reported")}
+
+
+VERDICTS = {"step": verdict_step, "logits": verdict_logits, "hidden": verdict_hidden, "peers": verdict_peers,
+            "tiny": lambda out: verdict_run("tiny", out), "producer": lambda out: verdict_run("producer", out)}
 
 
 def one_line(kind: str, out: str) -> str:

@@ -55,6 +55,10 @@ class Produced:
         wait_s = time.perf_counter() - t0
         scored = batch.scored
         metrics = token_staleness(self.dims, scored.rollouts.out, batch.version, step, self.spec.rollout.partial)
+        # the producers' peak (each DP rank has its own), where every one was measured (a restored batch was not)
+        peaks = [p for (p,) in self.dims.dp_gather([-1.0 if batch.peak_gib is None else batch.peak_gib])]
+        if min(peaks) >= 0:
+            metrics["memory/producer_peak_gib"] = max(peaks)
         if self.spec.filter.enabled:
             metrics.update(filter_metrics(scored.filter, self.spec.batch.prompts_per_step, self.dims.dp_sum,
                                           self.dims.dp_gather))

@@ -58,10 +58,12 @@ from megagspo.data.tokenizer import Tokenizer
 from megagspo.rewards import RewardStats, get_reward, score_batch
 from megagspo.rewards.bounded import with_time_limit
 from megagspo.rl.batch_maker import BatchMaker, Rollouts, ScoredRollouts
+from megagspo.rl.peak_memory import PeakMemory
 from megagspo.rl.producer_pipes import STOPS, CommandsEnd, TestHooks, send_frame
 from megagspo.rollout import SamplingParams, get_engine_class
 from megagspo.rollout.base import rollout_function
 from moe.architecture import Qwen3MoeArchitecture
+from moe.device import model_device
 from moe.parallel import DPShare
 
 
@@ -124,6 +126,7 @@ class ProducedBatch:
     scored: ScoredRollouts
     post: dict                        # {"next": k + 1, "floor", "dataset": JSON state, "generator": ByteTensor}
     idle_s: float = 0.0
+    peak_gib: Optional[float] = None  # the producer's peak memory while it made the batch (None: restored)
 
     def state_dict(self) -> dict:
         """The checkpoint form: the rollout batch's (Rollouts.state_dict), its rewards, and what the trainer reads of
@@ -243,9 +246,11 @@ def producer_main(commands_end, results_end, slots) -> None:
                        dataclasses.replace(spec.sampling, generator=generator),
                        lambda texts, answers, stats: score_batch(reward_fn, texts, answers, stats))
     switch = weights if spec.rollout.partial else None
+    memory = PeakMemory(model_device())  # the engine's device (megagspo.rollout.hf_engine)
     k, floor = start["next"], start["floor"]
     idle = 0.0
     while k < spec.steps:
+        memory.start()  # the window: the weights' arrival and the batch's making
         # the weights of batch k (in version order; older ones replayed after a restart); partial: or newer
         hooks.enter("wait", k)
         if not weights.wait_for(spec.version_for(k, floor)):
@@ -259,7 +264,7 @@ def producer_main(commands_end, results_end, slots) -> None:
                 "generator": None if generator is None else generator.get_state()}
         # by value (plain pickle), not as shared-memory handles: those die with this process, which may end (its
         # last batch made, or killed) before the trainer reads the frame
-        payload = pickle.dumps(ProducedBatch(k, version, scored, post, idle))
+        payload = pickle.dumps(ProducedBatch(k, version, scored, post, idle, memory.peak_gib()))
         t0 = time.perf_counter()
         hooks.enter("idle", k)
         slots.acquire()  # blocks while N batches are sent and not taken

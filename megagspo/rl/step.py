@@ -43,6 +43,7 @@ from megagspo.policy.megatron_policy import MegatronPolicy
 from megagspo.rl.batch import ModelView, SequenceBatch
 from megagspo.rl.dp_balance import balance_over_dp
 from megagspo.rl.micro_batches import micro_slices, token_budget_split
+from megagspo.rl.peak_memory import PeakMemory
 from megagspo.rl.schedule import lr_at
 from megagspo.rl.batch_maker import Rollouts, Scores
 from megagspo.rl.route_plan import RouteGap, RoutePlan
@@ -121,10 +122,12 @@ class RLStep:
 
     def __post_init__(self) -> None:
         self.routes = RoutePlan(self.policy, self.rl)
+        self.memory = PeakMemory(self.policy.device)
 
     def __call__(self, step: int, optimizer) -> dict:
         """One rollout batch: every stage in order; returns the step's metrics row (timings included)."""
         t0 = time.perf_counter()
+        self.memory.start()
         sourced = self.source.next(step)
         rollouts, scores, times = sourced.rollouts, sourced.scores, dict(sourced.times)
         batch = self.prepare(rollouts, scores)
@@ -145,6 +148,8 @@ class RLStep:
         step_time = time.perf_counter() - t0
         row["time/step_s"] = step_time
         row["throughput/tokens_per_s"] = (float(rollouts.out.sampled_RL.sum()) * self.dims.dp_size) / step_time
+        # the step's peak (generation included where this process's engine generates), the largest of the ranks
+        row["memory/trainer_peak_gib"] = self.dims.world_max([self.memory.peak_gib()])[0]
         return row
 
     # -------------------------------------------------------------------------------------------- stages
