@@ -19,6 +19,12 @@ Paths (moe.model.build_model's `implementation`, moe/implementation.py; --paths,
   grouped+sdpa+wgrad-add           the same with the weight gradients from one grouped GEMM added by one
                                    [E, N, K] add (the CPU's path)
   grouped+sdpa+wgrad-foreach       ... added by torch's multi-tensor add
+  grouped+sdpa+wgrad-triton        ... by one grouped Triton GEMM per linear that adds its fp32 tiles into main_grad
+                                   (moe.triton_wgrad; CUDA with Triton only)
+  grouped+sdpa+swiglu-fused        the default with SwiGLU x routing probability in one Triton kernel each way
+                                   (moe.triton_swiglu; on the CPU its torch reference)
+  grouped+sdpa+triton              both Triton kernels
+  A path whose Triton kernels cannot run here (no triton, or wgrad-triton on the CPU) fails with the reason.
   te                Transformer Engine's layer spec (only where TE imports, on a GPU host)
 
 One optimizer step is what the trainer runs: --micro-batches k forward+backward passes (each --micro-batch x
@@ -89,6 +95,10 @@ PATHS = {"sequential+local": dict(experts="sequential", attention="local", dispa
          "grouped+sdpa+megatron-dispatch": dict(experts="grouped", attention="sdpa", dispatcher="megatron"),
          "grouped+sdpa+wgrad-add": dict(experts="grouped", attention="sdpa", expert_wgrad="add"),
          "grouped+sdpa+wgrad-foreach": dict(experts="grouped", attention="sdpa", expert_wgrad="foreach"),
+         "grouped+sdpa+wgrad-triton": dict(experts="grouped", attention="sdpa", expert_wgrad="triton"),
+         "grouped+sdpa+swiglu-fused": dict(experts="grouped", attention="sdpa", expert_activation="fused"),
+         "grouped+sdpa+triton": dict(experts="grouped", attention="sdpa", expert_wgrad="triton",
+                                     expert_activation="fused"),
          "te": None}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 PROFILED_PATH = "grouped+sdpa"
@@ -322,6 +332,17 @@ def export_trace(prof, directory: str, path: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- one path
 
+def triton_refusal(choice: dict, device) -> str | None:
+    """Why this path's Triton kernels cannot run on `device` here; None when they can or it has none (the fused
+    activation's CPU implementation is its torch reference: no Triton needed there)."""
+    from moe.triton_support import triton_problem
+
+    needs = choice.get("expert_wgrad") == "triton" or (choice.get("expert_activation") == "fused"
+                                                       and device.type == "cuda")
+    problem = triton_problem(device) if needs else None
+    return f"needs the Triton kernels, which cannot run here: {problem}" if problem else None
+
+
 def run_one_path(args) -> dict:
     """Build, warm up and time one path in this process; the result as a dict (printed as JSON)."""
     if args.device == "cpu":
@@ -349,6 +370,9 @@ def run_one_path(args) -> dict:
         initialize_cpu_rng(1234)
     arch = architecture(args)
     choice = PATHS[args.one_path]
+    refusal = triton_refusal(choice or {}, torch.device(args.device))
+    if refusal:
+        return {"path": args.one_path, "failed": [refusal]}
     implementation = ModelImplementation(recompute=args.recompute, **(choice or {}))
     model = build_model(arch, params_dtype=params_dtype(DTYPES[args.dtype]), implementation=implementation,
                         use_transformer_engine=choice is None)

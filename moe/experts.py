@@ -40,7 +40,8 @@ which mirrors the parameter buffer), and the weight gradient is accumulated into
 marked `grad_added_to_main_grad` (Megatron's protocol: its grad-ready hook skips its own add; the per-expert
 hook adds were 4,152 kernels and 12% of a 4-micro-batch step's device time on an H200). How (`_WgradPlan`,
 `wgrad_accumulation`): one grouped GEMM and one add of all experts at once into the [E, N, K] view of
-main_grad. (Per-expert cuBLAS GEMMs accumulating into main_grad in place, Megatron's
+main_grad, or (`triton`, moe.triton_wgrad) one grouped Triton GEMM that adds its fp32 tiles into main_grad
+directly. (Per-expert cuBLAS GEMMs accumulating into main_grad in place, Megatron's
 gradient_accumulation_fusion, are the `addmm` mode: slower here, see WGRAD_ACCUMULATIONS.) Without DDP's buffer the gradient is unbound into per-expert gradients that go
 through autograd as for any parameter.
 
@@ -57,9 +58,11 @@ import logging
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from moe import cuda_calls
-from moe.implementation import ImplementationError
+from moe import cuda_calls, triton_wgrad
+from moe.implementation import EXPERT_ACTIVATIONS, ImplementationError
 from moe.optimizer import gradient_added_to_main_grad, takes_gradient_in_main_grad
+from moe.triton_support import require_triton
+from moe.triton_swiglu import SwigluProbs, uses_triton
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +156,15 @@ def expert_offsets(tokens_per_expert_E, device: torch.device) -> torch.Tensor:
 class GroupedGemmExperts(SequentialMLP):
     """Megatron's SequentialMLP parameters, computed with `torch.nn.functional.grouped_mm`."""
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None, wgrad_accumulation="auto"):
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, wgrad_accumulation="auto",
+                 activation="torch"):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
         config = self.config
         if wgrad_accumulation not in WGRAD_ACCUMULATIONS:
             raise ImplementationError(f"expert weight-gradient accumulation must be one of "
                                       f"{', '.join(WGRAD_ACCUMULATIONS)}; got {wgrad_accumulation!r}")
         self.wgrad_accumulation = wgrad_accumulation
+        self.activation = _checked_activation(activation, config)
         unsupported = {
             "add_bias_linear": config.add_bias_linear,
             "fp8": bool(config.fp8),
@@ -202,11 +207,29 @@ class GroupedGemmExperts(SequentialMLP):
         experts = list(self.local_experts)
         wgrad = _WgradPlan(self.wgrad_accumulation, tokens_per_expert_E, hidden_TH.device)
         fc1_TF = GroupedLinear.apply(hidden_TH, offs_E, wgrad, *(e.linear_fc1.weight for e in experts))
-        act_TI = self._activation(fc1_TF)
-        # the router weight in the router's dtype (fp32), cast back, as Megatron's MLP does
-        act_TI = (act_TI * probs_T.unsqueeze(-1)).to(fc1_TF.dtype)
+        if self.activation == "fused":  # the same roundings in one kernel each way (moe.triton_swiglu)
+            act_TI = SwigluProbs.apply(fc1_TF, probs_T, uses_triton(fc1_TF.device))
+        else:
+            act_TI = self._activation(fc1_TF)
+            # the router weight in the router's dtype (fp32), cast back, as Megatron's MLP does
+            act_TI = (act_TI * probs_T.unsqueeze(-1)).to(fc1_TF.dtype)
         out_TH = GroupedLinear.apply(act_TI, offs_E, wgrad, *(e.linear_fc2.weight for e in experts))
         return out_TH, None
+
+
+def _checked_activation(activation: str, config) -> str:
+    """`activation` ("torch": Megatron's unfused ops; "fused": SwiGLU x probs in one kernel each way,
+    moe.triton_swiglu), refused where the model's activation is not SwiGLU."""
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ImplementationError(f"model.expert_activation must be one of {', '.join(EXPERT_ACTIVATIONS)}; "
+                                  f"got {activation!r}")
+    if activation == "fused" and not (config.gated_linear_unit
+                                      and config.activation_func is torch.nn.functional.silu):
+        raise ImplementationError(f"model.expert_activation=fused computes SwiGLU only; this model has "
+                                  f"gated_linear_unit={config.gated_linear_unit}, activation_func="
+                                  f"{getattr(config.activation_func, '__name__', config.activation_func)}: use "
+                                  "model.expert_activation=torch")
+    return activation
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -247,8 +270,11 @@ class GroupedLinear(torch.autograd.Function):
 #            per expert (1,024 per micro-batch at 4 layers x 128 experts x 2 linears) leaves the device waiting
 #            for the host (H200, 2026-11-26, bench_train_step at Qwen3-30B-A3B width: 116 ms per micro-batch
 #            against 79 ms with `add`); kept as the measured alternative.
+#   triton   one grouped Triton GEMM per linear that adds each fp32 output tile into main_grad in its epilogue
+#            (moe.triton_wgrad): no bf16 gradient, main_grad read and written once. CUDA with Triton only (the
+#            tests also run it in Triton's CPU interpreter). Not the default until measured on a GPU.
 #   auto     add (every device)
-WGRAD_ACCUMULATIONS = ("auto", "add", "foreach", "addmm")
+WGRAD_ACCUMULATIONS = ("auto", "add", "foreach", "addmm", "triton")
 
 
 class _WgradPlan:
@@ -269,6 +295,8 @@ class _WgradPlan:
                 raise ImplementationError("expert weight-gradient accumulation 'addmm' needs the token counts per "
                                           "expert on the host; this dispatcher gave them on the device")
             self.counts = counts.tolist()
+        if self.mode == "triton":
+            require_triton(triton_wgrad.CHOICE, device)
 
     def weight_gradients(self, dy_TN, x_TK, offs_E, weights_NK) -> list:
         if not all(takes_gradient_in_main_grad(w) for w in weights_NK):
@@ -284,6 +312,10 @@ class _WgradPlan:
                     else:
                         cuda_calls.addmm_out_dtype(main_NK, dy_TN[rows].t(), x_TK[rows])
                 start += count
+            return [gradient_added_to_main_grad(w) for w in weights_NK]
+        if self.mode == "triton":  # the [E, N, K] view of DDP's buffer, else a table of the E main_grads
+            main_ENK = expert_weights_ENK(mains_NK)
+            triton_wgrad.grouped_wgrad_accumulate(mains_NK if main_ENK is None else main_ENK, dy_TN, x_TK, offs_E)
             return [gradient_added_to_main_grad(w) for w in weights_NK]
         # dW_e = dy_e^T x_e: both operands split along the token dimension; an empty expert gets zeros
         dw_ENK = cuda_calls.grouped_mm(dy_TN.t(), x_TK, offs_E)

@@ -15,6 +15,10 @@ tests/test_moe_token_dispatch.py).
             selective   Megatron's selective recompute of the core attention and the whole MoE layer (router,
                         dispatch, experts, combine): the MoE layer keeps only its input
             full        Megatron's full recompute, one layer per checkpoint: each layer keeps only its input
+  expert_wgrad          how the grouped experts' weight gradients reach DDP's fp32 main_grad (auto = add, foreach,
+                        addmm, triton: moe.experts.WGRAD_ACCUMULATIONS)
+  expert_activation     the grouped experts' SwiGLU x routing probability: torch (Megatron's unfused ops) or fused
+                        (one Triton kernel forward and one backward on CUDA, moe.triton_swiglu)
 
 With Transformer Engine installed on a GPU host, TE's layer spec is used instead and `experts` / `attention`
 do not apply (moe.model.layer_spec).
@@ -28,7 +32,8 @@ EXPERT_PATHS = ("grouped", "sequential")
 ATTENTION_PATHS = ("sdpa", "local")
 RECOMPUTE_MODES = ("none", "selective", "full")
 DISPATCHERS = ("fast", "megatron")
-EXPERT_WGRAD = ("auto", "add", "foreach", "addmm")  # moe.experts.WGRAD_ACCUMULATIONS
+EXPERT_WGRAD = ("auto", "add", "foreach", "addmm", "triton")  # moe.experts.WGRAD_ACCUMULATIONS
+EXPERT_ACTIVATIONS = ("torch", "fused")  # moe.experts.GroupedGemmExperts(activation=)
 
 
 class ImplementationError(ValueError):
@@ -44,13 +49,17 @@ class ModelImplementation:
     # how the grouped experts' weight gradients reach DDP's fp32 main_grad (moe.experts.WGRAD_ACCUMULATIONS):
     # a benchmark switch, every mode computes the same gradient
     expert_wgrad: str = "auto"
+    # the grouped experts' SwiGLU x routing probability: Megatron's unfused torch ops, or one Triton kernel each
+    # way (moe.triton_swiglu; the CPU runs its torch reference); a benchmark switch, both compute the same
+    expert_activation: str = "torch"
 
     def __post_init__(self) -> None:
         for key, value, valid in (("experts", self.experts, EXPERT_PATHS),
                                   ("attention", self.attention, ATTENTION_PATHS),
                                   ("recompute", self.recompute, RECOMPUTE_MODES),
                                   ("dispatcher", self.dispatcher, DISPATCHERS),
-                                  ("expert_wgrad", self.expert_wgrad, EXPERT_WGRAD)):
+                                  ("expert_wgrad", self.expert_wgrad, EXPERT_WGRAD),
+                                  ("expert_activation", self.expert_activation, EXPERT_ACTIVATIONS)):
             if value not in valid:
                 raise ImplementationError(f"model.{key} must be one of {', '.join(valid)}; got {value!r}")
 

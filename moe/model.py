@@ -71,7 +71,8 @@ def layer_spec(config, use_transformer_engine: bool | None = None,
                                    f"{mlp.submodules.experts.module}")
             mlp.submodules.experts.module = GroupedGemmExperts
             mlp.submodules.experts.params = {**mlp.submodules.experts.params,
-                                             "wgrad_accumulation": implementation.expert_wgrad}
+                                             "wgrad_accumulation": implementation.expert_wgrad,
+                                             "activation": implementation.expert_activation}
     return spec
 
 

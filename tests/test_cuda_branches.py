@@ -69,6 +69,14 @@ BRANCH_OWNERS = {
     "moe/experts.py::_WgradPlan.__init__::torch.device(device).type != 'cuda'": [
         "tests/test_moe_grouped_experts.py::test_addmm_accumulation_needs_cuda",
         "tests/test_moe_grouped_experts.py::test_ddp_wrapped_grouped_experts_on_cuda"],
+    "moe/triton_support.py::triton_problem::device.type != 'cuda'": [
+        "tests/test_moe_triton_kernels.py::test_triton_choices_refuse_cpu_tensors_outside_the_interpreter",
+        "tests/test_moe_triton_kernels.py::test_triton_kernels_on_cuda_fp32_fp16_bf16"],
+    "moe/triton_swiglu.py::uses_triton::device.type == 'cuda' or INTERPRETED": [
+        "tests/test_moe_triton_kernels.py::test_missing_triton_is_reported_naming_the_choice",
+        "tests/test_moe_triton_kernels.py::test_grouped_experts_triton_and_fused_under_ddp_on_cuda"],
+    "moe/triton_wgrad.py::_main_operand::torch.device(device).type == 'cuda'": [
+        "tests/test_moe_triton_kernels.py::test_triton_kernels_on_cuda_fp32_fp16_bf16"],
     "moe/model.py::layer_spec::use_transformer_engine": [
         "reason: Transformer Engine's layer spec; TE has never been installed on our machines (the GPU image lacks "
         "it, the CPU cannot build it): an open GPU line"],

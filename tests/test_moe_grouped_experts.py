@@ -261,11 +261,11 @@ def _count_stack_ops():
     return _Recorder()
 
 
-def _ddp_body(rank, world_size, seed, wgrad="auto"):
+def _ddp_body(rank, world_size, seed, wgrad="auto", activation="torch"):
     """Sequential and grouped experts, both in Megatron's DDP (distributed optimizer layout), float32 and
     bfloat16: outputs, token / router-weight gradients and every expert's main_grad (what the DDP hooks
     accumulated), plus what the grouped path did with the weights. `wgrad`: the grouped experts' weight-
-    gradient accumulation (moe.experts.WGRAD_ACCUMULATIONS)."""
+    gradient accumulation (moe.experts.WGRAD_ACCUMULATIONS); `activation`: their SwiGLU x probability."""
     import moe.experts as experts_module
     from moe.implementation import ModelImplementation
     from moe.model import build_model as build_any_model
@@ -276,7 +276,8 @@ def _ddp_body(rank, world_size, seed, wgrad="auto"):
     arch = ARCH
     gen = torch.Generator().manual_seed(seed)
     build = lambda impl, dtype=torch.float32: build_any_model(  # noqa: E731
-        arch, params_dtype=dtype, implementation=ModelImplementation(experts=impl, expert_wgrad=wgrad),
+        arch, params_dtype=dtype, implementation=ModelImplementation(experts=impl, expert_wgrad=wgrad,
+                                                                     expert_activation=activation),
         use_transformer_engine=False)
     full = {n: p.detach().clone() for n, p in build("sequential").named_parameters()}
     full_bf16 = {n: t.bfloat16() for n, t in full.items()}
@@ -468,10 +469,13 @@ def test_addmm_accumulation_needs_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wgrad", ["auto", "foreach", "addmm"])
-def test_ddp_wrapped_grouped_experts_on_cuda(wgrad):
+@pytest.mark.parametrize("wgrad,activation", [("auto", "torch"), ("foreach", "torch"), ("addmm", "torch"),
+                                               ("triton", "fused")])
+def test_ddp_wrapped_grouped_experts_on_cuda(wgrad, activation):
     """The DDP checks on a GPU: the bf16 grouped GEMM kernel (sm90+) reads the strided [E, N, K] view of the
     parameter buffer (an expert stride larger than N K); fp32 its per-group fallback; each accumulation mode
-    (`addmm`: per-expert cuBLAS GEMMs accumulating in place into the fp32 main_grad)."""
+    (`addmm`: per-expert cuBLAS GEMMs accumulating in place into the fp32 main_grad; `triton`: one grouped
+    Triton GEMM adding into it, here with the fused Triton SwiGLU x probability, moe.triton_*)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    _ddp_checks((seed, run_distributed(_ddp_body, world_size=1, args=(seed, wgrad), timeout_s=300, env=CUDA_ENV)[0]))
+    _ddp_checks((seed, run_distributed(_ddp_body, world_size=1, args=(seed, wgrad, activation), timeout_s=300,
+                                       env=CUDA_ENV)[0]))
