@@ -51,7 +51,6 @@ if triton is not None:
     @triton.jit
     def _swiglu_probs_fwd_kernel(fc1_ptr, probs_ptr, out_ptr, T, I, stride_fc1, stride_out,
                                  BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
-        dtype = out_ptr.dtype.element_ty
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         in_t = rt < T
         p = tl.load(probs_ptr + rt, mask=in_t, other=0.0).to(tl.float32)[:, None]
@@ -62,14 +61,13 @@ if triton is not None:
             inside = in_t[:, None] & (ri < I)
             gate = tl.load(fc1_rows + ri, mask=inside, other=0.0).to(tl.float32)
             up = tl.load(fc1_rows + I + ri, mask=inside, other=0.0).to(tl.float32)
-            s = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            a = (s * up).to(dtype).to(tl.float32)
-            tl.store(out_rows + ri, (a * p).to(dtype), mask=inside)
+            s = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+            a = (s * up).to(out_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(out_rows + ri, (a * p).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _swiglu_probs_bwd_kernel(dout_ptr, fc1_ptr, probs_ptr, dfc1_ptr, dprobs_ptr, T, I, stride_dout, stride_fc1,
                                  stride_dfc1, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
-        dtype = fc1_ptr.dtype.element_ty
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         in_t = rt < T
         p = tl.load(probs_ptr + rt, mask=in_t, other=0.0).to(tl.float32)[:, None]
@@ -83,15 +81,17 @@ if triton is not None:
             g = tl.load(dout_rows + ri, mask=inside, other=0.0).to(tl.float32)
             gate = tl.load(fc1_rows + ri, mask=inside, other=0.0).to(tl.float32)
             up = tl.load(fc1_rows + I + ri, mask=inside, other=0.0).to(tl.float32)
-            sig = 1.0 / (1.0 + tl.exp(-gate))
-            s = (gate * sig).to(dtype).to(tl.float32)
-            a = (s * up).to(dtype).to(tl.float32)
+            exp_neg = tl.exp(-gate)
+            sig = 1.0 / (1.0 + exp_neg)
+            s = (gate / (1.0 + exp_neg)).to(fc1_ptr.dtype.element_ty).to(tl.float32)  # as forward's s
+            a = (s * up).to(fc1_ptr.dtype.element_ty).to(tl.float32)
             dp += tl.sum(g * a, axis=1)
-            d_a = (g * p).to(dtype).to(tl.float32)
-            d_s = (d_a * up).to(dtype).to(tl.float32)
-            tl.store(dfc1_rows + I + ri, (d_a * s).to(dtype), mask=inside)
+            d_a = (g * p).to(fc1_ptr.dtype.element_ty).to(tl.float32)
+            d_s = (d_a * up).to(fc1_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(dfc1_rows + I + ri, (d_a * s).to(dfc1_ptr.dtype.element_ty), mask=inside)
             # torch's silu_backward: dy * sig * (1 + x * (1 - sig))
-            tl.store(dfc1_rows + ri, (d_s * sig * (1.0 + gate * (1.0 - sig))).to(dtype), mask=inside)
+            tl.store(dfc1_rows + ri, (d_s * sig * (1.0 + gate * (1.0 - sig))).to(dfc1_ptr.dtype.element_ty),
+                     mask=inside)
         tl.store(dprobs_ptr + rt, dp.to(dprobs_ptr.dtype.element_ty), mask=in_t)
 
 

@@ -35,6 +35,10 @@ CHOICE = "expert weight-gradient accumulation 'triton'"
 class WgradTiles:
     """Tile sizes. The default targets H100/H200 bf16 wgmma: a 128 x 128 fp32 output tile per program (8 warps),
     the reduction over the expert's rows in steps of 64, 3 pipeline stages (2 x 16 KB of operands per stage).
+    Compiled here for sm_90 with triton 3.7.1 (no GPU; 16-divisible strides as the JIT specialises them): wgmma,
+    cp.async pipelining, 16-byte epilogue loads / stores, 182 registers and 96 KB shared memory, no spills (one
+    program per SM); 128 x 64 with 4 warps: 180 registers, 72 KB (two per SM). Which is faster is for a GPU to
+    say: benchmarks/bench_expert_kernels.py times up to four configurations at Qwen3-30B-A3B shapes.
     No autotuning: the kernel accumulates in place, so every autotune trial would add into main_grad again."""
 
     block_n: int = 128
@@ -45,6 +49,10 @@ class WgradTiles:
 
 
 DEFAULT_TILES = WgradTiles()
+# fp32 operands (the fp32 GPU tests) take IEEE FMA, not tensor cores: half the tile, a quarter of the shared memory
+FP32_TILES = WgradTiles(block_n=64, block_k=64, block_t=32, num_warps=4, num_stages=2)
+# offsets inside one expert's rows are 32-bit (the kernel's first row of each expert is 64-bit)
+_MAX_OFFSET = 2**31 - 1
 
 if triton is not None:
     @triton.jit
@@ -77,7 +85,8 @@ if triton is not None:
                 else:
                     acc = tl.dot(dyT, x, acc)
             if MAIN_IS_TABLE:
-                main_e = tl.load(main_ptr + e).to(tl.pointer_type(tl.float32))
+                # 16-byte aligned (the launcher checks): vector loads and stores, as for the view
+                main_e = tl.multiple_of(tl.load(main_ptr + e).to(tl.pointer_type(tl.float32)), 16)
             else:
                 main_e = main_ptr + e.to(tl.int64) * stride_main_e
             ptrs = main_e + rn[:, None].to(tl.int64) * stride_main_n + rk[None, :]
@@ -93,9 +102,10 @@ def _main_operand(mains, e: int, n: int, k: int, device):
                              f"contiguous rows; got {mains.dtype} {tuple(mains.shape)} strides {mains.stride()}")
         return mains, mains.stride(0), mains.stride(1), False
     if len(mains) != e or any(m.shape != (n, k) or m.dtype != torch.float32 or m.stride(1) != 1
-                              or m.device != device for m in mains):
+                              or m.device != device or m.data_ptr() % 16 for m in mains):
         raise ValueError(f"grouped_wgrad_accumulate: main_grads must be {e} fp32 [{n}, {k}] tensors with contiguous "
-                         f"rows on {device}; got {[(m.dtype, tuple(m.shape), m.stride()) for m in mains]}")
+                         f"rows, 16-byte aligned, on {device}; got "
+                         f"{[(m.dtype, tuple(m.shape), m.stride(), m.data_ptr() % 16) for m in mains]}")
     strides = {m.stride(0) for m in mains}
     if len(strides) != 1:
         raise ValueError(f"grouped_wgrad_accumulate: the main_grads' row strides differ: {sorted(strides)}")
@@ -106,10 +116,11 @@ def _main_operand(mains, e: int, n: int, k: int, device):
 
 
 def grouped_wgrad_accumulate(mains, dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
-                             tiles: WgradTiles = DEFAULT_TILES) -> None:
+                             tiles: WgradTiles | None = None) -> None:
     """mains[e] += dy_TN[rows of e]^T @ x_TK[rows of e] for every expert e (rows of e: offs_E[e-1]:offs_E[e]).
     `mains`: an fp32 [E, N, K] tensor (any expert stride, rows contiguous: the view of DDP's buffer) or a list of
-    E fp32 [N, K] tensors. dy / x: the same 16- or 32-bit float dtype, rows contiguous."""
+    E fp32 [N, K] tensors. dy / x: the same 16- or 32-bit float dtype, rows contiguous. `tiles`: None picks
+    DEFAULT_TILES (FP32_TILES for fp32 operands)."""
     require_triton(CHOICE, dy_TN.device)
     (t, n), k = dy_TN.shape, x_TK.shape[1]
     e = offs_E.shape[0]
@@ -121,6 +132,11 @@ def grouped_wgrad_accumulate(mains, dy_TN: torch.Tensor, x_TK: torch.Tensor, off
     main, stride_e, stride_n, is_table = _main_operand(mains, e, n, k, dy_TN.device)
     if t == 0 or e == 0:
         return  # no row: nothing to add (and no zero-sized launch)
+    if t * max(dy_TN.stride(0), x_TK.stride(0)) > _MAX_OFFSET:
+        raise ValueError(f"grouped_wgrad_accumulate: {t} rows of strides {dy_TN.stride(0)} / {x_TK.stride(0)} "
+                         "overflow the kernel's 32-bit offsets inside an expert")
+    if tiles is None:
+        tiles = FP32_TILES if dy_TN.dtype == torch.float32 else DEFAULT_TILES
     grid = (triton.cdiv(n, tiles.block_n) * triton.cdiv(k, tiles.block_k), e)
     _grouped_wgrad_kernel[grid](
         dy_TN, x_TK, main, offs_E, n, k, dy_TN.stride(0), x_TK.stride(0), stride_e, stride_n,

@@ -20,14 +20,18 @@ them empty and one with a single row, widths 40 and 24 (multiples of 16 bytes), 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from devices import cuda_env, megatron_groups
-from helpers import assert_close_scaled, tiny_arch
-from multiprocess import run_distributed
+from helpers import REPO, assert_close_scaled, tiny_arch
+from multiprocess import cpu_pinned_env, run_distributed
 
 # not moe.experts here: it loads Megatron-Core (seconds), which the kernels' child process does not need
 from moe import triton_support
@@ -75,7 +79,7 @@ def _wgrad_body(rank, world_size, seed, device, dtypes, counts, n, k):
         dy_TN = torch.randn(t, n, generator=gen).to(device, dtype)
         x_TK = torch.randn(t, k, generator=gen).to(device, dtype)
         out[("inputs", dtype)] = (dy_TN, x_TK)
-        for name, tiles in (("default", WgradTiles()), ("small", SMALL_WGRAD)):
+        for name, tiles in (("default", None), ("small", SMALL_WGRAD)):
             stride = n * k + 16  # DDP's padding between two experts: the gap must stay untouched
             buf = torch.randn(e * stride, generator=gen).to(device)
             before = buf.clone()
@@ -274,6 +278,22 @@ def _check_module(seed, out, dtype):
     for name, main in mains.items():  # an empty expert's main_grad stays exactly zero
         e = int(name.split(".")[1])
         assert (main.abs().max() == 0) == (MODULE_COUNTS[e] == 0), (seed, name)
+
+
+@needs_interpreter
+def test_kernel_benchmark_runs_in_the_interpreter(tmp_path):
+    """benchmarks/bench_expert_kernels.py (the GPU session's tile A/B) end to end at tiny shapes on the CPU."""
+    out_json = tmp_path / "kernels.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "bench_expert_kernels.py"), "--device", "cpu",
+           "--experts", "3", "--hidden", "32", "--moe-ffn", "16", "--rows", "24", "--repeats", "1",
+           "--tiles", "32,32,16,4,2;16,16,16,4,2", "--json", str(out_json)]
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_pinned_env(OMP_NUM_THREADS="1", **INTERPRETER_ENV),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    facts = json.loads(out_json.read_text())
+    assert set(facts["wgrad"]) == {"fc1", "fc2"} and set(facts["swiglu"]) == {"torch", "fused"}
+    assert len([k for k in facts["wgrad"]["fc1"] if k.startswith("triton")]) == 2
+    assert facts["wgrad"]["fc1"]["add"]["ms"] > 0 and "swiglu x probs fused" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------- refusals
