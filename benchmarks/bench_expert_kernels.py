@@ -159,7 +159,8 @@ def main(argv=None) -> None:
     for name, result in facts["wgrad"].items():
         for label, r in result.items():
             if isinstance(r, dict):
-                print(f"wgrad {name} [{result['n']}x{result['k']}] {label:28s} {r['ms']:8.3f} ms  rel err {r['rel_err']:.2e}")
+                print(f"wgrad {name} [{result['n']}x{result['k']}] {label:28s} {r['ms']:8.3f} ms  "
+                      f"rel err {r['rel_err']:.2e}")
     for label, r in facts["swiglu"].items():
         print(f"swiglu x probs {label:6s} fwd {r['fwd_ms']:7.3f} ms  fwd+bwd {r['fwd_bwd_ms']:7.3f} ms  "
               f"rel err {r['rel_err']:.2e}")

@@ -119,16 +119,19 @@ def grouped_wgrad_accumulate(mains, dy_TN: torch.Tensor, x_TK: torch.Tensor, off
                              tiles: WgradTiles | None = None) -> None:
     """mains[e] += dy_TN[rows of e]^T @ x_TK[rows of e] for every expert e (rows of e: offs_E[e-1]:offs_E[e]).
     `mains`: an fp32 [E, N, K] tensor (any expert stride, rows contiguous: the view of DDP's buffer) or a list of
-    E fp32 [N, K] tensors. dy / x: the same 16- or 32-bit float dtype, rows contiguous. `tiles`: None picks
+    E fp32 [N, K] tensors. dy / x: the same 16- or 32-bit float dtype. `tiles`: None picks
     DEFAULT_TILES (FP32_TILES for fp32 operands)."""
     require_triton(CHOICE, dy_TN.device)
+    # rows must be contiguous (the kernel's innermost index has stride 1); a copy only for a strided operand
+    dy_TN = dy_TN if dy_TN.stride(-1) == 1 else dy_TN.contiguous()
+    x_TK = x_TK if x_TK.stride(-1) == 1 else x_TK.contiguous()
     (t, n), k = dy_TN.shape, x_TK.shape[1]
     e = offs_E.shape[0]
     if x_TK.shape[0] != t or x_TK.dtype != dy_TN.dtype or x_TK.device != dy_TN.device \
-            or dy_TN.stride(1) != 1 or x_TK.stride(1) != 1 or offs_E.dtype != torch.int32:
-        raise ValueError(f"grouped_wgrad_accumulate: dy {dy_TN.dtype} {tuple(dy_TN.shape)} {dy_TN.stride()}, x "
-                         f"{x_TK.dtype} {tuple(x_TK.shape)} {x_TK.stride()}, offs {offs_E.dtype}: expected equal "
-                         "dtypes and token counts, contiguous rows and int32 offsets")
+            or offs_E.dtype != torch.int32 or offs_E.device != dy_TN.device:
+        raise ValueError(f"grouped_wgrad_accumulate: dy {dy_TN.dtype} {tuple(dy_TN.shape)}, x {x_TK.dtype} "
+                         f"{tuple(x_TK.shape)} on {x_TK.device}, offs {offs_E.dtype} on {offs_E.device}: expected "
+                         f"equal dtypes and token counts and int32 offsets, all on {dy_TN.device}")
     main, stride_e, stride_n, is_table = _main_operand(mains, e, n, k, dy_TN.device)
     if t == 0 or e == 0:
         return  # no row: nothing to add (and no zero-sized launch)

@@ -170,6 +170,7 @@ def _module_body(rank, world_size, seed, dtypes, arch, counts):
             results.append((out_TH.detach(), h.grad, p.grad))
         mains = {n: prm.main_grad.clone() for n, prm in experts.named_parameters()}
         out[(dtype, wgrad, activation)] = (results, mains, experts.activation, experts.wgrad_accumulation)
+        out["fused runs the kernels"] = uses_triton(device)  # the interpreter's or CUDA's, not the torch reference
     return out
 
 
@@ -257,7 +258,7 @@ def test_grouped_experts_triton_and_fused_equal_add_and_torch_under_ddp():
 def _check_module(seed, out, dtype):
     ref_results, ref_mains, ref_act, _ = out[(dtype, "add", "torch")]
     results, mains, act, wgrad = out[(dtype, "triton", "fused")]
-    assert (act, wgrad, ref_act) == ("fused", "triton", "torch")
+    assert (act, wgrad, ref_act) == ("fused", "triton", "torch") and out["fused runs the kernels"]
     if dtype == torch.float32:
         for step, (got, expected) in enumerate(zip(results, ref_results)):
             for label, g, e in zip(("output", "d tokens", "d probs"), got, expected):
