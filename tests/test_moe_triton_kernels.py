@@ -297,6 +297,48 @@ def test_kernel_benchmark_runs_in_the_interpreter(tmp_path):
     assert facts["wgrad"]["fc1"]["add"]["ms"] > 0 and "swiglu x probs fused" in proc.stdout
 
 
+def _compile_for_sm90(kernel, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """Triton's ahead-of-time compile of `kernel` for sm_90 (its bundled ptxas; no GPU needed): pointers as
+    given, every other argument i32, arguments and pointers 16-divisible as the JIT specialises them where they
+    are (strides and widths at Qwen3-30B-A3B shapes, torch allocations)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {a: pointer_types.get(a, "constexpr" if a in constexprs else "i32") for a in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a not in constexprs and a != "T"}
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton_support.triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                         options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+@pytest.mark.skipif(triton_support.triton is None,
+                    reason=f"triton does not import: {triton_support.TRITON_IMPORT_ERROR}")
+def test_kernels_compile_for_sm90_with_wgmma_and_pipelined_loads():
+    """What the interpreter cannot show: the bf16 kernels compile for Hopper (also done with the GPU image's
+    triton 3.6.0, 2026-11-29), the weight-gradient GEMM on wgmma with cp.async-pipelined operand loads and
+    16-byte epilogue loads / stores of main_grad, through the [E, N, K] view and the pointer table alike."""
+    from moe.triton_swiglu import DEFAULT_TILES as SWIGLU_TILES
+    from moe.triton_swiglu import _swiglu_probs_bwd_kernel, _swiglu_probs_fwd_kernel
+    from moe.triton_wgrad import DEFAULT_TILES, _grouped_wgrad_kernel
+
+    tiles = DEFAULT_TILES
+    for table in (False, True):
+        ptx = _compile_for_sm90(
+            _grouped_wgrad_kernel, {"dy_ptr": "*bf16", "x_ptr": "*bf16", "main_ptr": "*i64" if table else "*fp32",
+                                    "offs_ptr": "*i32"},
+            {"MAIN_IS_TABLE": table, "FP32_IEEE": False, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
+             "BLOCK_T": tiles.block_t}, tiles.num_warps, tiles.num_stages).asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async" in ptx, f"table={table}: no wgmma / async copies"
+        assert ptx.count("st.global.v4") >= 16, f"table={table}: main_grad not stored in 16-byte vectors"
+    pointers = {"fc1_ptr": "*bf16", "probs_ptr": "*fp32", "out_ptr": "*bf16", "dout_ptr": "*bf16",
+                "dfc1_ptr": "*bf16", "dprobs_ptr": "*fp32"}
+    for kernel in (_swiglu_probs_fwd_kernel, _swiglu_probs_bwd_kernel):
+        ptx = _compile_for_sm90(kernel, pointers, {"BLOCK_T": SWIGLU_TILES.block_t, "BLOCK_I": SWIGLU_TILES.block_i},
+                                SWIGLU_TILES.num_warps, 1).asm["ptx"]
+        assert "ld.global.v4" in ptx, f"{kernel.__name__}: fc1 not loaded in 16-byte vectors"
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 
 not_interpreted = pytest.mark.skipif(triton_support.INTERPRETED, reason="this pytest process runs TRITON_INTERPRET=1")
