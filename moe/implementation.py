@@ -8,8 +8,10 @@ tests/test_moe_token_dispatch.py).
             sequential  Megatron's SequentialMLP: a Python loop of per-expert matmuls (the earlier default)
   attention sdpa        torch scaled_dot_product_attention (flash on CUDA, native GQA) (moe.attention)
             local       Megatron's DotProductAttention (materialises [B, heads, S, S] scores)
-  dispatcher fast       Megatron's all-to-all token dispatcher without its identity chunk sort (TP x EP = 1) and
-                        with an atomic-free sum of each token's expert outputs (moe.token_dispatch)
+  dispatcher fast       Megatron's all-to-all token dispatcher without its identity chunk sort (TP x EP = 1),
+                        with an atomic-free sum of each token's expert outputs, and at EP = TP = 1 with grouped
+                        experts without a host synchronisation (permutation and counts stay on the device)
+                        (moe.token_dispatch)
             megatron    Megatron's MoEAlltoAllTokenDispatcher as it is
   recompute none        every activation is kept for backward
             selective   Megatron's selective recompute of the core attention and the whole MoE layer (router,

@@ -1,7 +1,8 @@
-"""Megatron's all-to-all token dispatcher without two copies that cost it time and change nothing.
+"""Megatron's all-to-all token dispatcher without two copies that cost it time and change nothing, and, at
+EP = TP = 1, without a host synchronisation.
 
 Shape legend: N tokens of this rank before routing, k = moe_router_topk, P = N k routed token copies (sorted by
-expert), H hidden.
+expert), H hidden, E experts (all of them local at EP = 1), X = E N (expert, token) pairs in expert-major order.
 
 `MoEAlltoAllTokenDispatcher` (megatron-core 0.16.1, no Transformer Engine, so no fused permutation) spends, per
 MoE layer and micro-batch, two pure-overhead passes over every routed token copy (measured on an H200 with
@@ -20,9 +21,24 @@ MoE layer and micro-batch, two pure-overhead passes over every routed token copy
   reduction accumulates in float32 and rounds once. On the CPU, in float32, values and gradients equal
   Megatron's bit for bit (the reduction adds the k copies in the order scatter_add / index_add do; tested).
 
-Everything else (communication, sync points, the allgather and flex dispatchers, token dropping, fused
-permutation with Transformer Engine) is Megatron's own. `FastDispatchMoELayer` is Megatron's MoELayer with
-this dispatcher in place of `MoEAlltoAllTokenDispatcher`; `moe.model.layer_spec` puts it in the local spec.
+At EP = TP = 1 Megatron's dispatcher also makes the host wait for the device in every MoE layer forward:
+`moe_utils.permute` (unfused) runs `masked_select` twice (an output size read from the device) and
+`_maybe_dtoh_and_synchronize` copies the counts per expert to the host and waits for them ("before_permutation_2"
+/ "before_finish"), so the host cannot queue the experts' kernels ahead of the device (an H100 profile of a step
+had the device busy 47% of its wall time). Without dropped tokens every token has exactly k copies, so P = N k
+is known on the host: `expert_major_permutation` computes Megatron's order (experts ascending, tokens ascending
+within an expert) from one cumulative sum and one scatter over the X pairs, and the counts per expert stay on
+the device, handed to experts that take them there (`GroupedGemmExperts` with no per-expert host slicing):
+no host read at all (the one check, that the map holds N k copies, is a device-side assert).
+tests/test_moe_host_sync.py checks forward and backward with a dispatch-mode detector on the CPU and under
+`torch.cuda.set_sync_debug_mode("error")` on CUDA. Tokens, probabilities, the token-of-copy map, the counts,
+and a whole layer's outputs and gradients equal Megatron's bit for bit on the CPU in float32.
+
+Everything else (communication, the sync points at EP or TP > 1, the allgather and flex dispatchers, token
+dropping, shared experts, experts that need host counts, fused permutation with Transformer Engine) is
+Megatron's own. `FastDispatchMoELayer` is Megatron's MoELayer with this dispatcher in place of
+`MoEAlltoAllTokenDispatcher` (overlapped shared experts handed on to it); `moe.model.layer_spec` puts it in the
+local spec.
 """
 
 from __future__ import annotations
@@ -30,6 +46,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from moe.experts import GroupedGemmExperts
 
 
 def chunk_order_is_identity(sorted_idxs: torch.Tensor) -> bool:
@@ -102,6 +120,49 @@ def sum_routed_copies(permuted_PH: torch.Tensor, token_of_copy_P: torch.Tensor, 
     return _SumRoutedCopies.apply(permuted_PH, copy_positions_Nk, token_of_copy_P)
 
 
+def expert_major_permutation(routing_NE: torch.Tensor, probs_NE: torch.Tensor, topk: int):
+    """Megatron's `permute` (unfused, no drop-and-pad) order of the routed copies without reading anything on
+    the host, for a routing map in which every token has exactly `topk` experts (P = N k, a static size).
+    -> (token_of_copy_P: Megatron's `reversed_local_input_permutation_mapping`, probs_P: its permuted probs,
+    copy_positions_Nk: the positions of each token's copies, ascending, as `copy_positions` gives them).
+
+    Megatron's order is `masked_select` over routing_map.T: the X (expert, token) pairs in expert-major order,
+    the routed ones kept. The same order as a stable partition of the pairs, routed first: a routed pair goes to
+    the count of routed pairs before it, an unrouted one to P + the count of unrouted pairs before it. That is a
+    permutation of 0..X-1, so one scatter with distinct targets inverts it (no atomics, no duplicate writes),
+    and no step has a size that depends on device values."""
+    num_tokens, num_experts = routing_NE.shape
+    num_copies = num_tokens * topk
+    device = routing_NE.device
+    routed_X = routing_NE.T.reshape(-1)
+    routed_through_X = torch.cumsum(routed_X, 0)  # routed pairs up to and including this one (int64)
+    if routed_X.numel():
+        # the caller's promise (topk copies per token) checked on the device: a kernel, not a host read
+        torch._assert_async(routed_through_X[-1] == num_copies,
+                            "expert_major_permutation: the routing map does not hold topk experts per token")
+    pair_X = torch.arange(routed_X.numel(), device=device)
+    slot_X = torch.where(routed_X, routed_through_X - 1, num_copies + pair_X - routed_through_X)
+    pair_P = torch.empty_like(pair_X).scatter_(0, slot_X, pair_X)[:num_copies]
+    token_of_copy_P = torch.remainder(pair_P, num_tokens)
+    expert_of_copy_P = torch.div(pair_P, num_tokens, rounding_mode="floor")
+    pair_in_NE_P = token_of_copy_P * num_experts + expert_of_copy_P  # (n, e) in the router's [N, E] layout
+    probs_P = probs_NE.reshape(-1).index_select(0, pair_in_NE_P)
+    # a token's copies in ascending position = its experts in ascending order: copy j of token n is the one
+    # whose expert is the token's j-th (the count of its routed experts up to this one, less one)
+    rank_NE = torch.cumsum(routing_NE, 1) - 1
+    copy_of_token_P = token_of_copy_P * topk + rank_NE.reshape(-1).index_select(0, pair_in_NE_P)
+    positions_P = torch.arange(num_copies, device=device)
+    copy_positions_Nk = torch.empty_like(positions_P).scatter_(0, copy_of_token_P, positions_P)
+    return token_of_copy_P, probs_P, copy_positions_Nk.view(num_tokens, topk)
+
+
+def experts_take_device_counts(experts) -> bool:
+    """True when `experts` reads the token counts per expert only on the device: `GroupedGemmExperts` turns them
+    into grouped_mm offsets there, except with `addmm` weight-gradient accumulation (per-expert GEMMs sliced
+    on the host). Megatron's SequentialMLP / TE experts call `.tolist()` on them: host counts."""
+    return isinstance(experts, GroupedGemmExperts) and experts.wgrad_accumulation != "addmm"
+
+
 class FastAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Megatron's all-to-all dispatcher with the two copies of the module docstring skipped where they are
     no-ops or replaceable exactly; every other case is Megatron's own method."""
@@ -114,6 +175,14 @@ class FastAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                                  and not self.config.moe_permute_fusion
                                  and chunk_order_is_identity(self.sort_input_by_local_experts)
                                  and chunk_order_is_identity(self.restore_output_by_local_experts))
+        # EP = TP = 1: no communication needs split sizes, so nothing has to reach the host (the chunk sort is
+        # the identity); the device-to-host point must be Megatron's default (CUDA graphs move it to the
+        # all-to-all, where Megatron would copy the counts to the host anyway)
+        self._single_rank = (self.ep_size == 1 and self.tp_size == 1
+                             and self.cuda_dtoh_point == "before_permutation_1")
+        # set by FastDispatchMoELayer once its experts exist (`experts_take_device_counts`)
+        self.experts_take_device_counts = False
+        self._counts_on_device = False
 
     def _chunk_sort_is_identity(self) -> bool:
         return self._skip_chunk_sort and self.shared_experts is None  # shared experts may be set later
@@ -126,8 +195,11 @@ class FastAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         self._copy_positions_Nk = None
+        self._counts_on_device = False
         if self.shared_experts is not None or not self._every_token_has_topk_copies():
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        if self._single_rank and self.experts_take_device_counts:
+            return self._dispatch_preprocess_on_device(hidden_states, routing_map, probs)
         # Megatron's permutation on the detached tokens; the gradient path to the tokens is the gather-sum
         tokens_PH, probs_P = super().dispatch_preprocess(hidden_states.detach(), routing_map, probs)
         token_of_copy_P = self.reversed_local_input_permutation_mapping
@@ -137,7 +209,33 @@ class FastAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             tokens_PH = _RoutedCopiesOf.apply(hidden_states, tokens_PH, self._copy_positions_Nk)
         return tokens_PH, probs_P
 
+    def _dispatch_preprocess_on_device(self, hidden_states, routing_map, probs):
+        """Megatron's `dispatch_preprocess` at EP = TP = 1 with the permutation of `expert_major_permutation`:
+        the same tokens, probs and token-of-copy map, no host read. Megatron's `preprocess` still runs for
+        its bookkeeping (counts per expert, on the device; num_out_tokens = N k); the host sync points it
+        picks are never reached on this path."""
+        assert probs.dim() == 2 and routing_map.dim() == 2 and routing_map.dtype == torch.bool
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        tokens_NH = hidden_states.view(-1, self.hidden_shape[-1])
+        self.hidden_shape_before_permute = tokens_NH.shape
+        self.tokens_per_expert = self.preprocess(routing_map)
+        token_of_copy_P, probs_P, self._copy_positions_Nk = expert_major_permutation(
+            routing_map, probs, self.config.moe_router_topk)
+        self.reversed_local_input_permutation_mapping = token_of_copy_P
+        self._counts_on_device = True
+        # permutation 1 on the detached tokens; the gradient path to the tokens is the gather-sum
+        tokens_PH = tokens_NH.detach().index_select(0, token_of_copy_P)
+        if hidden_states.requires_grad:
+            tokens_PH = _RoutedCopiesOf.apply(hidden_states, tokens_PH, self._copy_positions_Nk)
+        return tokens_PH, probs_P
+
     def dispatch_postprocess(self, global_input_tokens, global_probs):
+        if self._counts_on_device:
+            # EP = TP = 1: nothing was exchanged and the chunk order is the identity; the counts stay on the
+            # device for the experts (Megatron would copy them to the host and wait for them here)
+            tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+            return global_input_tokens, tokens_per_expert, global_probs
         if not self._chunk_sort_is_identity():
             return super().dispatch_postprocess(global_input_tokens, global_probs)
         # Megatron's method at TP = 1 less the identity sort: its host sync points, in its order
@@ -172,3 +270,7 @@ class FastDispatchMoELayer(MoELayer):
             self.token_dispatcher = FastAlltoAllTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=self.config,
                 pg_collection=pg_collection)
+            self.token_dispatcher.experts_take_device_counts = experts_take_device_counts(self.experts)
+            if self.use_shared_expert and self.shared_expert_overlap:
+                # MoELayer handed its overlapped shared experts to the dispatcher it built and replaced here
+                self.token_dispatcher.set_shared_experts(self.shared_experts)
