@@ -86,6 +86,12 @@ def test_goal_verdicts_read_the_benchmarks_json(tmp_path):
     assert gpu_goals.verdict_step(str(out))["step"][1] == "missed (< 200: not done)"
     _write(out, "step.json", {"results": [{"path": "grouped+sdpa", "fwd_bwd_tflops": 280.0}]})
     assert gpu_goals.verdict_step(str(out))["step"][1] == "met (stretch)"
+    # an A/B path is shown against the default; the verdict stays the default's
+    _write(out, "step.json", {"results": [{"path": "grouped+sdpa", "fwd_bwd_tflops": 180.0},
+                                          {"path": "grouped+sdpa+triton", "fwd_bwd_tflops": 207.0},
+                                          {"path": "grouped+sdpa+swiglu-fused", "error": "no triton"}]})
+    ab = gpu_goals.verdict_step(str(out))["step"]
+    assert ab[1] == "missed (< 200: not done)" and ab[0].endswith("; grouped+sdpa+triton 207 TF/s (1.15x), grouped+sdpa+swiglu-fused did not run"), ab
 
 
 def test_a_missing_or_broken_result_costs_its_verdict_not_the_table(tmp_path):

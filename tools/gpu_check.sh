@@ -36,7 +36,7 @@ while (($#)); do
     esac
 done
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget must be whole seconds, got $BUDGET" >&2; exit 2; }
-STAGES="env install build tiny-bf16 contract producer t-model t-kernels step varlen lp-logits lp-hidden packing gpu-tests peers"
+STAGES="env install build tiny-bf16 contract producer t-model t-kernels step kernels varlen lp-logits lp-hidden packing gpu-tests peers"
 if ((LIST)); then echo "$STAGES"; exit 0; fi
 for s in ${ONLY//,/ }; do
     [[ " $STAGES " == *" $s "* ]] || { echo "gpu_check: --only: unknown stage $s; stages: $STAGES" >&2; exit 2; }
@@ -241,18 +241,20 @@ $PY tools/torch_signatures.py --installed --out '$OUT/torch_signatures.json' --c
 $PYTEST tests/test_cuda_contract.py tests/test_cuda_branches.py tests/test_fake_cuda_trace.py"
 # the rollout producer process beside the trainer on one GPU (staleness 2, partial rollouts, R3): both peaks recorded
 run_stage producer 150 60 "cuda deps ext" "MEGAGSPO_GPU_REPORT='$OUT' $PYTEST tests/test_gpu_trainer.py::test_producer_with_partial_rollouts_and_r3_on_cuda" producer
-run_stage t-model 170 40 "cuda deps" "$PYTEST -m gpu tests/test_moe_grouped_experts.py tests/test_moe_token_dispatch.py tests/test_moe_sdpa_attention.py tests/test_moe_packed_attention.py tests/test_moe_optimizer_fused.py"
+run_stage t-model 230 40 "cuda deps" "$PYTEST -m gpu tests/test_moe_grouped_experts.py tests/test_moe_token_dispatch.py tests/test_moe_sdpa_attention.py tests/test_moe_packed_attention.py tests/test_moe_optimizer_fused.py tests/test_moe_host_sync.py tests/test_moe_triton_kernels.py"
 run_stage t-kernels 120 30 "cuda ext" "$PYTEST $XDIST tests/test_extension_build.py tests/test_kernel_extension.py tests/test_kernel_logprob.py tests/test_kernel_gspo.py tests/test_kernel_linear.py tests/test_kernel_policy_losses.py"
 # GPU_CHECK_STEP_PATHS: more bench_train_step paths to time beside the default one (A/B of an implementation choice)
-STEP_PATHS=${GPU_CHECK_STEP_PATHS:-grouped+sdpa}
+STEP_PATHS=${GPU_CHECK_STEP_PATHS:-grouped+sdpa,grouped+sdpa+triton}  # the default, and both Triton kernels on
 STEP_LIMIT=$(( 110 + 45 * $(tr ',' '\n' <<< "$STEP_PATHS" | wc -l) ))
 run_stage step "$STEP_LIMIT" 60 "cuda deps" "$PY benchmarks/bench_train_step.py --micro-batches 4 --paths '$STEP_PATHS' --json '$OUT/step.json' --profile '$OUT/profile'" step
+# the two Triton expert kernels alone against the ops they replace (wgrad tile choices; SwiGLU x probs)
+run_stage kernels 90 30 "cuda deps" "$PY benchmarks/bench_expert_kernels.py --json '$OUT/kernels.json'"
 run_stage varlen 45 15 "cuda deps" "$PY benchmarks/bench_varlen_gqa.py --json '$OUT/varlen.json'"
 run_stage lp-logits 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --tokens 32768 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths fused,fused-inplace --json '$OUT/logits.json'" logits
 run_stage lp-hidden 100 40 "cuda ext" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 5 --paths hidden --json '$OUT/hidden.json'" hidden
 # everything else marked gpu in one pytest over several workers (the GPU has room for them): the policy and
 # precision tests, the other end-to-end cases (fp32, fused GSPO loss, GRPO-R2, resume) and the CUDA variants
 run_stage packing 150 60 "cuda deps ext" "$PY benchmarks/bench_packing.py --rows 128 --resp-max 1024 --hidden 512 --extra model.precision=bf16 --json '$OUT/packing.json'"
-run_stage gpu-tests 300 60 "cuda deps ext" "$PYTEST $XDIST -m gpu tests --durations=12 --deselect 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]' --deselect tests/test_gpu_trainer.py::test_producer_with_partial_rollouts_and_r3_on_cuda --ignore=tests/test_moe_grouped_experts.py --ignore=tests/test_moe_token_dispatch.py --ignore=tests/test_moe_sdpa_attention.py --ignore=tests/test_moe_packed_attention.py --ignore=tests/test_moe_optimizer_fused.py --ignore=tests/test_kernel_logprob.py --ignore=tests/test_kernel_gspo.py --ignore=tests/test_kernel_linear.py --ignore=tests/test_kernel_policy_losses.py --ignore=tests/test_extension_build.py --ignore=tests/test_kernel_extension.py"
+run_stage gpu-tests 300 60 "cuda deps ext" "$PYTEST $XDIST -m gpu tests --durations=12 --deselect 'tests/test_gpu_trainer.py::test_tiny_recipe_trains_on_cuda[bf16]' --deselect tests/test_gpu_trainer.py::test_producer_with_partial_rollouts_and_r3_on_cuda --ignore=tests/test_moe_grouped_experts.py --ignore=tests/test_moe_token_dispatch.py --ignore=tests/test_moe_sdpa_attention.py --ignore=tests/test_moe_packed_attention.py --ignore=tests/test_moe_optimizer_fused.py --ignore=tests/test_moe_host_sync.py --ignore=tests/test_moe_triton_kernels.py --ignore=tests/test_kernel_logprob.py --ignore=tests/test_kernel_gspo.py --ignore=tests/test_kernel_linear.py --ignore=tests/test_kernel_policy_losses.py --ignore=tests/test_extension_build.py --ignore=tests/test_kernel_extension.py"
 run_stage peers 90 45 "cuda ext peers" "$PY benchmarks/bench_logprob.py --hidden 2048 --tokens 16384 --vocab 151936 --dtype bfloat16 --device cuda --repeats 3 --paths liger,cce --json '$OUT/peers.json'" peers
 wait_build

@@ -23,7 +23,7 @@ import os
 import sys
 
 # the trainer end to end right after the build: a first window learns in two minutes whether the trainer runs
-STAGES = ["env", "install", "build", "tiny-bf16", "contract", "producer", "t-model", "t-kernels", "step", "varlen", "lp-logits",
+STAGES = ["env", "install", "build", "tiny-bf16", "contract", "producer", "t-model", "t-kernels", "step", "kernels", "varlen", "lp-logits",
           "lp-hidden", "packing", "gpu-tests", "peers"]
 GOALS = {  # name: (file, what, goal text)
     "step": ("step.json", "model step fwd+bwd TFLOP/s (k >= 4)", ">= 240 (stretch 277; < 200 not done)"),
@@ -62,6 +62,11 @@ def verdict_step(out: str) -> dict:
     k = row.get("micro_batches", doc.get("micro_batches"))
     step = (f"{tf:.0f} TF/s fwd+bwd at k={k} ({row.get('fwd_bwd_ms_per_micro_batch', float('nan')):.1f} ms/micro-batch, "
             f"peak {row.get('peak_gib', float('nan')):.1f} GiB)", status)
+    others = [r for r in doc.get("results", []) if r.get("path") != "grouped+sdpa"]
+    if others:  # the A/B paths (GPU_CHECK_STEP_PATHS): each against the default, for the next default's choice
+        step = (step[0] + "; " + ", ".join(f"{r['path']} {r['fwd_bwd_tflops']:.0f} TF/s ({r['fwd_bwd_tflops'] / tf:.2f}x)"
+                                           if r.get("fwd_bwd_tflops") else f"{r.get('path')} did not run"
+                                           for r in others), step[1])
     opt = (f"{row.get('optimizer_ms', float('nan')):.1f} ms/step, {100 * row.get('optimizer_share_k8', float('nan')):.1f}% "
            f"of a k=8 step", "reported")
     return {"step": step, "optimizer": opt}
