@@ -97,9 +97,16 @@ if triton is not None:
 def _main_operand(mains, e: int, n: int, k: int, device):
     """(pointer argument, expert stride, row stride, is a pointer table) for the [E, N, K] tensor or the list."""
     if torch.is_tensor(mains):
-        if mains.shape != (e, n, k) or mains.dtype != torch.float32 or mains.stride(2) != 1:
+        if mains.shape != (e, n, k) or mains.dtype != torch.float32 or mains.stride(2) != 1 \
+                or mains.device != torch.device(device):
             raise ValueError(f"grouped_wgrad_accumulate: main_grad must be fp32 [E, N, K] = [{e}, {n}, {k}] with "
-                             f"contiguous rows; got {mains.dtype} {tuple(mains.shape)} strides {mains.stride()}")
+                             f"contiguous rows on {device}; got {mains.dtype} {tuple(mains.shape)} strides "
+                             f"{mains.stride()} on {mains.device}")
+        # every (expert, row) a region of its own: overlapping ones would be two programs adding into the same
+        # main_grad elements at once (a race, not a sum)
+        if (n > 1 and mains.stride(1) < k) or (e > 1 and mains.stride(0) < (n - 1) * mains.stride(1) + k):
+            raise ValueError(f"grouped_wgrad_accumulate: the [E, N, K] main_grad's experts or rows overlap "
+                             f"(strides {mains.stride()} for [{e}, {n}, {k}])")
         return mains, mains.stride(0), mains.stride(1), False
     if len(mains) != e or any(m.shape != (n, k) or m.dtype != torch.float32 or m.stride(1) != 1
                               or m.device != device or m.data_ptr() % 16 for m in mains):
@@ -107,8 +114,11 @@ def _main_operand(mains, e: int, n: int, k: int, device):
                          f"rows, 16-byte aligned, on {device}; got "
                          f"{[(m.dtype, tuple(m.shape), m.stride(), m.data_ptr() % 16) for m in mains]}")
     strides = {m.stride(0) for m in mains}
-    if len(strides) != 1:
-        raise ValueError(f"grouped_wgrad_accumulate: the main_grads' row strides differ: {sorted(strides)}")
+    if len(strides) != 1 or (n > 1 and min(strides) < k):
+        raise ValueError(f"grouped_wgrad_accumulate: the main_grads' row strides must be equal and >= {k}: "
+                         f"{sorted(strides)}")
+    if len({m.data_ptr() for m in mains}) != e:  # one tensor twice: two programs adding into it at once
+        raise ValueError("grouped_wgrad_accumulate: the main_grads list holds one tensor more than once")
     table = torch.tensor([m.data_ptr() for m in mains], dtype=torch.int64)
     if torch.device(device).type == "cuda":  # from pinned memory: the copy does not wait for the stream
         table = table.pin_memory().to(device, non_blocking=True)

@@ -95,6 +95,19 @@ def _wgrad_body(rank, world_size, seed, device, dtypes, counts, n, k):
         kept = empty.clone()
         grouped_wgrad_accumulate(empty, dy_TN[:0], x_TK[:0], torch.zeros_like(offs_E))
         out[("no rows", dtype)] = torch.equal(empty, kept)
+    # main_grads the kernel must refuse: experts overlapping in a view, one tensor twice in the table (two
+    # programs adding into the same elements at once), a view on another device
+    shared = torch.zeros(n, k, device=device)
+    refused = {"overlapping experts": torch.zeros(e * 8 + n * k, device=device).as_strided((e, n, k), (8, k, 1)),
+               "one tensor twice": [shared] * e, "another device": torch.zeros(e, n, k, device="meta")}
+    out["refused"] = {}
+    for what, mains in refused.items():
+        try:
+            grouped_wgrad_accumulate(mains, dy_TN, x_TK, offs_E)
+            out["refused"][what] = None
+        except ValueError as exc:
+            out["refused"][what] = str(exc)
+    out["refused untouched"] = bool((shared == 0).all())
     return out
 
 
@@ -134,10 +147,29 @@ def _module_body(rank, world_size, seed, dtypes, arch, counts):
     """GroupedGemmExperts under Megatron DDP (main_grad the [E, N, K] view of its buffer), add / torch against
     triton / fused on the same weights and tokens: output, token and probability gradients, and every expert's
     main_grad after two micro-batches. bf16 also gets an fp32 add / torch run on the bf16-rounded weights."""
+    import moe.triton_swiglu as swiglu_module
+    import moe.triton_wgrad as wgrad_module
     from moe.model import build_model
     from moe.optimizer import wrap_data_parallel
     from moe.sharding import load_full_state_dict
 
+    # every call of the kernels' launchers counted (the wgrad by its main_grad operand): `fused` / `triton` must
+    # run them, not the torch reference or grouped_mm, and `add` / `torch` must not
+    launches = {}
+
+    def counted(module, name, kind=None):
+        original = getattr(module, name)
+
+        def launcher(*args, **kwargs):
+            key = name if kind is None else kind(args)
+            launches[key] = launches.get(key, 0) + 1
+            return original(*args, **kwargs)
+        setattr(module, name, launcher)
+
+    counted(wgrad_module, "grouped_wgrad_accumulate",
+            lambda args: "wgrad into the [E, N, K] view" if torch.is_tensor(args[0]) else "wgrad into a table")
+    counted(swiglu_module, "swiglu_probs_forward")
+    counted(swiglu_module, "swiglu_probs_backward")
     megatron_groups(seed)
     gen = torch.Generator().manual_seed(seed)
     runs = [(dtype, impl) for dtype in dtypes for impl in (("add", "torch"), ("triton", "fused"))]
@@ -161,6 +193,7 @@ def _module_body(rank, world_size, seed, dtypes, arch, counts):
         experts = model.decoder.layers[0].mlp.experts
         device = next(experts.parameters()).device
         ddp.zero_grad_buffer()
+        launches.clear()
         results = []
         for _ in range(2):  # the second micro-batch accumulates into the same main_grad
             h = hidden_TH.to(device, next(experts.parameters()).dtype).requires_grad_(True)
@@ -170,7 +203,7 @@ def _module_body(rank, world_size, seed, dtypes, arch, counts):
             results.append((out_TH.detach(), h.grad, p.grad))
         mains = {n: prm.main_grad.clone() for n, prm in experts.named_parameters()}
         out[(dtype, wgrad, activation)] = (results, mains, experts.activation, experts.wgrad_accumulation)
-        out["fused runs the kernels"] = uses_triton(device)  # the interpreter's or CUDA's, not the torch reference
+        out[("launches", dtype, wgrad, activation)] = dict(launches)
     return out
 
 
@@ -204,6 +237,11 @@ def _check_wgrad(seed, out, dtype, counts, n, k):
                 assert torch.equal(view(after)[ex], view(before)[ex]) and torch.equal(table_after[ex],
                                                                                        table_before[ex])
     assert out[("no rows", dtype)]
+    messages = {"overlapping experts": "experts or rows overlap", "one tensor twice": "one tensor more than once",
+                "another device": "contiguous rows on"}
+    for what, expected in messages.items():
+        assert out["refused"][what] and expected in out["refused"][what], (what, out["refused"][what])
+    assert out["refused untouched"]
 
 
 def _check_swiglu(seed, out, dtypes):
@@ -258,7 +296,12 @@ def test_grouped_experts_triton_and_fused_equal_add_and_torch_under_ddp():
 def _check_module(seed, out, dtype):
     ref_results, ref_mains, ref_act, _ = out[(dtype, "add", "torch")]
     results, mains, act, wgrad = out[(dtype, "triton", "fused")]
-    assert (act, wgrad, ref_act) == ("fused", "triton", "torch") and out["fused runs the kernels"]
+    assert (act, wgrad, ref_act) == ("fused", "triton", "torch")
+    # two micro-batches: fc1 and fc2 weight gradients into DDP's buffer view, one fused forward and backward each
+    launches = {impl: out[("launches", dtype, *impl)] for impl in (("triton", "fused"), ("add", "torch"))}
+    assert launches == {("triton", "fused"): {"wgrad into the [E, N, K] view": 4, "swiglu_probs_forward": 2,
+                                              "swiglu_probs_backward": 2},
+                        ("add", "torch"): {}}, (seed, dtype, launches)
     if dtype == torch.float32:
         for step, (got, expected) in enumerate(zip(results, ref_results)):
             for label, g, e in zip(("output", "d tokens", "d probs"), got, expected):
