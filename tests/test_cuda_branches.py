@@ -29,6 +29,14 @@ NO_SGLANG = ("reason: SGLang servers on a GPU; no GPU host of ours has sglang (t
 
 # key -> owners: test ids ('tests/x.py::test_name') that execute the CUDA side, or 'reason: ...'
 BRANCH_OWNERS = {
+    "megagspo/rl/peak_memory.py::PeakMemory.start::self.device.type == 'cuda'": [
+        "tests/test_peak_memory.py::test_a_cuda_window_resets_and_reads_the_caching_allocator_of_its_gpu",
+        "tests/test_peak_memory.py::test_a_cuda_window_measures_a_real_allocation",
+        "tests/test_gpu_trainer.py::test_producer_with_partial_rollouts_and_r3_on_cuda"],
+    "megagspo/rl/peak_memory.py::PeakMemory.peak_gib::self.device.type == 'cuda'": [
+        "tests/test_peak_memory.py::test_a_cuda_window_resets_and_reads_the_caching_allocator_of_its_gpu",
+        "tests/test_peak_memory.py::test_a_cuda_window_measures_a_real_allocation",
+        "tests/test_gpu_trainer.py::test_producer_with_partial_rollouts_and_r3_on_cuda"],
     "megagspo/checkpoint/state.py::capture_rng::use_cuda()": [GPU_RESUME, CONTRACT],
     "megagspo/checkpoint/state.py::restore_rng::use_cuda() and f'rank{rank}/cuda' in tensors": [GPU_RESUME, CONTRACT],
     "megagspo/checkpoint/state.py::RunRng.state_dict::'cuda' in captured": [GPU_RESUME],
