@@ -18,6 +18,8 @@ PY := $(BIN)/python
 # (or TORCH_SPEC= to keep a preinstalled one) and CONSTRAINTS= to drop the CPU pin.
 TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS ?= -c requirements/cpu-constraints.txt
+# CPU hosts (CONSTRAINTS set) also get requirements/cpu-only.txt: triton for its interpreter, never a GPU's triton.
+CPU_ONLY ?= $(if $(strip $(CONSTRAINTS)),-r requirements/cpu-only.txt)
 # VENV_ARGS=--system-site-packages lets the venv see a CUDA torch preinstalled on a GPU host.
 VENV_ARGS ?=
 PYTEST_ARGS ?=
@@ -33,11 +35,11 @@ CU_SOURCES := $(shell find csrc -name '*.cu' 2>/dev/null)
 
 install: $(INSTALLED) $(EXT_STAMP)
 
-$(INSTALLED): requirements/base.txt requirements/cpu-constraints.txt setup.py
+$(INSTALLED): requirements/base.txt requirements/cpu-constraints.txt requirements/cpu-only.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(PIP) install --disable-pip-version-check -q --upgrade pip setuptools wheel $(CONSTRAINTS)
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install --disable-pip-version-check -q "$(TORCH_SPEC)"; fi
-	$(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) -r requirements/base.txt
+	$(PIP) install --disable-pip-version-check -q $(CONSTRAINTS) -r requirements/base.txt $(CPU_ONLY)
 	$(PY) -c "import torch, megatron.core, transformers; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)"
 	touch $@
 
