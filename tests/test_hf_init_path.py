@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, CliRuns
 from multiprocess import cpu_pinned_env
 
 FAST = ["threads=1", "log.progress=false", "log.plots=false", "log.tensorboard=false"]
@@ -38,12 +38,24 @@ def _recipe(kit, out_dir, *extra):
             *FAST, *extra]
 
 
-def _cli(*args, timeout=300, ok=True):
+def _env():
     env = cpu_pinned_env()
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return env
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process for the module's `megagspo` commands, all only read afterwards: a command costs its work, not
+    a fresh start-up. The torchrun run has processes of its own."""
+    cli_runs = CliRuns(_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield cli_runs
+    cli_runs.close()
+
+
+def _cli(cli, *args, timeout=300, ok=True):
+    proc = cli.run(list(args), timeout=timeout)
     if ok:
         assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     return proc
@@ -133,13 +145,13 @@ def test_first_forward_logprobs_equal_transformers(kit, tmp_path):
 
 
 @pytest.mark.slow
-def test_gspo_from_hf_folder_then_export_loads_in_transformers(kit, tmp_path):
-    _cli("train", *_recipe(kit, tmp_path, "rl.steps=2", "rl.eval_every=2", "name=hf_run"))
+def test_gspo_from_hf_folder_then_export_loads_in_transformers(cli, kit, tmp_path):
+    _cli(cli, "train", *_recipe(kit, tmp_path, "rl.steps=2", "rl.eval_every=2", "name=hf_run"))
     run = tmp_path / "hf_run"
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     rl = [r for r in rows if r["phase"] == "rl"]
     assert len(rl) == 2 and all(0.0 <= r["reward/mean"] <= 1.0 and r["reward/errors"] == 0 for r in rl)
-    _cli("export", "--checkpoint", str(run), "--out", str(tmp_path / "exported"))
+    _cli(cli, "export", "--checkpoint", str(run), "--out", str(tmp_path / "exported"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).eval()
@@ -165,7 +177,7 @@ def _non_weight_files(folder) -> dict:
 
 
 @pytest.mark.slow
-def test_export_of_an_hf_initialised_run_is_its_source_but_the_weights(kit, tmp_path):
+def test_export_of_an_hf_initialised_run_is_its_source_but_the_weights(cli, kit, tmp_path):
     """model.init_from = an HF folder, GSPO steps, `megagspo export`: every file but the weights is the source's,
     byte for byte (tokenizer files, generation_config.json with its sampling defaults and stop tokens,
     config.json with its bos/eos/pad ids); no megagspo-private file; the weights are the trained ones. The one
@@ -183,8 +195,8 @@ def test_export_of_an_hf_initialised_run_is_its_source_but_the_weights(kit, tmp_
     run_args = ["--config", "configs/tiny_hf_cpu.yaml", f"model.init_from={source}", f"data.train_path={kit['train']}",
                 f"data.eval_path={kit['eval']}", f"log.out_dir={tmp_path}", *FAST, "rl.steps=1", "rl.eval_every=1",
                 "name=run"]
-    _cli("train", *run_args)
-    proc = _cli("export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "exported"))
+    _cli(cli, "train", *run_args)
+    proc = _cli(cli, "export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "exported"))
     assert "config.json:" in proc.stdout and "unchanged" in proc.stdout, proc.stdout
     exported, original = _non_weight_files(tmp_path / "exported"), _non_weight_files(source)
     assert sorted(exported) == sorted(original), (sorted(exported), sorted(original))
@@ -223,9 +235,7 @@ def test_sharded_hf_folder_starts_an_expert_parallel_run(tmp_path):
 
     kit = build_tiny_hf_model(str(tmp_path / "sharded"), TinyHFSpec(max_shard_bytes=120_000, seed=3))
     assert os.path.isfile(os.path.join(kit["model"], "model.safetensors.index.json"))
-    env = cpu_pinned_env()
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env = _env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "megagspo.cli", "train", *_recipe(kit, tmp_path, "rl.steps=1", "rl.eval_every=1",
                                                    "parallel.expert_parallel=2", "name=ep2")]
@@ -247,13 +257,13 @@ def _corrupt_one_tensor(src: str, dst) -> str:
     return key
 
 
-def test_folder_that_does_not_fit_fails_before_compute(kit, tmp_path):
+def test_folder_that_does_not_fit_fails_before_compute(cli, kit, tmp_path):
     bad = tmp_path / "bad"
     key = _corrupt_one_tensor(kit["model"], bad)
     args = ["--config", "configs/tiny_hf_cpu.yaml", f"model.init_from={bad}", f"data.train_path={kit['train']}",
             f"data.eval_path={kit['eval']}", f"log.out_dir={tmp_path / 'runs'}", *FAST]
     for command in (["train", "--dry-run"], ["train"]):
-        proc = _cli(*command, *args, ok=False)
+        proc = _cli(cli, *command, *args, ok=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert key in proc.stderr and "does not fit this model" in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
@@ -262,18 +272,18 @@ def test_folder_that_does_not_fit_fails_before_compute(kit, tmp_path):
     garbled = tmp_path / "garbled"
     shutil.copytree(kit["model"], garbled)
     (garbled / "model.safetensors").write_bytes(b"\xff" * 64)
-    proc = _cli("train", "--dry-run", *args[:2], f"model.init_from={garbled}", *args[3:], ok=False)
+    proc = _cli(cli, "train", "--dry-run", *args[:2], f"model.init_from={garbled}", *args[3:], ok=False)
     assert proc.returncode == 2 and "not a readable safetensors file" in proc.stderr, proc.stderr[-2000:]
     (garbled / "config.json").write_text("{not json")
-    proc = _cli("train", "--dry-run", *args[:2], f"model.init_from={garbled}", *args[3:], ok=False)
+    proc = _cli(cli, "train", "--dry-run", *args[:2], f"model.init_from={garbled}", *args[3:], ok=False)
     assert proc.returncode == 2 and "config.json" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     # a recipe that describes another model than the folder is refused, naming the field
-    proc = _cli("train", "--dry-run", *_recipe(kit, tmp_path, "model.hidden_size=128"), ok=False)
+    proc = _cli(cli, "train", "--dry-run", *_recipe(kit, tmp_path, "model.hidden_size=128"), ok=False)
     assert "model.hidden_size = 128 but config.json has 64" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
-def test_megagspo_export_starts_rl_from_exactly_its_weights(tmp_path):
+def test_megagspo_export_starts_rl_from_exactly_its_weights(cli, tmp_path):
     """tiny_cpu (built-in tokenizer) -> `megagspo export` -> `model.init_from`: the new run starts from the
     exported weights bit for bit (its step-0 checkpoint equals the first run's final one) and at the held-out
     accuracy the first run ended with."""
@@ -281,10 +291,10 @@ def test_megagspo_export_starts_rl_from_exactly_its_weights(tmp_path):
 
     short = ["data.train_size=200", "data.eval_size=20", "rl.prompts_per_step=4", "rl.group_size=4",
              "rl.mini_batches=2", "rl.eval_every=1", "rl.eval_samples=0", *FAST]
-    _cli("train", "--config", "configs/tiny_cpu.yaml", *short, "sft.steps=30", "sft.batch_size=32", "rl.steps=1",
+    _cli(cli, "train", "--config", "configs/tiny_cpu.yaml", *short, "sft.steps=30", "sft.batch_size=32", "rl.steps=1",
          "name=first", f"log.out_dir={tmp_path}")
-    _cli("export", "--checkpoint", str(tmp_path / "first"), "--out", str(tmp_path / "first_hf"))
-    _cli("train", "--config", "configs/tiny_cpu.yaml", *short, "sft.steps=0", "rl.steps=0", "name=second",
+    _cli(cli, "export", "--checkpoint", str(tmp_path / "first"), "--out", str(tmp_path / "first_hf"))
+    _cli(cli, "train", "--config", "configs/tiny_cpu.yaml", *short, "sft.steps=0", "rl.steps=0", "name=second",
          f"model.init_from={tmp_path / 'first_hf'}", f"log.out_dir={tmp_path}")
     first, second = load_checkpoint(str(tmp_path / "first")), load_checkpoint(str(tmp_path / "second"))
     assert first["state"].keys() == second["state"].keys()
