@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from test_checkpoint_resume import _assert_same_metrics, _rows, _run, _start_and_wait
+from helpers import CliRuns
+from test_checkpoint_resume import _assert_same_metrics, _env, _rows, _served, _start_and_wait
 
 ARGS = ["--config", "configs/tiny_tools_cpu.yaml", "sft.steps=4", "sft.batch_size=8", "rl.steps=3",
         "rl.batch.prompts_per_step=4", "rl.batch.group_size=2", "rl.batch.mini_batches=1", "rl.eval.every=100",
@@ -28,11 +29,20 @@ def _cmd(out_dir, name, *extra):
     return [sys.executable, "-m", "megagspo.cli", "train", *ARGS, f"log.out_dir={out_dir}", f"name={name}", *extra]
 
 
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process for the module's runs that are only read afterwards: a run costs its training, not a fresh
+    start-up. The runs killed with SIGKILL have processes of their own."""
+    runs = CliRuns(_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
+
+
 @pytest.fixture(scope="module", params=["n0_r3_packed", "n2_producer"])
-def uninterrupted(request, tmp_path_factory):
+def uninterrupted(request, cli, tmp_path_factory):
     extra = SYNCHRONOUS_R3 if request.param == "n0_r3_packed" else STALE2
     out = tmp_path_factory.mktemp(request.param)
-    _run(_cmd(out, "ref", *extra))
+    _served(cli, _cmd(out, "ref", *extra))
     return out / "ref", extra
 
 
@@ -45,21 +55,21 @@ def test_tool_trajectories_train_and_log_their_metrics(uninterrupted):
         assert "agent/tool_errors/timeout" in row and "filter/rounds" in row
 
 
-def test_killed_and_resumed_equals_uninterrupted(tmp_path, uninterrupted):
+def test_killed_and_resumed_equals_uninterrupted(cli, tmp_path, uninterrupted):
     run_dir, extra = uninterrupted
     proc = _start_and_wait(_cmd(tmp_path, "k", *extra), tmp_path / "k", min_rl_rows=2)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
-    out = _run(_cmd(tmp_path, "k", *extra, "--resume"))
+    out = _served(cli, _cmd(tmp_path, "k", *extra, "--resume"))
     assert "resuming from" in out.stdout
     _assert_same_metrics(run_dir, tmp_path / "k")
 
 
-def test_partial_rollouts_continue_trajectories_under_newer_weights_in_the_producer(tmp_path):
+def test_partial_rollouts_continue_trajectories_under_newer_weights_in_the_producer(cli, tmp_path):
     """The producer at N = 2 with partial rollouts and R3: trajectories whose later turns (or later tokens) were
     sampled by newer weights train as one sequence each; every consumed token is at most N versions old. Which
     tokens switch follows the weights' arrival (timing), so only the bounds are asserted."""
-    _run(_cmd(tmp_path, "partial", *STALE2, "rollout.partial=true", "rl.routing_replay=r3", "rl.steps=4",
+    _served(cli, _cmd(tmp_path, "partial", *STALE2, "rollout.partial=true", "rl.routing_replay=r3", "rl.steps=4",
               "checkpoint.every_steps=0"))
     rl = [r for r in _rows(tmp_path / "partial") if r.get("phase") == "rl"]
     assert len(rl) == 4 and [r["rollout/staleness_max"] <= min(r["step"], 2) for r in rl] == [True] * 4
