@@ -74,15 +74,20 @@ FILTER_ARGS = ["reward.name=exact_match", "rl.filter_groups=true", "rl.filter_ma
 
 @pytest.mark.slow
 def test_filtered_run_killed_and_resumed_equals_uninterrupted(tmp_path):
-    from test_checkpoint_resume import _assert_same_metrics, _cmd, _rows, _run, _start_and_wait
+    from helpers import CliRuns
+    from test_checkpoint_resume import _assert_same_metrics, _cmd, _env, _rows, _served, _start_and_wait
 
-    _run(_cmd(tmp_path, "ref", *FILTER_ARGS))
-    rl = [r for r in _rows(tmp_path / "ref") if r["phase"] == "rl"]
-    assert len(rl) == 4 and all(r["filter/rounds"] >= 1 for r in rl)
-    assert any(r["filter/rounds"] > 1 for r in rl), [r["filter/rounds"] for r in rl]  # the filter did act
-    assert all(0 <= r["filter/informative_frac"] <= 1 and 0 <= r["filter/filled_frac"] <= 1 for r in rl)
-    proc = _start_and_wait(_cmd(tmp_path, "k", *FILTER_ARGS), tmp_path / "k", min_rl_rows=2)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=30)
-    _run(_cmd(tmp_path, "k", *FILTER_ARGS, "--resume"))
-    _assert_same_metrics(tmp_path / "ref", tmp_path / "k")
+    cli = CliRuns(_env(), str(tmp_path / "cli.log"))  # the runs only read afterwards; the killed one has its own
+    try:
+        _served(cli, _cmd(tmp_path, "ref", *FILTER_ARGS))
+        rl = [r for r in _rows(tmp_path / "ref") if r["phase"] == "rl"]
+        assert len(rl) == 4 and all(r["filter/rounds"] >= 1 for r in rl)
+        assert any(r["filter/rounds"] > 1 for r in rl), [r["filter/rounds"] for r in rl]  # the filter did act
+        assert all(0 <= r["filter/informative_frac"] <= 1 and 0 <= r["filter/filled_frac"] <= 1 for r in rl)
+        proc = _start_and_wait(_cmd(tmp_path, "k", *FILTER_ARGS), tmp_path / "k", min_rl_rows=2)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+        _served(cli, _cmd(tmp_path, "k", *FILTER_ARGS, "--resume"))
+        _assert_same_metrics(tmp_path / "ref", tmp_path / "k")
+    finally:
+        cli.close()

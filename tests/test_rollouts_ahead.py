@@ -84,17 +84,22 @@ STALE_ARGS = ["rollout.staleness=1", "checkpoint.every_steps=1", "rl.steps=4", "
 
 @pytest.mark.slow
 def test_one_step_off_run_killed_and_resumed_equals_uninterrupted(tmp_path):
-    from test_checkpoint_resume import _assert_same_metrics, _cmd, _rows, _run, _start_and_wait
+    from helpers import CliRuns
+    from test_checkpoint_resume import _assert_same_metrics, _cmd, _env, _rows, _served, _start_and_wait
 
-    _run(_cmd(tmp_path, "ref", *STALE_ARGS))
-    rl = [r for r in _rows(tmp_path / "ref") if r["phase"] == "rl"]
-    assert len(rl) == 4 and rl[1]["mismatch/abs_log_ratio"] > rl[0]["mismatch/abs_log_ratio"]  # one update old
-    proc = _start_and_wait(_cmd(tmp_path, "k", *STALE_ARGS), tmp_path / "k", min_rl_rows=2)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=30)
-    out = _run(_cmd(tmp_path, "k", *STALE_ARGS, "--resume"))
-    assert "resuming from" in out.stdout
-    _assert_same_metrics(tmp_path / "ref", tmp_path / "k")
+    cli = CliRuns(_env(), str(tmp_path / "cli.log"))  # the runs only read afterwards; the killed one has its own
+    try:
+        _served(cli, _cmd(tmp_path, "ref", *STALE_ARGS))
+        rl = [r for r in _rows(tmp_path / "ref") if r["phase"] == "rl"]
+        assert len(rl) == 4 and rl[1]["mismatch/abs_log_ratio"] > rl[0]["mismatch/abs_log_ratio"]  # one update old
+        proc = _start_and_wait(_cmd(tmp_path, "k", *STALE_ARGS), tmp_path / "k", min_rl_rows=2)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+        out = _served(cli, _cmd(tmp_path, "k", *STALE_ARGS, "--resume"))
+        assert "resuming from" in out.stdout
+        _assert_same_metrics(tmp_path / "ref", tmp_path / "k")
+    finally:
+        cli.close()
 
 
 def test_seeded_sampling_is_reproducible_draws_nothing_global_and_follows_the_warpers(monkeypatch):
