@@ -21,6 +21,17 @@ configuration they were written and measured on. `cpu_pinned_env()` gives the sa
 start `megagspo` CLIs or torchrun as subprocesses. The body's return value (tensors are moved to
 CPU) comes back in rank order. A failing child's full traceback is raised in the parent; a body that
 runs past `timeout_s` has every child killed and the test fails naming the ranks still running.
+
+Start method: a call whose children would get this process's environment plus CPU_PINNED_ENV, unchanged (no `env`
+override, os.environ as it was when the first such call came), forks its children from a fork server that
+imported torch, Megatron-Core and the project once (tests/forkserver_preload.py): fresh processes for every test,
+forked from a server that never runs a test body, without a fresh interpreter's ~5 s of imports per rank. Any
+other call is spawned as before: torch, Megatron and the project read some variables when imported or when CUDA
+starts (CUDA_VISIBLE_DEVICES, TRITON_INTERPRET, USE_TORCH_XLA, ...), and the server imported under the
+environment it started with. A forked child gets this process's whole environment (PYTEST_CURRENT_TEST
+included), its current stdout / stderr (pytest's capture of the running test) and fresh random seeds (torch's,
+numpy's; Python's `random` reseeds itself). What forked children still share, unlike spawned ones: the str hash
+seed (set iteration order) of the server. MEGAGSPO_TEST_START=spawn spawns every call.
 """
 
 from __future__ import annotations
@@ -29,7 +40,9 @@ import contextlib
 import io
 import multiprocessing as mp
 import os
+import sys
 import traceback
+from multiprocessing import forkserver, reduction
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -90,7 +103,46 @@ def process_group_backend(env: dict) -> str:
     return "cpu:gloo,cuda:nccl" if env.get("MEGAGSPO_DEVICE", "").strip().lower() == "cuda" else "gloo"
 
 
-def _child(fn, rank, world_size, port, args, kwargs, env, queue):
+class _ParentStdio:
+    """This process's stdout and stderr (fds 1, 2) as they are when a child is started, for a child forked from
+    the fork server, whose own are those of the moment it started. Pickled only into forkserver children."""
+
+    def __init__(self, out=None, err=None):
+        self.out, self.err = out, err
+
+    def __reduce__(self):
+        return (_ParentStdio, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    def install(self) -> None:
+        for wrapped, fd in ((self.out, 1), (self.err, 2)):
+            received = wrapped.detach()
+            os.dup2(received, fd)
+            os.close(received)
+
+
+# The CPU generator's seed when torch seeds it deterministically at import (c10's default_rng_seed_val).
+_TORCH_DETERMINISTIC_SEED = 67280421310721
+
+
+def _reseed_like_a_fresh_interpreter() -> None:
+    """A forked child starts with the fork server's random state; a fresh interpreter seeds torch's CPU generator
+    at import (non-deterministically in torch 2.13, else to _TORCH_DETERMINISTIC_SEED, kept then) and numpy's
+    global generator from the OS. Python's `random` reseeds itself after a fork."""
+    if torch.initial_seed() != _TORCH_DETERMINISTIC_SEED:
+        torch.default_generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def _child(fn, rank, world_size, port, args, kwargs, env, queue, environ=None, stdio=None):
+    if stdio is not None:
+        stdio.install()
+    if environ is not None:  # forked from the fork server: this process's environment and random state are its
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
+        _reseed_like_a_fresh_interpreter()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -144,15 +196,70 @@ def run_distributed(
     raise AssertionError("unreachable")
 
 
+# Set by pytest for each test: a forked child gets this process's value, so it does not decide the start method.
+_PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)
+START_ENV = "MEGAGSPO_TEST_START"
+_forkserver_environ: dict | None = None  # the environment (minus _PER_TEST_ENV) the fork server started under
+
+
+def _environ_for(child_env: dict) -> dict:
+    environ = {**os.environ, **child_env}
+    for key in _PER_TEST_ENV:
+        environ.pop(key, None)
+    return environ
+
+
+def _let_the_forkserver_go() -> bool:
+    """Ask the fork server to exit (it does once every process holding its 'alive' pipe closed it; our children
+    are gone by now) so that the next start starts a new one under this environment. Python 3.11's
+    ForkServer._stop() would wait for that exit, which a process forked from this one (and holding the pipe)
+    could delay; this closes the pipe and forgets the server without waiting. False where this Python's
+    ForkServer lacks the attributes used."""
+    server = forkserver._forkserver
+    if not all(hasattr(server, a) for a in ("_lock", "_forkserver_pid", "_forkserver_alive_fd",
+                                            "_forkserver_address")):
+        return False
+    with server._lock:
+        if server._forkserver_pid is not None:
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+    return True
+
+
+def _start_method(child_env: dict) -> str:
+    """'forkserver' when the children's environment is the default one (CPU_PINNED_ENV over this process's), else
+    'spawn' (see the module docstring). A fork server started under another environment is replaced."""
+    global _forkserver_environ
+    if child_env != CPU_PINNED_ENV or os.environ.get(START_ENV, "").strip() == "spawn":
+        return "spawn"
+    environ = _environ_for(child_env)
+    if _forkserver_environ is None:
+        mp.get_context("forkserver").set_forkserver_preload(["forkserver_preload"])
+    elif environ != _forkserver_environ:  # changed since the server started (an in-process run set a variable)
+        if not _let_the_forkserver_go():
+            return "spawn"
+    _forkserver_environ = environ
+    # Python 3.11's fork server ignores this process's sys.path while it preloads: PYTHONPATH finds
+    # forkserver_preload (tests/) there. A child's sys.path and environment are this process's (see _child).
+    here = os.path.dirname(os.path.abspath(__file__))
+    pythonpath = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    with _parent_environ({**child_env, "PYTHONPATH": pythonpath}):
+        forkserver.ensure_running()  # started on the first call, restarted if it died
+    return "forkserver"
+
+
 def _run_once(fn, world_size, args, kwargs, timeout_s, env) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    child_env = {**CPU_PINNED_ENV, **(env or {})}
+    method = _start_method(child_env)
+    ctx = mp.get_context(method)
     queue = ctx.Queue()
     port = free_port()
-    child_env = {**CPU_PINNED_ENV, **(env or {})}
+    # forked children take the whole environment (the server's is that of its start) and the current stdio
+    inherit = (dict(os.environ, **child_env), _ParentStdio()) if method == "forkserver" else (None, None)
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), child_env, queue),
+            args=(fn, rank, world_size, port, tuple(args), dict(kwargs or {}), child_env, queue, *inherit),
             daemon=True,
         )
         for rank in range(world_size)

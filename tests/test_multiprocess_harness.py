@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+import multiprocess
 from multiprocess import DistributedTestError, run_distributed
 
 
@@ -124,3 +125,81 @@ def test_cuda_child_runs_nccl_on_its_gpu():
     env = {"MEGAGSPO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
     (report,) = run_distributed(_backend_body, world_size=1, env=env)
     assert "nccl" in report["backend"] and report["device"] == 0, report
+
+
+def _process_body(rank, world_size):
+    import os
+    import sys
+
+    return {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": "megatron.core" in sys.modules,
+            "draw": float(torch.rand(())), "initial_seed": torch.initial_seed(),
+            "test": os.environ.get("PYTEST_CURRENT_TEST"), "probe": os.environ.get("MEGAGSPO_HARNESS_PROBE")}
+
+
+@pytest.mark.multiprocess
+def test_default_calls_fork_fresh_children_from_a_preloaded_single_threaded_server():
+    """Every call gets new processes, forked from the fork server (never from this process), which imported
+    Megatron once and runs no thread besides its main one; each child draws from its own torch seed as a fresh
+    interpreter does, and sees this test's PYTEST_CURRENT_TEST."""
+    import os
+
+    first, second = run_distributed(_process_body, world_size=2), run_distributed(_process_body, world_size=2)
+    reports = first + second
+    assert len({r["pid"] for r in reports}) == 4, reports
+    server = first[0]["ppid"]
+    assert server != os.getpid() and all(r["ppid"] == server for r in reports), reports
+    assert len(os.listdir(f"/proc/{server}/task")) == 1, "the fork server runs threads a forked child would lose"
+    assert all(r["preloaded"] for r in reports), reports
+    assert all(r["test"] == os.environ["PYTEST_CURRENT_TEST"] for r in reports), reports
+    if first[0]["initial_seed"] != multiprocess._TORCH_DETERMINISTIC_SEED:  # torch seeds at import, not fixed
+        assert len({r["draw"] for r in reports}) == 4, reports
+
+
+@pytest.mark.multiprocess
+def test_a_changed_environment_gets_a_new_fork_server_and_an_env_override_spawns(monkeypatch):
+    """The fork server imported under the environment it started with: a default call made under another one
+    gets a new server started under it; a call with `env` overrides is spawned from this process."""
+    import os
+
+    (before, _) = run_distributed(_process_body, world_size=2)
+    monkeypatch.setenv("MEGAGSPO_HARNESS_PROBE", "1")
+    reports = run_distributed(_process_body, world_size=2)
+    server = reports[0]["ppid"]
+    assert server not in (before["ppid"], os.getpid()), (before, reports)
+    assert all(r["ppid"] == server and r["probe"] == "1" and r["preloaded"] for r in reports), reports
+    with open(f"/proc/{server}/environ", "rb") as f:
+        assert b"MEGAGSPO_HARNESS_PROBE=1" in f.read().split(b"\0")
+    for report in run_distributed(_process_body, world_size=2, env={"MEGAGSPO_HARNESS_PROBE": "2"}):
+        assert report["ppid"] == os.getpid() and report["probe"] == "2", report
+
+
+def _printing_body(rank, world_size):
+    import sys
+
+    print(f"stdout of rank {rank}", flush=True)
+    print(f"stderr of rank {rank}", file=sys.stderr, flush=True)
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_child_output_reaches_the_running_test(capfd):
+    """A forked child writes to this process's stdout / stderr as they are now (here capfd's), not to those the
+    fork server started with."""
+    assert run_distributed(_printing_body, world_size=2) == [0, 1]
+    out, err = capfd.readouterr()
+    assert "stdout of rank 0" in out and "stdout of rank 1" in out, out
+    assert "stderr of rank 0" in err and "stderr of rank 1" in err, err
+
+
+def _dying_body(rank, world_size):
+    import os
+
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_dies_without_a_result_is_named_with_its_exit_code():
+    with pytest.raises(DistributedTestError, match=r"ranks died without a result, exit codes \{1: 3\}"):
+        run_distributed(_dying_body, world_size=2, timeout_s=60)
