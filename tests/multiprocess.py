@@ -22,13 +22,13 @@ start `megagspo` CLIs or torchrun as subprocesses. The body's return value (tens
 CPU) comes back in rank order. A failing child's full traceback is raised in the parent; a body that
 runs past `timeout_s` has every child killed and the test fails naming the ranks still running.
 
-Start method: a call whose children would get this process's environment plus CPU_PINNED_ENV, unchanged (no `env`
-override, os.environ as it was when the first such call came), forks its children from a fork server that
-imported torch, Megatron-Core and the project once (tests/forkserver_preload.py): fresh processes for every test,
-forked from a server that never runs a test body, without a fresh interpreter's ~5 s of imports per rank. Any
-other call is spawned as before: torch, Megatron and the project read some variables when imported or when CUDA
-starts (CUDA_VISIBLE_DEVICES, TRITON_INTERPRET, USE_TORCH_XLA, ...), and the server imported under the
-environment it started with. A forked child gets this process's whole environment (PYTEST_CURRENT_TEST
+Start method: a call whose children get this process's environment plus CPU_PINNED_ENV (no `env` override)
+forks them from a fork server that imported torch, Megatron-Core and the project once under that same
+environment (tests/forkserver_preload.py): fresh processes for every test, forked from a server that never runs a
+test body, without a fresh interpreter's ~5 s of imports per rank. torch, Megatron and the project read some
+variables when imported or when CUDA starts (CUDA_VISIBLE_DEVICES, TRITON_INTERPRET, TRANSFORMERS_VERBOSITY, ...):
+once this process's environment differs from the server's (an in-process `megagspo` run set a variable), a new
+server is started under it; a call with `env` overrides (CUDA's) is spawned as before. A forked child gets this process's whole environment (PYTEST_CURRENT_TEST
 included), its current stdout / stderr (pytest's capture of the running test) and fresh random seeds (torch's,
 numpy's; Python's `random` reseeds itself). What forked children still share, unlike spawned ones: the str hash
 seed (set iteration order) of the server. MEGAGSPO_TEST_START=spawn spawns every call.
