@@ -9,11 +9,10 @@
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from helpers import CliRuns
 from multiprocess import cpu_pinned_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,11 +21,19 @@ TINY = ["sft.steps=1", "sft.batch_size=4", "rl.steps=2", "rl.batch.prompts_per_s
         "log.progress=false", "threads=1"]
 
 
-def _train(out_dir, *extra):
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process for the module's two `megagspo train` runs (both only read afterwards): the second costs its
+    training, not a fresh start-up."""
     env = cpu_pinned_env(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "megagspo.cli", "train", "--config", "configs/tiny_cpu.yaml", *TINY,
-                           f"log.out_dir={out_dir}", "name=r", *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    runs = CliRuns(env, str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
+
+
+def _train(cli, out_dir, *extra):
+    return cli.run(["train", "--config", "configs/tiny_cpu.yaml", *TINY, f"log.out_dir={out_dir}", "name=r", *extra],
+                   timeout=240)
 
 
 def _snapshot(root):
@@ -43,10 +50,10 @@ def _snapshot(root):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
+def finished(cli, tmp_path_factory):
     """A finished tiny run `r` (plots and TensorBoard on) and the snapshot of its folder."""
     out = tmp_path_factory.mktemp("rerun")
-    proc = _train(out)
+    proc = _train(cli, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = out / "r"
     names = set(os.listdir(run_dir))
@@ -119,12 +126,12 @@ def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
     assert os.listdir(tmp_path) == []
 
 
-def test_overwrite_moves_the_whole_earlier_run_aside_as_one_folder_before_writing(finished):
+def test_overwrite_moves_the_whole_earlier_run_aside_as_one_folder_before_writing(cli, finished):
     """Runs last in this module: it replaces the fixture's run."""
     out, run_dir = finished
     before = _snapshot(run_dir)
     old_events = sorted(os.listdir(run_dir / "tb"))
-    proc = _train(out, "seed=3", "--overwrite")
+    proc = _train(cli, out, "seed=3", "--overwrite")
     assert proc.returncode == 0, proc.stderr[-3000:]
     aside = [n for n in os.listdir(out) if n.startswith("r.replaced-")]
     assert len(aside) == 1, os.listdir(out)

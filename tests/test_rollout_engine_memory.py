@@ -221,9 +221,7 @@ def test_gspo_steps_and_export_at_the_real_vocabulary(qwen_vocab_kit, tmp_path):
     engine generated with: its KL to pi_old and its ratio check the engine's streamed log-probs against
     Megatron's at that vocabulary (measured: KL 1.7e-13, ratio 1.0). Then `megagspo export`, which reloads in
     transformers at that vocabulary and generates. About 30 s of CPU."""
-    import subprocess
-    import sys
-
+    from helpers import CliRuns
     from multiprocess import cpu_pinned_env
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,12 +229,19 @@ def test_gspo_steps_and_export_at_the_real_vocabulary(qwen_vocab_kit, tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
     kit = qwen_vocab_kit
+    runs = CliRuns(env, str(tmp_path / "cli.log"))  # train and export (both only read afterwards): one start-up
 
     def cli(*args):
-        proc = subprocess.run([sys.executable, "-m", "megagspo.cli", *args], cwd=repo, env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = runs.run(list(args), timeout=600)
         assert proc.returncode == 0, f"{args}: {proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
 
+    try:
+        _train_and_export_at_the_real_vocabulary(cli, kit, tmp_path)
+    finally:
+        runs.close()
+
+
+def _train_and_export_at_the_real_vocabulary(cli, kit, tmp_path):
     cli("train", "--config", "configs/tiny_hf_cpu.yaml", f"model.init_from={kit['model']}",
         f"data.train_path={kit['train']}", f"data.eval_path={kit['eval']}", f"log.out_dir={tmp_path}",
         "threads=1", "log.progress=false", "log.plots=false", "log.tensorboard=false", "rl.steps=2",

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, CliRuns
 from multiprocess import cpu_pinned_env
 
 TINY = ["sft.steps=3", "sft.batch_size=4", "rl.steps=2", "rl.batch.prompts_per_step=2", "rl.batch.group_size=2",
@@ -41,6 +41,15 @@ def _env():
 
 def _args(out_dir, *extra):
     return ["train", "--config", CONFIG, *TINY, f"log.out_dir={out_dir}", "name=r", *extra]
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """One process for the module's runs that are only read afterwards (the plain restart, the finished run): a
+    run costs its training, not a fresh start-up. The runs signalled during start-up have processes of their own."""
+    runs = CliRuns(_env(), str(tmp_path_factory.mktemp("cli") / "stderr.log"))
+    yield runs
+    runs.close()
 
 
 def _snapshot(root):
@@ -201,13 +210,12 @@ def test_resume_after_the_sft_stop_names_the_same_way_on_and_writes_nothing(stop
     assert _snapshot(out) == before
 
 
-def test_the_same_command_again_starts_over_moving_the_old_rows_aside(stopped_in_sft):
+def test_the_same_command_again_starts_over_moving_the_old_rows_aside(cli, stopped_in_sft):
     """What the stop line and the refusal promise: the plain start runs to the end; the stopped run's rows are in
     r.replaced-<time>/ byte for byte. Runs after the two tests above (it changes the folder)."""
     out, _ = stopped_in_sft
     before = _snapshot(out / "r")
-    proc = subprocess.run([sys.executable, "-m", "megagspo.cli", *_args(out)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=240)
+    proc = cli.run(_args(out), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     aside = glob.glob(str(out / "r.replaced-*"))
     assert len(aside) == 1 and _snapshot(aside[0]) == before, (aside, proc.stdout)
@@ -258,10 +266,9 @@ def test_a_signal_after_the_run_folder_is_written_stops_before_the_first_step(tm
 
 # ------------------------------------------------------------------ 3. --resume never takes steps back
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(cli, tmp_path_factory):
     out = tmp_path_factory.mktemp("finished")
-    proc = subprocess.run([sys.executable, "-m", "megagspo.cli", *_args(out, "sft.steps=1")], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=240)
+    proc = cli.run(_args(out, "sft.steps=1"), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.isdir(out / "r" / "checkpoints" / "step_000002")
     return out
