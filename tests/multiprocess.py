@@ -200,6 +200,7 @@ def run_distributed(
 _PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)
 START_ENV = "MEGAGSPO_TEST_START"
 _forkserver_environ: dict | None = None  # the environment (minus _PER_TEST_ENV) the fork server started under
+_old_forkservers: list[int] = []  # pids of servers let go (_let_the_forkserver_go), until reaped
 
 
 def _environ_for(child_env: dict) -> dict:
@@ -222,14 +223,27 @@ def _let_the_forkserver_go() -> bool:
     with server._lock:
         if server._forkserver_pid is not None:
             os.close(server._forkserver_alive_fd)
+            _old_forkservers.append(server._forkserver_pid)
             server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
     return True
+
+
+def _reap_old_forkservers() -> None:
+    """Wait for the servers let go that have exited (no zombie left behind), without blocking."""
+    for pid in list(_old_forkservers):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done:
+            _old_forkservers.remove(pid)
 
 
 def _start_method(child_env: dict) -> str:
     """'forkserver' when the children's environment is the default one (CPU_PINNED_ENV over this process's), else
     'spawn' (see the module docstring). A fork server started under another environment is replaced."""
     global _forkserver_environ
+    _reap_old_forkservers()
     if child_env != CPU_PINNED_ENV or os.environ.get(START_ENV, "").strip() == "spawn":
         return "spawn"
     environ = _environ_for(child_env)
